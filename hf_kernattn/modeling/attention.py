@@ -1,0 +1,110 @@
+"""The one kernelized self-attention module shared by every model family.
+
+``hidden (B, N, C) -> q, k, v projections -> split heads -> feature map phi on q and k ->
+kernelized_attention (backend registry) -> merge heads -> output projection``.
+
+Families differ only in what they pass in: NPRF-BERT a 1D bias and a padding mask, Linear GPT
+``causal=True`` (and its decoding state, built from :meth:`KernelizedSelfAttention.project`),
+the ViT a 2D bias on the patch grid. The shared config fields (same names in every family):
+
+* ``feature_map``: ``elu`` | ``relu`` | ``prf`` | ``trf`` (see ``feature_maps.py``).
+* ``num_random_features``: m for the random maps.
+* ``feature_projection``: ``gaussian`` | ``orthogonal`` | ``sphere``.
+* ``normalize_qk``: l2-normalise q and k before the map (NPRF).
+* ``feature_redraw_interval``: training steps between redraws of random projections (0 never).
+* ``rpe`` / ``max_relative_position``: relative-position bias (see ``positional.py``).
+* ``attn_backend``: ``auto`` or a registered backend name.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .backends import get_backend, kernelized_attention
+from .feature_maps import FeatureMap
+
+
+class KernelizedSelfAttention(nn.Module):
+    """Multi-head kernelized self-attention.
+
+    Args:
+        config: any config carrying ``hidden_size``, ``num_attention_heads`` and the shared
+            attention fields listed in the module docstring.
+        layer_idx: index of the layer (also offsets the feature seed so layers draw different
+            projections).
+        causal: mask future keys.
+    """
+
+    def __init__(self, config, layer_idx: int = 0, causal: bool = False) -> None:
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        if hidden % heads != 0:
+            raise ValueError(f"hidden_size ({hidden}) must be divisible by num_attention_heads ({heads})")
+        self.hidden_size = hidden
+        self.num_heads = heads
+        self.head_dim = hidden // heads
+        self.layer_idx = layer_idx
+        self.causal = causal
+        self.backend = getattr(config, "attn_backend", "auto")
+        if self.backend != "auto":
+            get_backend(self.backend)  # fail at construction on an unknown name
+        self.eps = float(getattr(config, "attention_eps", 1e-6))
+        bias = bool(getattr(config, "attention_bias", True))
+        self.q_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.o_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.feature_map = FeatureMap(
+            head_dim=self.head_dim,
+            feature_map=getattr(config, "feature_map", "elu"),
+            num_random_features=getattr(config, "num_random_features", 64),
+            projection=getattr(config, "feature_projection", "orthogonal"),
+            normalize_qk=getattr(config, "normalize_qk", False),
+            redraw_interval=getattr(config, "feature_redraw_interval", 0),
+            seed=int(getattr(config, "feature_seed", 0)) + 1000 * layer_idx,
+        )
+
+    def _split(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(B, N, C)`` -> query features ``(B, H, N, M)``, key features ``(B, H, N, M)``,
+        values ``(B, H, N, D)``. Features are float32 at least (float64 stays float64)."""
+        q = self.feature_map(self._split(self.q_proj(hidden_states)), is_query=True)
+        k = self.feature_map(self._split(self.k_proj(hidden_states)), is_query=False)
+        v = self._split(self.v_proj(hidden_states)).to(q.dtype)
+        return q, k, v
+
+    def output(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``(B, H, N, D)`` -> merged heads through ``o_proj``: ``(B, N, C)`` in ``dtype``."""
+        b, h, n, d = attn.shape
+        merged = attn.transpose(1, 2).reshape(b, n, h * d).to(dtype)
+        return self.o_proj(merged)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rpe_bias: Optional[torch.Tensor] = None,
+        grid: Optional[Sequence[int]] = None,
+    ) -> torch.Tensor:
+        """Args:
+            hidden_states: ``(B, N, C)``.
+            attention_mask: ``(B, N)``, 1 keep, 0 padding.
+            rpe_bias: ``(H, 2N-1)`` or with ``grid`` ``(H, 2Hg-1, 2Wg-1)``.
+            grid: ``(Hg, Wg)`` for a 2D bias.
+        Returns:
+            ``(B, N, C)``.
+        """
+        q, k, v = self.project(hidden_states)
+        if rpe_bias is not None:
+            rpe_bias = rpe_bias.to(q.dtype)
+        out = kernelized_attention(
+            q, k, v, rpe_bias=rpe_bias, causal=self.causal, attention_mask=attention_mask,
+            grid=grid, backend=self.backend, eps=self.eps,
+        )
+        return self.output(out, hidden_states.dtype)

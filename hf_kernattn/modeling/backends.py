@@ -1,0 +1,329 @@
+"""The attention backend registry and :func:`kernelized_attention`, its single entry point.
+
+Each backend declares what it can do when it is registered (causal / non-causal, 1D or 2D
+relative-position bias, key padding masks, step-wise decoding, devices). A call asks for a
+combination; :func:`kernelized_attention` validates the inputs, then either runs the named
+backend (raising ``ValueError`` with the backends that *can* do it if it cannot) or, with
+``backend="auto"``, the fastest valid one according to crossovers measured by
+``hf-kernattn bench attention`` (see :data:`AUTO_DENSE_MAX_N`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .kernels import (
+    causal_chunked_attention,
+    dense_attention,
+    fft_attention,
+    linear_attention,
+    recurrent_attention,
+)
+
+DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    """A registered backend and its declared capabilities.
+
+    Attributes:
+        name: registry key.
+        fn: ``fn(q, k, v, *, rpe_bias, causal, key_mask, grid, eps) -> (B, H, N, D)``.
+        causal: supports ``causal=True``.
+        noncausal: supports ``causal=False``.
+        rpe_1d: supports a 1D bias ``(H, 2N-1)``.
+        rpe_2d: supports a 2D bias on a grid ``(H, 2Hg-1, 2Wg-1)``.
+        key_mask: supports an ``attention_mask`` with padding.
+        decoding: is a step-by-step (recurrent) form usable for decoding.
+        devices: device types it runs on.
+        complexity: a short note for docs and error messages, e.g. ``"O(N)"``.
+        description: one line for ``hf-kernattn backends``.
+    """
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    causal: bool = False
+    noncausal: bool = True
+    rpe_1d: bool = False
+    rpe_2d: bool = False
+    key_mask: bool = True
+    decoding: bool = False
+    devices: tuple[str, ...] = DEVICE_TYPES
+    complexity: str = ""
+    description: str = ""
+
+    def missing(self, *, causal: bool, rpe: Optional[str], key_mask: bool, device: str) -> list[str]:
+        """What this backend lacks for the requested call (empty when it can do it)."""
+        lacks = []
+        if causal and not self.causal:
+            lacks.append("causal=True")
+        if not causal and not self.noncausal:
+            lacks.append("causal=False")
+        if rpe == "1d" and not self.rpe_1d:
+            lacks.append("a 1D rpe_bias")
+        if rpe == "2d" and not self.rpe_2d:
+            lacks.append("a 2D rpe_bias (grid)")
+        if key_mask and not self.key_mask:
+            lacks.append("attention_mask with padding")
+        if device not in self.devices:
+            lacks.append(f"device {device!r}")
+        return lacks
+
+
+_REGISTRY: dict[str, BackendSpec] = {}
+
+
+def register_backend(
+    name: str,
+    fn: Callable[..., torch.Tensor],
+    *,
+    causal: bool = False,
+    noncausal: bool = True,
+    rpe_1d: bool = False,
+    rpe_2d: bool = False,
+    key_mask: bool = True,
+    decoding: bool = False,
+    devices: Sequence[str] = DEVICE_TYPES,
+    complexity: str = "",
+    description: str = "",
+    overwrite: bool = False,
+) -> BackendSpec:
+    """Register an attention backend under ``name`` with its declared capabilities.
+
+    ``fn`` receives feature-mapped ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` and keyword
+    arguments ``rpe_bias, causal, key_mask ((B, N) bool or None), grid, eps``; it returns
+    ``(B, H, N, D)``. Raises ``ValueError`` if the name is taken (unless ``overwrite``) or
+    ``auto``, ``TypeError`` if ``fn`` is not callable.
+    """
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if name in _REGISTRY and not overwrite:
+        raise ValueError(f"backend {name!r} is already registered; pass overwrite=True to replace it")
+    unknown = [d for d in devices if d not in DEVICE_TYPES]
+    if unknown:
+        raise ValueError(f"devices must be among {list(DEVICE_TYPES)}, got {unknown}")
+    spec = BackendSpec(
+        name=name,
+        fn=fn,
+        causal=causal,
+        noncausal=noncausal,
+        rpe_1d=rpe_1d,
+        rpe_2d=rpe_2d,
+        key_mask=key_mask,
+        decoding=decoding,
+        devices=tuple(devices),
+        complexity=complexity,
+        description=description,
+    )
+    _REGISTRY[name] = spec
+    return spec
+
+
+def available_backends() -> list[str]:
+    """Names of every registered backend (``"auto"`` is also accepted by the calls)."""
+    return list(_REGISTRY)
+
+
+def get_backend(name: str) -> BackendSpec:
+    """The :class:`BackendSpec` registered as ``name``; ``ValueError`` listing known names."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; known backends: {['auto'] + available_backends()}")
+    return _REGISTRY[name]
+
+
+# Crossovers measured with `hf-kernattn bench attention --crossover` on a 2-core CPU
+# (M = D = 64, one head, float32): below these N the quadratic dense form is faster than
+# the O(N) / O(N log N) forms. Dense also wins for tiny grids.
+AUTO_DENSE_MAX_N = {"plain": 256, "causal": 192, "rpe": 384}
+
+
+def choose_backend(*, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str) -> str:
+    """The fastest backend valid for the request (see :data:`AUTO_DENSE_MAX_N`)."""
+    if rpe is not None:
+        preferred, limit = "fft", AUTO_DENSE_MAX_N["rpe"]
+    elif causal:
+        preferred, limit = "causal_chunked", AUTO_DENSE_MAX_N["causal"]
+    else:
+        preferred, limit = "linear", AUTO_DENSE_MAX_N["plain"]
+    order = ["dense", preferred] if n <= limit else [preferred, "dense"]
+    order += [name for name in _REGISTRY if name not in order and name != "recurrent"]
+    for name in order:
+        spec = _REGISTRY.get(name)
+        if spec is not None and not spec.missing(causal=causal, rpe=rpe, key_mask=key_mask, device=device):
+            return name
+    raise ValueError("no registered backend can run this call")  # unreachable with the built-ins
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have shape {shape_doc}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    return x
+
+
+def _normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[torch.Tensor]:
+    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor of shape (batch, seq) = ({b}, {n}) or None")
+    if tuple(attention_mask.shape) != (b, n):
+        raise ValueError(
+            f"attention_mask must have shape (batch, seq) = ({b}, {n}) with 1 = keep and 0 = padding, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.is_floating_point() or attention_mask.dtype not in (torch.bool,):
+        bad = (attention_mask != 0) & (attention_mask != 1)
+        if bool(bad.any()):
+            raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
+    mask = attention_mask.to(device=device, dtype=torch.bool)
+    return None if bool(mask.all()) else mask
+
+
+def _check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[int]]) -> str:
+    if grid is None:
+        _check_tensor("rpe_bias", rpe_bias, 2, f"(heads, 2*seq-1) = ({h}, {2 * n - 1})")
+        if tuple(rpe_bias.shape) != (h, 2 * n - 1):
+            raise ValueError(
+                f"rpe_bias must have shape (heads, 2*seq-1) = ({h}, {2 * n - 1}), got {tuple(rpe_bias.shape)}"
+                + ("; a 3D bias needs grid=(height, width)" if rpe_bias.dim() == 3 else "")
+            )
+        return "1d"
+    hg, wg = grid
+    want = (h, 2 * hg - 1, 2 * wg - 1)
+    _check_tensor("rpe_bias", rpe_bias, 3, f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
+    if tuple(rpe_bias.shape) != want:
+        raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want}, got {tuple(rpe_bias.shape)}")
+    return "2d"
+
+
+def _check_grid(grid: object, n: int) -> Optional[tuple[int, int]]:
+    if grid is None:
+        return None
+    if (
+        not isinstance(grid, (tuple, list))
+        or len(grid) != 2
+        or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid)
+    ):
+        raise ValueError(f"grid must be a pair of positive ints (height, width), got {grid!r}")
+    if grid[0] * grid[1] != n:
+        raise ValueError(f"grid {tuple(grid)} has {grid[0] * grid[1]} cells but the sequence has N={n} tokens")
+    return int(grid[0]), int(grid[1])
+
+
+def kernelized_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rpe_bias: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    attention_mask: Optional[torch.Tensor] = None,
+    grid: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Kernelized attention over feature-mapped queries and keys.
+
+    ``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)``, ``c = exp(rpe_bias)``.
+
+    Args:
+        q: ``(B, H, N, M)`` query features (after the feature map).
+        k: ``(B, H, N, M)`` key features.
+        v: ``(B, H, N, D)`` values.
+        rpe_bias: None, ``(H, 2N-1)`` (1D, entry ``r + N - 1`` = offset ``r = j - i``) or, with
+            ``grid``, ``(H, 2Hg-1, 2Wg-1)``.
+        causal: only keys ``j <= i`` (1D only).
+        attention_mask: ``(B, N)``, 1 keep, 0 padding (padded keys contribute nothing).
+        grid: ``(Hg, Wg)`` with ``Hg * Wg == N`` for a 2D bias on a row-major token grid.
+        backend: ``"auto"`` or a registered name (:func:`available_backends`).
+        eps: added to the denominator.
+    Returns:
+        ``(B, H, N, D)`` in the dtype of ``v``.
+    """
+    _check_tensor("q", q, 4, "(batch, heads, seq, features)")
+    _check_tensor("k", k, 4, "(batch, heads, seq, features)")
+    _check_tensor("v", v, 4, "(batch, heads, seq, head_dim)")
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have the same shape (batch, heads, seq, features), got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.shape[:3] != q.shape[:3]:
+        raise ValueError(f"v must match q in (batch, heads, seq) = {tuple(q.shape[:3])}, got {tuple(v.shape[:3])}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string: 'auto' or one of {available_backends()}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
+    b, h, n, _ = q.shape
+    grid_t = _check_grid(grid, n)
+    if grid_t is not None and causal:
+        raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
+    rpe = None
+    if rpe_bias is not None:
+        rpe = _check_rpe(rpe_bias, h, n, grid_t)
+        if rpe_bias.device != q.device:
+            raise ValueError(f"rpe_bias must be on the device of q ({q.device}), got {rpe_bias.device}")
+    elif grid_t is not None:
+        grid_t = None  # a grid without a bias changes nothing
+    key_mask = _normalize_mask(attention_mask, b, n, q.device)
+    device = q.device.type
+    if backend == "auto":
+        name = choose_backend(n=n, causal=causal, rpe=rpe, key_mask=key_mask is not None, device=device)
+    else:
+        name = backend
+    spec = get_backend(name)
+    lacks = spec.missing(causal=causal, rpe=rpe, key_mask=key_mask is not None, device=device)
+    if lacks:
+        able = [
+            s.name
+            for s in _REGISTRY.values()
+            if not s.missing(causal=causal, rpe=rpe, key_mask=key_mask is not None, device=device)
+        ]
+        raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
+    out = spec.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps))
+    return out.to(v.dtype)
+
+
+def _causal_chunked(q, k, v, *, key_mask=None, eps=1e-6, **_):
+    return causal_chunked_attention(q, k, v, key_mask=key_mask, eps=eps)
+
+
+def _recurrent(q, k, v, *, rpe_bias=None, key_mask=None, eps=1e-6, **_):
+    return recurrent_attention(q, k, v, rpe_bias=rpe_bias, key_mask=key_mask, eps=eps)
+
+
+register_backend(
+    "dense", dense_attention, causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
+    complexity="O(N^2 M)", description="exact quadratic reference (materialises the N x N matrix)",
+)
+register_backend(
+    "linear", linear_attention, causal=False, noncausal=True,
+    complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
+)
+register_backend(
+    "causal_chunked", _causal_chunked, causal=True, noncausal=False,
+    complexity="O(N C (M + D) + N M D)", description="causal linear attention, exact chunks plus running state",
+)
+register_backend(
+    "fft", fft_attention, causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
+    complexity="O(N M D log N)", description="Toeplitz / block-Toeplitz RPE by FFT (Luo et al. 2021), 1D and 2D",
+)
+register_backend(
+    "recurrent", _recurrent, causal=True, noncausal=False, rpe_1d=True, decoding=True,
+    complexity="O(M D) per token (O(t M D) with RPE)", description="RNN form, one token at a time (decoding)",
+)

@@ -1,0 +1,222 @@
+"""Feature maps phi for kernelized attention.
+
+A kernel attention replaces ``exp(q . k)`` by ``phi(q) . phi(k)``. This file holds the maps:
+
+* ``elu``  : ``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020), M = d.
+* ``relu`` : ``phi(x) = relu(x)``, M = d.
+* ``prf``  : positive random features (Choromanski et al. 2021),
+  ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(m)`` with ``W`` of shape ``(m, d)``; then
+  ``E[phi(q) . phi(k)] = exp(q . k)`` exactly, and every feature is positive.
+* ``trf``  : trigonometric random features,
+  ``phi(x) = exp(|x|^2 / 2) / sqrt(m) [cos(W x), sin(W x)]``, M = 2m (unbiased, not positive).
+
+Random projections ``W`` come in three flavours: ``gaussian`` (i.i.d. N(0, 1) rows),
+``orthogonal`` (blocks of orthogonal rows rescaled by chi(d)-distributed norms, which keeps the
+estimator unbiased and lowers its variance), and ``sphere`` (rows uniform on the sphere of
+radius sqrt(d)).
+
+Scaling. With ``normalize_qk=True`` (NPRF, Luo et al. 2021) queries and keys are l2-normalised
+first, so the map approximates ``exp(q_hat . k_hat)``. Otherwise inputs of the random maps are
+scaled by ``d ** -0.25`` so that the map approximates softmax's ``exp(q . k / sqrt(d))``.
+
+Stability. A query-side shift ``max_m (W q)_m`` is subtracted per query position: it cancels
+between numerator and denominator of that query. No key-side statistic over positions is used:
+a max over the key sequence would leak future tokens into a causal model. Keys need none: by
+completing the square ``w . x - |x|^2/2 <= |w|^2 / 2``, so PRF key features are bounded.
+
+Projections are persistent buffers (saved with the model), drawn from ``seed`` and redrawn
+only in training mode, every ``redraw_interval`` calls of :meth:`FeatureMap.step` (0: never).
+The draw number is a buffer too, so a reloaded model continues the same sequence of draws.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FEATURE_MAPS = ("elu", "relu", "prf", "trf")
+PROJECTIONS = ("gaussian", "orthogonal", "sphere")
+RANDOM_FEATURE_MAPS = ("prf", "trf")
+
+
+def check_feature_map_args(
+    feature_map: str, projection: str, num_random_features: int, head_dim: int, redraw_interval: int
+) -> None:
+    """Raise ``ValueError`` naming the bad argument and the allowed values."""
+    if feature_map not in FEATURE_MAPS:
+        raise ValueError(f"feature_map must be one of {list(FEATURE_MAPS)}, got {feature_map!r}")
+    if projection not in PROJECTIONS:
+        raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    if feature_map in RANDOM_FEATURE_MAPS and (not isinstance(num_random_features, int) or num_random_features < 1):
+        raise ValueError(
+            f"num_random_features must be a positive int for feature_map={feature_map!r}, got {num_random_features!r}"
+        )
+    if not isinstance(redraw_interval, int) or redraw_interval < 0:
+        raise ValueError(f"feature_redraw_interval must be an int >= 0 (0 = never redraw), got {redraw_interval!r}")
+
+
+def draw_projection(
+    num_features: int, head_dim: int, kind: str, generator: torch.Generator, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Draw a random projection matrix.
+
+    Args:
+        num_features: m, the number of rows.
+        head_dim: d, the number of columns.
+        kind: ``gaussian`` | ``orthogonal`` | ``sphere``.
+        generator: a CPU generator (reproducibility does not depend on the device).
+    Returns:
+        ``(m, d)`` tensor on the CPU.
+    """
+    if kind == "gaussian":
+        return torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).to(dtype)
+    if kind == "sphere":
+        w = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64)
+        return (w / w.norm(dim=-1, keepdim=True) * math.sqrt(head_dim)).to(dtype)
+    if kind == "orthogonal":
+        blocks = []
+        remaining = num_features
+        while remaining > 0:
+            g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
+            qmat, _ = torch.linalg.qr(g)
+            blocks.append(qmat.T[: min(remaining, head_dim)])
+            remaining -= head_dim
+        w = torch.cat(blocks, dim=0)
+        # Row norms distributed like those of Gaussian rows: chi(d).
+        norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=-1)
+        return (w * norms[:, None]).to(dtype)
+    raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {kind!r}")
+
+
+class FeatureMap(nn.Module):
+    """Map queries or keys ``(B, H, N, d)`` to features ``(B, H, N, M)``.
+
+    Args:
+        head_dim: d.
+        feature_map: one of :data:`FEATURE_MAPS`.
+        num_random_features: m for ``prf``/``trf`` (M = m for prf, 2m for trf); ignored otherwise.
+        projection: one of :data:`PROJECTIONS` (random maps only).
+        normalize_qk: l2-normalise inputs first (NPRF).
+        redraw_interval: redraw the projection every this many training steps; 0 never.
+        seed: seed of the first draw; draw ``t`` uses ``seed + t``.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        feature_map: str = "elu",
+        num_random_features: int = 64,
+        projection: str = "orthogonal",
+        normalize_qk: bool = False,
+        redraw_interval: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        check_feature_map_args(feature_map, projection, num_random_features, head_dim, redraw_interval)
+        self.head_dim = head_dim
+        self.kind = feature_map
+        self.num_random_features = num_random_features
+        self.projection_kind = projection
+        self.normalize_qk = bool(normalize_qk)
+        self.redraw_interval = redraw_interval
+        self.seed = int(seed)
+        if self.is_random:
+            self.register_buffer("projection", self._draw(0), persistent=True)
+        else:
+            self.register_buffer("projection", None, persistent=False)
+        # Counters as buffers so they are saved and restored with the weights.
+        self.register_buffer("num_draws", torch.zeros((), dtype=torch.long), persistent=True)
+        self.register_buffer("num_steps", torch.zeros((), dtype=torch.long), persistent=True)
+
+    @property
+    def is_random(self) -> bool:
+        return self.kind in RANDOM_FEATURE_MAPS
+
+    @property
+    def num_features(self) -> int:
+        """M, the size of the feature dimension."""
+        if self.kind == "prf":
+            return self.num_random_features
+        if self.kind == "trf":
+            return 2 * self.num_random_features
+        return self.head_dim
+
+    def _draw(self, index: int) -> torch.Tensor:
+        gen = torch.Generator(device="cpu").manual_seed(self.seed + index)
+        return draw_projection(self.num_random_features, self.head_dim, self.projection_kind, gen)
+
+    @torch.no_grad()
+    def redraw(self) -> None:
+        """Draw the next projection of the seeded sequence (random maps only)."""
+        if not self.is_random:
+            return
+        self.num_draws += 1
+        w = self._draw(int(self.num_draws))
+        self.projection.copy_(w.to(device=self.projection.device, dtype=self.projection.dtype))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Count one training step; redraw when the interval is reached. No-op in eval mode."""
+        if not self.training or not self.is_random or self.redraw_interval == 0:
+            return
+        self.num_steps += 1
+        if int(self.num_steps) % self.redraw_interval == 0:
+            self.redraw()
+
+    def extra_repr(self) -> str:
+        return (
+            f"kind={self.kind}, head_dim={self.head_dim}, num_features={self.num_features}, "
+            f"projection={self.projection_kind if self.is_random else None}, normalize_qk={self.normalize_qk}, "
+            f"redraw_interval={self.redraw_interval}"
+        )
+
+    def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+        """Args:
+            x: ``(B, H, N, d)`` queries or keys.
+            is_query: queries get a per-position stabilising shift (keys never do).
+        Returns:
+            ``(B, H, N, M)`` features, in float32 at least (float64 stays float64).
+        """
+        if x.shape[-1] != self.head_dim:
+            raise ValueError(f"feature map expects last dim head_dim={self.head_dim}, got shape {tuple(x.shape)}")
+        compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x = x.to(compute_dtype)
+        if self.normalize_qk:
+            x = F.normalize(x, p=2.0, dim=-1, eps=1e-6)
+        if self.kind == "elu":
+            return F.elu(x) + 1.0
+        if self.kind == "relu":
+            return F.relu(x)
+        if not self.normalize_qk:
+            x = x * self.head_dim ** -0.25
+        w = self.projection.to(device=x.device, dtype=compute_dtype)
+        proj = x @ w.T  # (B, H, N, m)
+        half_sq_norm = 0.5 * (x * x).sum(dim=-1, keepdim=True)
+        scale = self.num_random_features ** -0.5
+        if self.kind == "prf":
+            logits = proj - half_sq_norm
+            if is_query:
+                logits = logits - logits.amax(dim=-1, keepdim=True).detach()
+            return torch.exp(logits) * scale
+        # trf
+        amp = torch.exp(half_sq_norm) * scale
+        return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
+
+
+def feature_maps_step(model: nn.Module) -> None:
+    """Advance the redraw counter of every :class:`FeatureMap` inside ``model``.
+
+    Models call this once per forward in training mode (not inside the attention forward:
+    gradient checkpointing re-runs that, and a redraw between the two runs would be wrong).
+    """
+    if not model.training:
+        return
+    for module in model.modules():
+        if isinstance(module, FeatureMap):
+            module.step()

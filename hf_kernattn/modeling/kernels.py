@@ -1,0 +1,420 @@
+"""The math of kernelized attention, one function per algorithm.
+
+Every function computes, for feature-mapped queries ``q (B, H, N, M)``, keys ``k (B, H, N, M)``
+and values ``v (B, H, N, D)``::
+
+    out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)
+
+over the allowed ``j`` (``j <= i`` when causal; ``key_mask[b, j]`` true), where
+``c_r = exp(b_r)`` comes from the relative-position bias (all ones without one). A 1D bias has
+shape ``(H, 2N-1)`` (entry ``r + N - 1`` holds ``b_r``); a 2D bias for a row-major
+``(Hg, Wg)`` grid has shape ``(H, 2Hg-1, 2Wg-1)``.
+
+* :func:`dense_attention` builds the ``N x N`` matrix: the exact, quadratic reference.
+* :func:`linear_attention` is the O(N) non-causal form ``q (k^T v) / q (k^T 1)``.
+* :func:`causal_chunked_attention` is the O(N) causal form: exact attention inside chunks of
+  ``chunk_size`` tokens plus the running state ``S = sum k^T v`` of earlier chunks.
+* :func:`fft_attention` evaluates the Toeplitz (1D) or Toeplitz-block-Toeplitz (2D) product
+  ``sum_j c_{j-i} k_j (x) v_j`` for every feature by FFT in O(N log N) (Luo et al. 2021,
+  Algorithm 1), with a hand-written backward that recomputes instead of storing the
+  ``N x M x D`` outer products, so memory stays O(N (M + D)) plus one block of features.
+* :func:`recurrent_step` is one decoding step on the state ``(S, z)``; :func:`recurrent_attention`
+  runs it over a sequence (the RNN view of causal linear attention).
+
+Inputs are assumed validated (see ``backends.kernelized_attention``). Computation happens in
+float32 at least: half-precision inputs are upcast, float64 stays float64.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
+    """float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def mask_keys(
+    k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero padded keys (after the feature map) and their values.
+
+    Args:
+        k: ``(B, H, N, M)``; v: ``(B, H, N, D)``; key_mask: ``(B, N)`` bool, True = keep.
+    """
+    if key_mask is None:
+        return k, v
+    m = key_mask[:, None, :, None].to(k.dtype)
+    return k * m, v * m.to(v.dtype)
+
+
+def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[torch.Tensor, ...]:
+    """Index tensors into the bias for every (query i, key j) pair.
+
+    Returns ``(idx,)`` of shape ``(N, N)`` for 1D (``j - i + N - 1``) or ``(iy, ix)`` for 2D.
+    """
+    if grid is None:
+        pos = torch.arange(n, device=device)
+        return (pos[None, :] - pos[:, None] + n - 1,)
+    hg, wg = grid
+    pos = torch.arange(n, device=device)
+    y, x = pos // wg, pos % wg
+    return (y[None, :] - y[:, None] + hg - 1, x[None, :] - x[:, None] + wg - 1)
+
+
+def dense_bias_matrix(rpe_bias: torch.Tensor, n: int, grid: Optional[Sequence[int]]) -> torch.Tensor:
+    """Materialise ``B[h, i, j] = b_{j-i}``: ``(H, N, N)``."""
+    idx = relative_offsets(n, grid, rpe_bias.device)
+    if grid is None:
+        return rpe_bias[:, idx[0]]
+    return rpe_bias[:, idx[0], idx[1]]
+
+
+# ----------------------------------------------------------------------------- dense reference
+
+
+def dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rpe_bias: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    key_mask: Optional[torch.Tensor] = None,
+    grid: Optional[Sequence[int]] = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Exact quadratic reference. Shapes as in the module docstring; returns ``(B, H, N, D)``."""
+    dt = compute_dtype_for(q)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    n = q.shape[-2]
+    a = q @ k.transpose(-1, -2)  # (B, H, N, N)
+    if rpe_bias is not None:
+        a = a * torch.exp(dense_bias_matrix(rpe_bias.to(dt), n, grid))[None]
+    allowed = torch.ones(n, n, dtype=torch.bool, device=q.device)
+    if causal:
+        allowed = torch.tril(allowed)
+    allowed = allowed[None, None]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :].bool()
+    a = a * allowed.to(dt)
+    return (a @ v) / (a.sum(dim=-1, keepdim=True) + eps)
+
+
+# ----------------------------------------------------------------------------- linear, O(N)
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    **_: object,
+) -> torch.Tensor:
+    """Non-causal linear attention without RPE: ``q (k^T v) / (q . sum_j k_j + eps)``."""
+    dt = compute_dtype_for(q)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    k, v = mask_keys(k, v, key_mask)
+    kv = k.transpose(-1, -2) @ v  # (B, H, M, D)
+    z = k.sum(dim=-2)  # (B, H, M)
+    num = q @ kv
+    den = (q * z[:, :, None, :]).sum(dim=-1, keepdim=True)
+    return num / (den + eps)
+
+
+# ----------------------------------------------------------------------------- causal chunked
+
+
+def causal_chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_mask: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    **_: object,
+) -> torch.Tensor:
+    """Causal linear attention in chunked form.
+
+    The sequence is cut into ``N / C`` chunks. Inside a chunk the (C x C) causal matrix is
+    exact; across chunks each chunk reads the state ``S = sum_{earlier chunks} k_j^T [v_j, 1]``
+    (an exclusive prefix sum over chunk states). Time O(N C (M + D) + N M D), memory
+    O(N (M + D) + (N / C) M D): never quadratic in N.
+    """
+    dt = compute_dtype_for(q)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    k, v = mask_keys(k, v, key_mask)
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    c = max(1, min(chunk_size, n))
+    pad = (-n) % c
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # last column accumulates the denominator
+    if key_mask is not None:
+        v1 = v1 * key_mask[:, None, :, None].to(dt)
+    if pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
+    nc = (n + pad) // c
+    qc = q.reshape(b, h, nc, c, m)
+    kc = k.reshape(b, h, nc, c, m)
+    vc = v1.reshape(b, h, nc, c, d + 1)
+    chunk_states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D+1)
+    prefix = torch.cumsum(chunk_states, dim=2) - chunk_states  # states of strictly earlier chunks
+    inter = qc @ prefix  # (B, H, nc, C, D+1)
+    scores = qc @ kc.transpose(-1, -2)  # (B, H, nc, C, C)
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    intra = (scores * tri.to(dt)) @ vc
+    y = (inter + intra).reshape(b, h, nc * c, d + 1)[:, :, :n]
+    return y[..., :d] / (y[..., d:] + eps)
+
+
+# ----------------------------------------------------------------------------- FFT Toeplitz
+
+
+def _spatial_shape(n: int, grid: Optional[Sequence[int]]) -> tuple[int, ...]:
+    return (n,) if grid is None else (int(grid[0]), int(grid[1]))
+
+
+def toeplitz_kernel_spectrum(c: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
+    """Spectrum of the circulant embedding of the (block-)Toeplitz matrix ``C[i, j] = c_{j-i}``.
+
+    Args:
+        c: ``(H, 2S-1)`` or ``(H, 2Sy-1, 2Sx-1)`` coefficients, offset ``r`` at index ``r + S - 1``.
+        spatial: ``(S,)`` or ``(Sy, Sx)``.
+    Returns:
+        ``rfftn`` of ``h`` with ``h[(-r) mod 2S] = c_r``, shape ``(H, 2S // 2 + 1)`` (1D) or
+        ``(H, 2Sy, Sx + 1)`` (2D). Then ``C X = irfftn(spectrum * rfftn(X))`` cropped to ``S``.
+    """
+    lengths = tuple(2 * s for s in spatial)
+    h = c.new_zeros((c.shape[0],) + lengths)
+    idx = [((-torch.arange(-(s - 1), s, device=c.device)) % (2 * s)) for s in spatial]
+    if len(spatial) == 1:
+        h[:, idx[0]] = c
+    else:
+        h[:, idx[0][:, None], idx[1][None, :]] = c
+    dims = tuple(range(1, 1 + len(spatial)))
+    return torch.fft.rfftn(h, s=lengths, dim=dims)
+
+
+def _toeplitz_apply_blocked(spec: torch.Tensor, x: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
+    """``C X`` for ``x (B, H, F1, F2, *spatial)``, ``spec (H, *freq)``: FFT convolution, cropped."""
+    nd = len(spatial)
+    lengths = tuple(2 * s for s in spatial)
+    dims = tuple(range(x.dim() - nd, x.dim()))
+    xf = torch.fft.rfftn(x, s=lengths, dim=dims)
+    shape = (1, spec.shape[0], 1, 1) + tuple(spec.shape[1:])
+    y = torch.fft.irfftn(xf * spec.reshape(shape), s=lengths, dim=dims)
+    if nd == 1:
+        return y[..., : spatial[0]]
+    return y[..., : spatial[0], : spatial[1]]
+
+
+def _block_size(b: int, h: int, m: int, d1: int, spatial: tuple[int, ...], target_elems: int = 1 << 24) -> int:
+    """How many features to push through the FFT at once: about ``target_elems`` padded reals
+    per block (measured best on CPU: large enough to batch the FFTs, small enough for cache)."""
+    padded = 1
+    for s in spatial:
+        padded *= 2 * s
+    return max(1, min(m, target_elems // max(b * h * d1 * padded, 1)))
+
+
+def _flat_to_spatial(x: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
+    return x.reshape(x.shape[:-1] + spatial)
+
+
+def _spatial_to_flat(x: torch.Tensor, nd: int) -> torch.Tensor:
+    return x.reshape(x.shape[: x.dim() - nd] + (-1,))
+
+
+class ToeplitzKernelProduct(torch.autograd.Function):
+    """``Y_i = sum_m q_im sum_j c_{j-i} k_jm v_j`` for all i, by FFT, with a recomputing backward.
+
+    Shapes: q, k ``(B, H, N, M)``; v ``(B, H, N, D1)``; c ``(H, 2S-1[, 2Sx-1])``; Y ``(B, H, N, D1)``.
+    Backward (C^T is the same Toeplitz product with ``c_{-r}``, i.e. the conjugate spectrum):
+        dq_im = dY_i . (C [k_m v])_i
+        P_m   = C^T [q_m dY]           dk_jm = P_mj . v_j       dv_j = sum_m k_jm P_mj
+        dc_r  = sum_m sum_i (q_im dY_i) . (k_m v)_{i+r}  (a cross-correlation, also by FFT)
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, c, spatial):  # type: ignore[override]
+        spatial = tuple(spatial)
+        nd = len(spatial)
+        b, h, n, m = q.shape
+        d1 = v.shape[-1]
+        spec = toeplitz_kernel_spectrum(c, spatial)
+        qt, kt, vt = q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)  # (B, H, F, N)
+        y = q.new_zeros(b, h, d1, n)
+        step = _block_size(b, h, m, d1, spatial)
+        for s in range(0, m, step):
+            u = kt[:, :, s : s + step, None, :] * vt[:, :, None, :, :]  # (B, H, mb, D1, N)
+            tu = _spatial_to_flat(_toeplitz_apply_blocked(spec, _flat_to_spatial(u, spatial), spatial), nd)
+            y += (qt[:, :, s : s + step, None, :] * tu).sum(dim=2)
+        ctx.save_for_backward(q, k, v, c)
+        ctx.spatial = spatial
+        return y.transpose(-1, -2).contiguous()
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        q, k, v, c = ctx.saved_tensors
+        spatial = ctx.spatial
+        nd = len(spatial)
+        lengths = tuple(2 * s for s in spatial)
+        b, h, n, m = q.shape
+        d1 = v.shape[-1]
+        spec = toeplitz_kernel_spectrum(c, spatial)
+        spec_t = spec.conj()
+        qt, kt, vt = q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)
+        dyt = dy.transpose(-1, -2).to(q.dtype)  # (B, H, D1, N)
+        need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
+        dq = torch.zeros_like(qt) if need_q else None
+        dk = torch.zeros_like(kt) if need_k else None
+        dv = torch.zeros_like(vt) if need_v else None
+        corr = None
+        dims = tuple(range(4, 4 + nd))
+        bshape = (1, h, 1, 1) + tuple(spec.shape[1:])
+        step = _block_size(b, h, m, d1, spatial)
+        for s in range(0, m, step):
+            sl = slice(s, s + step)
+            u = _flat_to_spatial(kt[:, :, sl, None, :] * vt[:, :, None, :, :], spatial)  # (B,H,mb,D1,*S)
+            uf = torch.fft.rfftn(u, s=lengths, dim=dims)
+            if need_q:
+                tu = torch.fft.irfftn(uf * spec.reshape(bshape), s=lengths, dim=dims)
+                tu = _spatial_to_flat(tu[(...,) + tuple(slice(0, x) for x in spatial)], nd)
+                dq[:, :, sl] = (tu * dyt[:, :, None]).sum(dim=3)
+            g = _flat_to_spatial(qt[:, :, sl, None, :] * dyt[:, :, None, :, :], spatial)
+            gf = torch.fft.rfftn(g, s=lengths, dim=dims)
+            if need_k or need_v:
+                p = torch.fft.irfftn(gf * spec_t.reshape(bshape), s=lengths, dim=dims)
+                p = _spatial_to_flat(p[(...,) + tuple(slice(0, x) for x in spatial)], nd)  # (B,H,mb,D1,N)
+                if need_k:
+                    dk[:, :, sl] = (p * vt[:, :, None]).sum(dim=3)
+                if need_v:
+                    dv += (p * kt[:, :, sl, None, :]).sum(dim=2)
+            if need_c:
+                term = (gf.conj() * uf).sum(dim=(0, 2, 3))  # (H, *freq)
+                corr = term if corr is None else corr + term
+        dc = None
+        if need_c:
+            r_time = torch.fft.irfftn(corr, s=lengths, dim=tuple(range(1, 1 + nd)))
+            idx = [(torch.arange(-(x - 1), x, device=c.device) % (2 * x)) for x in spatial]
+            dc = r_time[:, idx[0]] if nd == 1 else r_time[:, idx[0][:, None], idx[1][None, :]]
+            dc = dc.to(c.dtype)
+        t = lambda x: None if x is None else x.transpose(-1, -2)  # noqa: E731
+        return t(dq), t(dk), t(dv), dc, None
+
+
+def toeplitz_coefficients(
+    rpe_bias: Optional[torch.Tensor],
+    n: int,
+    heads: int,
+    causal: bool,
+    grid: Optional[Sequence[int]],
+    dtype: torch.dtype,
+    device,
+) -> torch.Tensor:
+    """``c = exp(b)`` (ones without a bias), zeroed for future offsets ``r > 0`` when causal."""
+    spatial = _spatial_shape(n, grid)
+    if rpe_bias is None:
+        c = torch.ones((heads,) + tuple(2 * s - 1 for s in spatial), dtype=dtype, device=device)
+    else:
+        c = torch.exp(rpe_bias.to(dtype))
+    if causal:  # 1D only (validated upstream): keep offsets r = j - i <= 0
+        keep = torch.arange(-(n - 1), n, device=device) <= 0
+        c = c * keep.to(dtype)
+    return c
+
+
+def fft_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rpe_bias: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    key_mask: Optional[torch.Tensor] = None,
+    grid: Optional[Sequence[int]] = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Kernelized attention with a Toeplitz RPE by FFT, O(N M D log N). Returns ``(B, H, N, D)``."""
+    dt = compute_dtype_for(q)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    k, v = mask_keys(k, v, key_mask)
+    n, d = q.shape[-2], v.shape[-1]
+    c = toeplitz_coefficients(rpe_bias, n, q.shape[1], causal, grid, dt, q.device)
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    y = ToeplitzKernelProduct.apply(q, k, v1, c, _spatial_shape(n, grid))
+    return y[..., :d] / (y[..., d:] + eps)
+
+
+# ----------------------------------------------------------------------------- recurrent
+
+
+def recurrent_step(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    state: torch.Tensor,
+    normalizer: torch.Tensor,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One RNN step of causal linear attention.
+
+    Args:
+        q_t, k_t: ``(B, H, M)`` features of the new token (k already masked if it is padding).
+        v_t: ``(B, H, D)``.
+        state: S ``(B, H, M, D)``; normalizer: z ``(B, H, M)`` (float32 at least).
+    Returns:
+        ``(out_t (B, H, D), S + k_t v_t^T, z + k_t)``.
+    """
+    state = state + k_t[..., :, None] * v_t[..., None, :]
+    normalizer = normalizer + k_t
+    num = (q_t[..., None, :] @ state)[..., 0, :]
+    den = (q_t * normalizer).sum(dim=-1, keepdim=True)
+    return num / (den + eps), state, normalizer
+
+
+def recurrent_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rpe_bias: Optional[torch.Tensor] = None,
+    key_mask: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    **_: object,
+) -> torch.Tensor:
+    """Causal attention as an RNN, one token at a time.
+
+    Without RPE it carries only ``(S, z)`` (constant memory per step). With a 1D bias the
+    weights ``c_{j-i}`` differ for every query, so each step re-reads the past keys and values:
+    exact, with a per-step cost that grows with the context.
+    """
+    dt = compute_dtype_for(q)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    k, v = mask_keys(k, v, key_mask)
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    outs = []
+    if rpe_bias is None:
+        state = q.new_zeros(b, h, m, d)
+        norm = q.new_zeros(b, h, m)
+        for t in range(n):
+            o, state, norm = recurrent_step(q[:, :, t], k[:, :, t], v[:, :, t], state, norm, eps)
+            outs.append(o)
+        return torch.stack(outs, dim=2)
+    c = torch.exp(rpe_bias.to(dt))  # (H, 2N-1)
+    for t in range(n):
+        w = c[:, n - 1 - t : n][None]  # offsets -t..0 for keys 0..t: (1, H, t+1)
+        s = (k[:, :, : t + 1] @ q[:, :, t, :, None])[..., 0] * w  # (B, H, t+1)
+        outs.append((s[..., None] * v[:, :, : t + 1]).sum(dim=2) / (s.sum(-1, keepdim=True) + eps))
+    return torch.stack(outs, dim=2)
