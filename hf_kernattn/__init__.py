@@ -14,6 +14,10 @@ from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
 from .modeling.attention import KernelizedSelfAttention
 
+# --- Linear GPT (model classes; importing registers them with the Auto classes) ---
+
+# --- NPRF-BERT (model classes; importing registers them with the Auto classes) ---
+
 __version__ = "0.1.0"
 
 __all__ = [

@@ -1,10 +1,25 @@
-"""The ``hf-kernattn`` command line: ``bench``, ``backends``, ``demo`` (more added per family)."""
+"""The ``hf-kernattn`` command line.
+
+* ``hf-kernattn backends``: the registered attention backends and what each supports.
+* ``hf-kernattn bench NAME [...]``: a benchmark; each lives in ``hf_kernattn/bench/NAME.py`` and
+  exposes ``add_arguments(parser)`` and ``run(args) -> int``.
+* ``hf-kernattn demo``: the README's main demo (``hf_kernattn/demo.py``).
+* ``hf-kernattn convert``: softmax checkpoint -> kernelized one (``hf_kernattn/convert.py``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Optional, Sequence
+
+# bench name -> module under hf_kernattn.bench
+BENCHMARKS = {
+    "attention": "attention",
+    "generate": "generate",
+    "encoder": "encoder",
+}
 
 
 def _cmd_backends(_args: argparse.Namespace) -> int:
@@ -12,15 +27,43 @@ def _cmd_backends(_args: argparse.Namespace) -> int:
 
     for spec in _REGISTRY.values():
         caps = [c for c in ("causal", "noncausal", "rpe_1d", "rpe_2d", "key_mask", "decoding") if getattr(spec, c)]
-        print(f"{spec.name:16s} {spec.complexity:28s} {','.join(caps):45s} {spec.description}")
+        print(f"{spec.name:16s} {spec.complexity:38s} {','.join(caps):45s} {spec.description}")
     return 0
 
 
+def _load(module: str):
+    return importlib.import_module(f"hf_kernattn.{module}")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-kernattn", description=__doc__)
+    parser = argparse.ArgumentParser(prog="hf-kernattn", description="kernelized attention for Hugging Face Transformers")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("backends", help="list the registered attention backends and what each supports")
     p.set_defaults(func=_cmd_backends)
+
+    bench = sub.add_parser("bench", help="run a benchmark (CSV + PNG)")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    for name, module in BENCHMARKS.items():
+        try:
+            mod = _load(f"bench.{module}")
+        except ModuleNotFoundError as err:  # a benchmark whose module is not in this install
+            if err.name != f"hf_kernattn.bench.{module}":
+                raise
+            continue
+        bp = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        mod.add_arguments(bp)
+        bp.set_defaults(func=mod.run)
+
+    for name in ("demo", "convert"):
+        try:
+            mod = _load(name)
+        except ModuleNotFoundError as err:
+            if err.name != f"hf_kernattn.{name}":
+                raise
+            continue
+        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
     return parser
 
 
