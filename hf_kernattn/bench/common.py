@@ -1,0 +1,164 @@
+"""Shared benchmark machinery: isolated measurements, CSV and plots.
+
+Peak memory on a CPU cannot be read from torch's allocator, so every measurement runs in a
+fresh subprocess: it builds its inputs, notes its resident memory, runs the workload once and
+reads the peak resident set (``ru_maxrss``) minus that baseline; then it times ``repeats``
+runs and reports the median. On CUDA the allocator's own peak is used instead. A case that
+fails (out of memory, killed, over its time limit) comes back as a row with ``status`` set,
+so one run always produces a whole table.
+
+A workload is named ``"package.module:function"``; the function takes keyword arguments and
+returns a zero-argument callable that performs one run (inputs are built before it returns).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+_RUNNER = r"""
+import gc, importlib, json, resource, statistics, sys, time
+spec = json.loads(sys.argv[1])
+import torch
+torch.set_num_threads(spec["threads"]) if spec["threads"] else None
+mod_name, fn_name = spec["target"].split(":")
+fn = getattr(importlib.import_module(mod_name), fn_name)(**spec["kwargs"])
+cuda = spec["kwargs"].get("device", "cpu").startswith("cuda")
+
+def rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+gc.collect()
+if cuda:
+    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+else:
+    base = rss_bytes()
+fn()
+if cuda:
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+else:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+times = []
+deadline = time.perf_counter() + spec["max_seconds"]
+for _ in range(spec["repeats"]):
+    if cuda: torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if cuda: torch.cuda.synchronize()
+    times.append(time.perf_counter() - t0)
+    if time.perf_counter() > deadline:
+        break
+print("RESULT " + json.dumps({"time_s": statistics.median(times), "peak_mb": max(peak, 0) / 2**20, "runs": len(times)}))
+"""
+
+
+def measure(
+    target: str,
+    kwargs: dict[str, Any],
+    *,
+    repeats: int = 3,
+    timeout_s: float = 600.0,
+    max_seconds: float = 60.0,
+    threads: Optional[int] = None,
+) -> dict[str, Any]:
+    """Measure one workload in a fresh process.
+
+    Returns ``{"time_s", "peak_mb", "runs", "status"}``; ``status`` is ``"ok"`` or why it failed
+    (then time and memory are ``nan``).
+    """
+    spec = {"target": target, "kwargs": kwargs, "repeats": repeats, "max_seconds": max_seconds, "threads": threads}
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", _RUNNER, json.dumps(spec)],
+            capture_output=True, text=True, timeout=timeout_s, env=env,
+        )
+    except subprocess.TimeoutExpired:
+        return {"time_s": float("nan"), "peak_mb": float("nan"), "runs": 0, "status": f"timeout>{timeout_s:.0f}s"}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            out = json.loads(line[len("RESULT "):])
+            out["status"] = "ok"
+            return out
+    err = (proc.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1]
+    if proc.returncode < 0:
+        err = f"killed by signal {-proc.returncode} (out of memory?)"
+    return {"time_s": float("nan"), "peak_mb": float("nan"), "runs": 0, "status": f"failed: {err[:200]}"}
+
+
+def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:
+    """Write ``rows`` (dicts with the same keys) to ``path``; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def format_table(rows: Sequence[dict[str, Any]], columns: Iterable[str]) -> str:
+    """A Markdown table of ``columns`` (floats to 4 significant digits)."""
+    columns = list(columns)
+
+    def fmt(x: Any) -> str:
+        if isinstance(x, float):
+            return "nan" if x != x else f"{x:.4g}"
+        return str(x)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot_series(
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    path: str | os.PathLike,
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    logx: bool = True,
+    logy: bool = True,
+    ax=None,
+) -> None:
+    """Plot named ``(x, y)`` lines (NaNs skipped) to a PNG, or onto ``ax`` if given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    own = ax is None
+    if own:
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+    for name, (xs, ys) in series.items():
+        pts = [(x, y) for x, y in zip(xs, ys) if y == y]
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    if logx:
+        ax.set_xscale("log", base=2)
+    if logy:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    if own:
+        fig.tight_layout()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
