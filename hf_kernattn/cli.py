@@ -19,6 +19,7 @@ BENCHMARKS = {
     "attention": "attention",
     "generate": "generate",
     "encoder": "encoder",
+    "approx": "approximation",
 }
 
 
