@@ -17,6 +17,44 @@ from .modeling.attention import KernelizedSelfAttention
 # --- Linear GPT (model classes; importing registers them with the Auto classes) ---
 
 # --- NPRF-BERT (model classes; importing registers them with the Auto classes) ---
+from .modeling.configuration_nprf_bert import NPRFBertConfig
+from .modeling.modeling_nprf_bert import (
+    NPRFBertForMaskedLM,
+    NPRFBertForQuestionAnswering,
+    NPRFBertForSequenceClassification,
+    NPRFBertForTokenClassification,
+    NPRFBertModel,
+    NPRFBertPreTrainedModel,
+)
+
+
+def _register_nprf_bert() -> None:
+    """Register NPRF-BERT with the Auto classes (in-process and for ``save_pretrained``)."""
+    import transformers
+
+    transformers.AutoConfig.register("nprf_bert", NPRFBertConfig, exist_ok=True)
+    NPRFBertConfig.register_for_auto_class("AutoConfig")
+    for auto_name, cls in (
+        ("AutoModel", NPRFBertModel),
+        ("AutoModelForMaskedLM", NPRFBertForMaskedLM),
+        ("AutoModelForSequenceClassification", NPRFBertForSequenceClassification),
+        ("AutoModelForTokenClassification", NPRFBertForTokenClassification),
+        ("AutoModelForQuestionAnswering", NPRFBertForQuestionAnswering),
+    ):
+        getattr(transformers, auto_name).register(NPRFBertConfig, cls, exist_ok=True)
+        cls.register_for_auto_class(auto_name)
+
+
+_register_nprf_bert()
+_NPRF_BERT_ALL = [
+    "NPRFBertConfig",
+    "NPRFBertForMaskedLM",
+    "NPRFBertForQuestionAnswering",
+    "NPRFBertForSequenceClassification",
+    "NPRFBertForTokenClassification",
+    "NPRFBertModel",
+    "NPRFBertPreTrainedModel",
+]
 
 __version__ = "0.1.0"
 
@@ -32,3 +70,4 @@ __all__ = [
     "kernelized_attention",
     "register_backend",
 ]
+__all__ += _NPRF_BERT_ALL  # NPRF-BERT

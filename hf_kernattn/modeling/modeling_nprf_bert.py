@@ -1,0 +1,510 @@
+"""NPRF-BERT: a BERT encoder with normalised positive-random-feature attention and a learnable
+relative-position bias computed in O(N log N) by FFT (Luo et al. 2021, Algorithm 1).
+
+The layer structure, head layouts and losses follow BERT (post-norm residual blocks, pooler on
+the first token, MLM head tied to the input embeddings). Attention is the shared
+:class:`KernelizedSelfAttention`; the relative-position bias ``b_{j-i}`` comes from one
+:class:`RelativePositionBias1D` per model (``rpe_shared_across_layers=True``, the paper's
+choice) or one per layer. Shapes: ``B`` batch, ``N`` sequence, ``C`` hidden size, ``V`` vocab.
+
+Padding (``attention_mask`` 0) removes a key from numerator and denominator of every query, and
+the bias depends only on ``j - i``, so the outputs at real positions of a right-padded batch are
+those of the unpadded sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers import PreTrainedModel
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+
+from .attention import KernelizedSelfAttention
+from .configuration_nprf_bert import NPRFBertConfig
+from .feature_maps import feature_maps_step
+from .positional import RelativePositionBias1D
+
+
+class NPRFBertEmbeddings(nn.Module):
+    """Word + token-type (+ absolute position) embeddings, then LayerNorm and dropout.
+
+    ``input_ids (B, N)`` or ``inputs_embeds (B, N, C)`` -> ``(B, N, C)``.
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.use_absolute = config.position_embedding_type == "absolute"
+        self.max_positions = config.max_position_embeddings
+        if self.use_absolute:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.type_vocab_size = config.type_vocab_size
+        self.vocab_size = config.vocab_size
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.word_embeddings(input_ids)
+        b, n = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        if token_type_ids is None:
+            token_type_ids = torch.zeros((b, n), dtype=torch.long, device=device)
+        emb = inputs_embeds + self.token_type_embeddings(token_type_ids)
+        if self.use_absolute:
+            if position_ids is None:
+                if n > self.max_positions:
+                    raise ValueError(
+                        f"input_ids has {n} positions but max_position_embeddings is {self.max_positions}; "
+                        "use position_embedding_type='none' for longer inputs"
+                    )
+                position_ids = torch.arange(n, device=device)[None, :]
+            emb = emb + self.position_embeddings(position_ids)
+        return self.dropout(self.LayerNorm(emb))
+
+
+class NPRFBertLayer(nn.Module):
+    """One post-norm encoder block: kernelized self-attention + feed-forward, each with residual,
+    dropout and LayerNorm (as BERT). ``(B, N, C) -> (B, N, C)``."""
+
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        self.attention = KernelizedSelfAttention(config, layer_idx=layer_idx, causal=False)
+        self.attention_dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.intermediate = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
+        self.output = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.output_dropout = nn.Dropout(config.hidden_dropout_prob)
+        self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.rpe = (
+            RelativePositionBias1D(config.num_attention_heads, config.max_relative_position)
+            if config.rpe == "learned" and not config.rpe_shared_across_layers
+            else None
+        )
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rpe_bias: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Args:
+            hidden_states: ``(B, N, C)``.
+            attention_mask: ``(B, N)`` 1 keep / 0 padding, or None.
+            rpe_bias: shared ``(H, 2N-1)`` bias (ignored when this layer has its own table).
+        """
+        if self.rpe is not None:
+            rpe_bias = self.rpe(hidden_states.shape[1])
+        attn = self.attention(hidden_states, attention_mask=attention_mask, rpe_bias=rpe_bias)
+        hidden_states = self.attention_norm(hidden_states + self.attention_dropout(attn))
+        ff = self.output(self.act(self.intermediate(hidden_states)))
+        return self.output_norm(hidden_states + self.output_dropout(ff))
+
+
+class NPRFBertPooler(nn.Module):
+    """``tanh(W h_0 + b)`` on the first token: ``(B, N, C) -> (B, C)``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden_states[:, 0]))
+
+
+class NPRFBertLMHead(nn.Module):
+    """BERT's MLM head: dense + act + LayerNorm, then the decoder to the vocabulary (weight tied
+    to the word embeddings). ``(B, N, C) -> (B, N, V)``."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act] if isinstance(config.hidden_act, str) else config.hidden_act
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.LayerNorm(self.act(self.dense(hidden_states))))
+
+
+def _check_inputs(
+    config,
+    input_ids: Optional[torch.Tensor],
+    inputs_embeds: Optional[torch.Tensor],
+    attention_mask: Optional[torch.Tensor],
+    token_type_ids: Optional[torch.Tensor],
+) -> tuple[int, int]:
+    """Validate the encoder inputs; returns ``(B, N)``. ``ValueError``/``TypeError`` name the argument."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids (B, N) or inputs_embeds (B, N, hidden_size)")
+    if input_ids is not None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of shape (batch, seq), got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
+            raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
+            raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size})")
+        b, n = input_ids.shape
+    else:
+        if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3:
+            raise ValueError("inputs_embeds must be a tensor of shape (batch, seq, hidden_size)")
+        if inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must have last dim hidden_size={config.hidden_size}, got {tuple(inputs_embeds.shape)}"
+            )
+        b, n = inputs_embeds.shape[:2]
+    if n < 1:
+        raise ValueError("input_ids / inputs_embeds must have at least one position")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor of shape (batch, seq) = ({b}, {n}) or None")
+        if tuple(attention_mask.shape) != (b, n):
+            raise ValueError(
+                f"attention_mask must have shape (batch, seq) = ({b}, {n}) with 1 = keep and 0 = padding, "
+                f"got {tuple(attention_mask.shape)}"
+            )
+    if token_type_ids is not None:
+        if not isinstance(token_type_ids, torch.Tensor) or tuple(token_type_ids.shape) != (b, n):
+            raise ValueError(f"token_type_ids must be a tensor of shape (batch, seq) = ({b}, {n})")
+        if token_type_ids.numel() and (
+            int(token_type_ids.min()) < 0 or int(token_type_ids.max()) >= config.type_vocab_size
+        ):
+            raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={config.type_vocab_size})")
+    return b, n
+
+
+class NPRFBertPreTrainedModel(PreTrainedModel):
+    """Weight init and loading for every NPRF-BERT class (BERT's normal init; biases and the
+    relative-position table start at zero unless ``rpe_init_std > 0``)."""
+
+    config_class = NPRFBertConfig
+    config: NPRFBertConfig
+    base_model_prefix = "nprf_bert"
+    supports_gradient_checkpointing = False
+    _no_split_modules = ["NPRFBertLayer"]
+    _keys_to_ignore_on_load_unexpected = [r"position_ids"]
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
+        elif isinstance(module, RelativePositionBias1D):
+            if self.config.rpe_init_std > 0:
+                init.normal_(module.weight, mean=0.0, std=self.config.rpe_init_std)
+            else:
+                init.zeros_(module.weight)
+
+
+class NPRFBertModel(NPRFBertPreTrainedModel):
+    """The bare encoder: ``input_ids (B, N)`` -> ``last_hidden_state (B, N, C)`` and
+    ``pooler_output (B, C)`` (when ``add_pooling_layer``)."""
+
+    def __init__(self, config: NPRFBertConfig, add_pooling_layer: bool = True) -> None:
+        super().__init__(config)
+        self.embeddings = NPRFBertEmbeddings(config)
+        self.rpe = (
+            RelativePositionBias1D(config.num_attention_heads, config.max_relative_position)
+            if config.rpe == "learned" and config.rpe_shared_across_layers
+            else None
+        )
+        self.layers = nn.ModuleList([NPRFBertLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.pooler = NPRFBertPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings.word_embeddings
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embeddings.word_embeddings = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[BaseModelOutputWithPooling, tuple]:
+        """Args:
+            input_ids: ``(B, N)`` token ids (or ``inputs_embeds (B, N, C)``).
+            attention_mask: ``(B, N)`` 1 keep / 0 padding.
+            token_type_ids: ``(B, N)`` segment ids.
+            position_ids: ``(B, N)`` or ``(1, N)`` absolute positions (default ``0..N-1``).
+            output_hidden_states: also return the ``L + 1`` hidden states ``(B, N, C)``.
+        Returns:
+            ``BaseModelOutputWithPooling`` with ``last_hidden_state (B, N, C)`` and
+            ``pooler_output (B, C)`` or None.
+        """
+        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, token_type_ids)
+        feature_maps_step(self)
+        output_hidden_states = (
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
+        n = hidden.shape[1]
+        rpe_bias = self.rpe(n) if self.rpe is not None else None
+        all_hidden = (hidden,) if output_hidden_states else None
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=attention_mask, rpe_bias=rpe_bias)
+            if output_hidden_states:
+                all_hidden = all_hidden + (hidden,)
+        pooled = self.pooler(hidden) if self.pooler is not None else None
+        if not return_dict:
+            return tuple(x for x in (hidden, pooled, all_hidden) if x is not None)
+        return BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=pooled, hidden_states=all_hidden)
+
+
+class NPRFBertForMaskedLM(NPRFBertPreTrainedModel):
+    """Encoder + BERT MLM head. ``labels (B, N)`` with -100 on unmasked positions give the
+    cross-entropy loss; ``logits`` are ``(B, N, V)``."""
+
+    _tied_weights_keys = {"lm_head.decoder.weight": "nprf_bert.embeddings.word_embeddings.weight"}
+
+    def __init__(self, config: NPRFBertConfig) -> None:
+        super().__init__(config)
+        self.nprf_bert = NPRFBertModel(config, add_pooling_layer=False)
+        self.lm_head = NPRFBertLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[MaskedLMOutput, tuple]:
+        """``labels``: ``(B, N)`` token ids, -100 where no loss is taken."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        out = self.nprf_bert(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.lm_head(out.last_hidden_state)
+        loss = None
+        if labels is not None:
+            if tuple(labels.shape) != tuple(logits.shape[:2]):
+                raise ValueError(f"labels must have shape (batch, seq) = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
+            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.reshape(-1).to(logits.device))
+        if not return_dict:
+            rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
+            return ((loss,) + rest) if loss is not None else rest
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel):
+    """Pooled first token -> dropout -> linear: ``logits (B, num_labels)``.
+
+    The loss follows BERT's ``problem_type``: ``regression`` (MSE, ``num_labels == 1``, e.g.
+    STS-B), ``single_label_classification`` (cross-entropy on int labels ``(B,)``) or
+    ``multi_label_classification`` (BCE with logits on float labels ``(B, num_labels)``);
+    inferred from ``num_labels`` and the label dtype when unset.
+    """
+
+    def __init__(self, config: NPRFBertConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.nprf_bert = NPRFBertModel(config, add_pooling_layer=True)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[SequenceClassifierOutput, tuple]:
+        """``labels``: ``(B,)`` class ids, ``(B,)``/``(B, 1)`` floats (regression) or
+        ``(B, num_labels)`` 0/1 floats (multi-label)."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        out = self.nprf_bert(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.classifier(self.dropout(out.pooler_output))
+        loss = None
+        if labels is not None:
+            labels = labels.to(logits.device)
+            if self.config.problem_type is None:
+                if self.num_labels == 1:
+                    self.config.problem_type = "regression"
+                elif labels.dtype in (torch.long, torch.int):
+                    self.config.problem_type = "single_label_classification"
+                else:
+                    self.config.problem_type = "multi_label_classification"
+            if self.config.problem_type == "regression":
+                if self.num_labels == 1:
+                    loss = MSELoss()(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
+                else:
+                    loss = MSELoss()(logits, labels.to(logits.dtype))
+            elif self.config.problem_type == "single_label_classification":
+                loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+            elif self.config.problem_type == "multi_label_classification":
+                if tuple(labels.shape) != tuple(logits.shape):
+                    raise ValueError(
+                        f"labels for multi_label_classification must have shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
+                    )
+                loss = BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
+            else:
+                raise ValueError(
+                    "problem_type must be 'regression', 'single_label_classification' or "
+                    f"'multi_label_classification', got {self.config.problem_type!r}"
+                )
+        if not return_dict:
+            rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
+            return ((loss,) + rest) if loss is not None else rest
+        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+class NPRFBertForTokenClassification(NPRFBertPreTrainedModel):
+    """Per-token linear head: ``logits (B, N, num_labels)``; ``labels (B, N)`` with -100 ignored."""
+
+    def __init__(self, config: NPRFBertConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.nprf_bert = NPRFBertModel(config, add_pooling_layer=False)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[TokenClassifierOutput, tuple]:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        out = self.nprf_bert(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.classifier(self.dropout(out.last_hidden_state))
+        loss = None
+        if labels is not None:
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+        if not return_dict:
+            rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
+            return ((loss,) + rest) if loss is not None else rest
+        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel):
+    """Extractive QA (SQuAD style): ``start_logits, end_logits (B, N)``; with ``start_positions``
+    and ``end_positions (B,)`` the loss is the mean of the two cross-entropies (positions outside
+    the input are ignored, as in BERT)."""
+
+    def __init__(self, config: NPRFBertConfig) -> None:
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        if config.num_labels != 2:
+            raise ValueError(f"num_labels must be 2 (start, end) for question answering, got {config.num_labels}")
+        self.nprf_bert = NPRFBertModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        start_positions: Optional[torch.Tensor] = None,
+        end_positions: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[QuestionAnsweringModelOutput, tuple]:
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        out = self.nprf_bert(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.qa_outputs(out.last_hidden_state)
+        start_logits, end_logits = (x.squeeze(-1).contiguous() for x in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            start_positions = start_positions.reshape(-1).to(logits.device)
+            end_positions = end_positions.reshape(-1).to(logits.device)
+            ignored = start_logits.size(1)
+            start_positions = start_positions.clamp(0, ignored)
+            end_positions = end_positions.clamp(0, ignored)
+            fct = CrossEntropyLoss(ignore_index=ignored)
+            loss = (fct(start_logits, start_positions) + fct(end_logits, end_positions)) / 2
+        if not return_dict:
+            rest = (start_logits, end_logits) + ((out.hidden_states,) if out.hidden_states is not None else ())
+            return ((loss,) + rest) if loss is not None else rest
+        return QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=out.hidden_states
+        )
+
+
+__all__ = [
+    "NPRFBertPreTrainedModel",
+    "NPRFBertModel",
+    "NPRFBertForMaskedLM",
+    "NPRFBertForSequenceClassification",
+    "NPRFBertForTokenClassification",
+    "NPRFBertForQuestionAnswering",
+]
