@@ -15,6 +15,22 @@ from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
 from .modeling.attention import KernelizedSelfAttention
 
 # --- Linear GPT (model classes; importing registers them with the Auto classes) ---
+from .modeling.configuration_linear_gpt import LinearGPTConfig
+from .modeling.modeling_linear_gpt import LinearGPTForCausalLM, LinearGPTModel
+from .modeling.cache import LinearGPTCache
+
+def _register_linear_gpt() -> None:
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    AutoConfig.register("linear_gpt", LinearGPTConfig, exist_ok=True)
+    AutoModel.register(LinearGPTConfig, LinearGPTModel, exist_ok=True)
+    AutoModelForCausalLM.register(LinearGPTConfig, LinearGPTForCausalLM, exist_ok=True)
+    LinearGPTConfig.register_for_auto_class("AutoConfig")
+    LinearGPTModel.register_for_auto_class("AutoModel")
+    LinearGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
+
+
+_register_linear_gpt()
 
 # --- NPRF-BERT (model classes; importing registers them with the Auto classes) ---
 from .modeling.configuration_nprf_bert import NPRFBertConfig
@@ -62,6 +78,10 @@ __all__ = [
     "BackendSpec",
     "FeatureMap",
     "KernelizedSelfAttention",
+    "LinearGPTCache",
+    "LinearGPTConfig",
+    "LinearGPTForCausalLM",
+    "LinearGPTModel",
     "RelativePositionBias1D",
     "RelativePositionBias2D",
     "available_backends",

@@ -1,0 +1,500 @@
+"""Linear GPT: a decoder-only causal LM with kernelized (linear) attention.
+
+Trains in parallel (the shared :class:`KernelizedSelfAttention` with ``causal=True`` through
+the backend registry; the ``fft`` backend when a relative-position bias is learned) and decodes
+as an RNN with a constant-size state per layer (Katharopoulos et al. 2020), wired into
+``transformers``' ``generate()`` through :class:`LinearGPTCache` (``past_key_values``).
+
+Blocks are GPT-2 style (pre-LayerNorm, attention, MLP). Positions are either a learned
+absolute table (default), rotations applied to the feature-mapped queries and keys
+(``position_embedding_type="rotary"``), or none, optionally with a learned causal relative
+bias (``rpe="learned"``).
+
+Rotary on features (RoFormer, Su et al. 2021, linear-attention form)::
+
+    out_i = sum_{j<=i} (R_i phi(q_i) . R_j phi(k_j)) v_j / (sum_{j<=i} phi(q_i) . phi(k_j) + eps)
+
+The rotated features are signed, so the denominator uses the un-rotated (positive) ones; the
+state then carries ``S = sum R_j phi(k_j) v_j^T`` and ``z = sum phi(k_j)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from .attention import KernelizedSelfAttention
+from .backends import kernelized_attention
+from .cache import LinearAttentionState, LinearGPTCache
+from .configuration_linear_gpt import LinearGPTConfig
+from .feature_maps import feature_maps_step
+from .kernels import recurrent_step
+from .positional import RelativePositionBias1D
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """Unnormalised causal sums ``Y_i = sum_{j<=i} (q_i . k_j) v_j`` in chunked O(N) form.
+
+    Args:
+        q, k: ``(B, H, N, M)``; v: ``(B, H, N, D)`` (same dtype).
+    Returns:
+        ``(B, H, N, D)``.
+    """
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    c = max(1, min(chunk_size, n))
+    pad = (-n) % c
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    nc = (n + pad) // c
+    qc, kc, vc = q.reshape(b, h, nc, c, m), k.reshape(b, h, nc, c, m), v.reshape(b, h, nc, c, d)
+    chunk_states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D)
+    prefix = torch.cumsum(chunk_states, dim=2) - chunk_states
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    scores = torch.where(tri, qc @ kc.transpose(-1, -2), torch.zeros((), dtype=q.dtype, device=q.device))
+    y = qc @ prefix + scores @ vc
+    return y.reshape(b, h, nc * c, d)[:, :, :n]
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``(B, 1, N, dim // 2)`` for positions ``(B, N)``."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float64) / dim)
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # (B, N, dim/2)
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[..., :M/2], x[..., M/2:])`` of ``x (B, H, N, M)`` by the angles."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _zero_padded(x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Zero rows of ``x (B, H, N, F)`` where ``key_mask (B, N)`` is False."""
+    if key_mask is None:
+        return x
+    return torch.where(key_mask[:, None, :, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class LinearGPTAttention(KernelizedSelfAttention):
+    """Causal kernelized self-attention with a recurrent decoding path.
+
+    Parallel form (no state yet, no rotary): the shared :func:`kernelized_attention`, with the
+    layer's ``rpe_bias`` when ``rpe="learned"``. With a state (decoding, continuation) the new
+    tokens read ``(S, z)`` (and the RPE window) and are then folded into it.
+    """
+
+    def __init__(self, config: LinearGPTConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx=layer_idx, causal=True)
+        self.rotary = config.position_embedding_type == "rotary"
+        self.rpe = (
+            RelativePositionBias1D(config.num_attention_heads, config.max_relative_position)
+            if config.rpe == "learned"
+            else None
+        )
+        self.window = config.max_relative_position - 1 if self.rpe is not None else 0
+        self.dropout = nn.Dropout(config.attn_pdrop)
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: Optional[torch.Tensor] = None,
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        past_key_values: Optional[LinearAttentionState] = None,
+    ) -> torch.Tensor:
+        """Args:
+            hidden_states: ``(B, N, C)``.
+            key_mask: ``(B, N)`` bool, True = real token, or None (no padding).
+            rotary: ``(cos, sin)`` each ``(B, 1, N, M/2)`` when rotary positions are used.
+            past_key_values: this layer's :class:`LinearAttentionState` (updated in place), or None.
+        Returns:
+            ``(B, N, C)``.
+        """
+        q, k, v = self.project(hidden_states)
+        n = q.shape[2]
+        state = past_key_values
+        has_prev = state is not None and state.is_initialized
+        k, v = _zero_padded(k, key_mask), _zero_padded(v, key_mask)
+        q_num, k_num = q, k
+        if self.rotary:
+            cos, sin = rotary
+            q_num, k_num = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        if self.rpe is not None:
+            if has_prev:
+                out = self._rpe_steps(q, k, v, state)
+                return self.output(self.dropout(out), hidden_states.dtype)
+            out = kernelized_attention(
+                q, k, v, rpe_bias=self.rpe(n).to(q.dtype), causal=True, backend=self.backend, eps=self.eps
+            )
+        elif not self.rotary and not has_prev:
+            out = kernelized_attention(q, k, v, causal=True, backend=self.backend, eps=self.eps)
+        elif not self.rotary and n == 1:
+            out, s_new, z_new = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state.state, state.normalizer, self.eps)
+            state.state, state.normalizer = s_new, z_new
+            return self.output(self.dropout(out[:, :, None]), hidden_states.dtype)
+        else:
+            out = self._state_sums(q, k, v, q_num, k_num, state if has_prev else None)
+        if state is not None:
+            state.push(k_num, k, v, self.window)
+        return self.output(self.dropout(out), hidden_states.dtype)
+
+    def _state_sums(self, q, k, v, q_num, k_num, state: Optional[LinearAttentionState]) -> torch.Tensor:
+        """Causal attention of the new tokens over the state and themselves (no RPE): ``(B, H, N, D)``."""
+        if self.rotary:
+            num = causal_linear_sums(q_num, k_num, v)
+            den = causal_linear_sums(q, k, torch.ones_like(v[..., :1]))
+        else:
+            y = causal_linear_sums(q, k, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1))
+            num, den = y[..., :-1], y[..., -1:]
+        if state is not None:
+            num = num + q_num @ state.state
+            den = den + (q @ state.normalizer[..., None])
+        return num / (den + self.eps)
+
+    def _rpe_steps(self, q, k, v, state: LinearAttentionState) -> torch.Tensor:
+        """Decode ``N`` tokens one by one with the clipped RPE: ``(B, H, N, D)``.
+
+        Keys older than K positions all carry ``c_{-K}`` and live in ``(S, z)``; the last ``K - 1``
+        keys live in the window with their own weights ``c_r``; the current key gets ``c_0``.
+        """
+        big_k = self.rpe.max_relative_position
+        c = torch.exp(self.rpe.weight.to(q.dtype))  # (H, 2K+1), entry r + K
+        c_old = c[:, 0][None, :, None]  # (1, H, 1)
+        outs = []
+        for t in range(q.shape[2]):
+            q_t, k_t, v_t = q[:, :, t], k[:, :, t : t + 1], v[:, :, t : t + 1]
+            if state.window_keys is not None:
+                keys = torch.cat([state.window_keys, k_t], dim=2)
+                vals = torch.cat([state.window_values, v_t], dim=2)
+            else:
+                keys, vals = k_t, v_t
+            w = keys.shape[2]
+            weights = c[:, big_k + 1 - w : big_k + 1][None]  # offsets -(w-1)..0: (1, H, w)
+            s = (keys @ q_t[..., None])[..., 0] * weights  # (B, H, w)
+            num = (s[..., None] * vals).sum(dim=2) + c_old * (q_t[:, :, None, :] @ state.state)[:, :, 0]
+            den = s.sum(dim=-1, keepdim=True) + c_old * (q_t * state.normalizer).sum(dim=-1, keepdim=True)
+            outs.append(num / (den + self.eps))
+            state.push(k_t, k_t, v_t, self.window)
+        return torch.stack(outs, dim=2)
+
+
+class LinearGPTMLP(nn.Module):
+    """``(B, N, C) -> (B, N, C)``: Linear, activation, Linear, dropout."""
+
+    def __init__(self, config: LinearGPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+
+
+class LinearGPTBlock(GradientCheckpointingLayer):
+    """Pre-LN decoder block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+
+    def __init__(self, config: LinearGPTConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.attn = LinearGPTAttention(config, layer_idx)
+        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.mlp = LinearGPTMLP(config)
+        self.resid_dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        key_mask: Optional[torch.Tensor] = None,
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        past_key_values: Optional[LinearAttentionState] = None,
+    ) -> torch.Tensor:
+        """``(B, N, C) -> (B, N, C)``; ``past_key_values`` is this layer's state (or None)."""
+        attn = self.attn(self.ln_1(hidden_states), key_mask=key_mask, rotary=rotary, past_key_values=past_key_values)
+        hidden_states = hidden_states + self.resid_dropout(attn)
+        return hidden_states + self.mlp(self.ln_2(hidden_states))
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class LinearGPTPreTrainedModel(PreTrainedModel):
+    """Weight init, config class and capabilities shared by the Linear GPT models."""
+
+    config_class = LinearGPTConfig
+    config: LinearGPTConfig
+    base_model_prefix = "transformer"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["LinearGPTBlock"]
+    _supports_sdpa = False
+    _supports_flash_attn = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, RelativePositionBias1D):
+            nn.init.zeros_(module.weight)
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        """The state is recurrent: ``forward`` builds a :class:`LinearGPTCache`, never a DynamicCache."""
+        return False
+
+
+def _normalize_attention_mask(attention_mask: object, batch: int, n: int, past: int) -> Optional[torch.Tensor]:
+    """The HF mask -> ``(B, past + N)`` or ``(B, N)`` long tensor, or None. Dicts / 4D masks are
+    reduced to the key mask of the last query row."""
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, dict):  # a compileable-cache mask mapping: take any entry
+        attention_mask = next((m for m in attention_mask.values() if m is not None), None)
+        if attention_mask is None:
+            return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor of shape (batch, seq), got {type(attention_mask).__name__}")
+    if attention_mask.dim() == 4:  # (B, 1, Q, KV): bool keep, or additive float (0 keep)
+        last = attention_mask[:, 0, -1, :]
+        attention_mask = last if last.dtype == torch.bool else (last == 0)
+    if attention_mask.dim() != 2 or attention_mask.shape[0] != batch or attention_mask.shape[1] not in (n, past + n):
+        raise ValueError(
+            f"attention_mask must have shape (batch, past + seq) = ({batch}, {past + n}) or (batch, seq) = "
+            f"({batch}, {n}) with 1 = keep and 0 = padding, got {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.is_floating_point():
+        if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
+    return attention_mask.long()
+
+
+class LinearGPTModel(LinearGPTPreTrainedModel):
+    """The decoder stack: embeddings, ``num_hidden_layers`` blocks, final LayerNorm.
+
+    ``forward`` returns ``last_hidden_state (B, N, C)`` and, with ``use_cache``, the recurrent
+    state as ``past_key_values`` (a :class:`LinearGPTCache`).
+    """
+
+    def __init__(self, config: LinearGPTConfig) -> None:
+        super().__init__(config)
+        self.wte = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.wpe = (
+            nn.Embedding(config.max_position_embeddings, config.hidden_size)
+            if config.position_embedding_type == "absolute"
+            else None
+        )
+        self.drop = nn.Dropout(config.embd_pdrop)
+        self.h = nn.ModuleList([LinearGPTBlock(config, i) for i in range(config.num_hidden_layers)])
+        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.wte
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.wte = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[LinearGPTCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[BaseModelOutputWithPast, tuple]:
+        """Args:
+            input_ids: ``(B, N)`` token ids (or ``inputs_embeds`` ``(B, N, C)``, not both).
+            attention_mask: ``(B, past + N)`` or ``(B, N)``, 1 keep, 0 padding (left padding).
+            position_ids: ``(B, N)``; by default counted over real tokens (padding skipped).
+            past_key_values: a :class:`LinearGPTCache` from an earlier call, or None.
+            use_cache: return the updated state (default ``config.use_cache``).
+            output_hidden_states: also return every layer's input and the final output.
+        Returns:
+            :class:`BaseModelOutputWithPast` (``last_hidden_state (B, N, C)``, ``past_key_values``).
+        """
+        cfg = self.config
+        return_dict = cfg.return_dict if return_dict is None else return_dict
+        output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
+        use_cache = cfg.use_cache if use_cache is None else use_cache
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids and inputs_embeds")
+        if input_ids is not None:
+            if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
+                raise TypeError(f"input_ids must be an integer torch.Tensor of shape (batch, seq), got {type(input_ids).__name__}"
+                                + (f" of dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else ""))
+            if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+                raise ValueError(f"input_ids must have shape (batch, seq) with seq >= 1, got {tuple(input_ids.shape)}")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            inputs_embeds = self.wte(input_ids)
+        elif not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
+            raise ValueError(f"inputs_embeds must be a tensor of shape (batch, seq, hidden_size={cfg.hidden_size})")
+        batch, n = inputs_embeds.shape[:2]
+        if past_key_values is not None and not isinstance(past_key_values, LinearGPTCache):
+            raise TypeError(
+                "past_key_values must be a LinearGPTCache (the state returned by this model) or None, got "
+                f"{type(past_key_values).__name__}; Linear GPT keeps a recurrent state, not keys and values"
+            )
+        if self.gradient_checkpointing and self.training and use_cache:
+            use_cache = False
+        if use_cache and past_key_values is None:
+            past_key_values = LinearGPTCache(cfg.num_hidden_layers, self.h[0].attn.window)
+        cache = past_key_values if use_cache or past_key_values is not None else None
+        if cache is not None and len(cache.layers) != cfg.num_hidden_layers:
+            raise ValueError(f"past_key_values has {len(cache.layers)} layers, the model {cfg.num_hidden_layers}")
+        if cache is not None and cache.batch_size is not None and cache.batch_size != batch:
+            raise ValueError(f"past_key_values holds a batch of {cache.batch_size} rows, the inputs have {batch}")
+        past = cache.get_seq_length() if cache is not None else 0
+
+        mask = _normalize_attention_mask(attention_mask, batch, n, past)
+        if mask is not None:
+            mask = mask.to(inputs_embeds.device)
+        mask_new = None if mask is None else mask[:, -n:]
+        if position_ids is None:
+            if mask is not None and mask.shape[1] == past + n and (cache is None or past == 0 or cache.real_tokens is None):
+                position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
+            elif cache is not None and cache.real_tokens is not None:
+                step = mask_new if mask_new is not None else torch.ones(batch, n, dtype=torch.long, device=inputs_embeds.device)
+                position_ids = (cache.real_tokens[:, None] + step.cumsum(-1) - 1).clamp(min=0)
+            else:
+                position_ids = torch.arange(past, past + n, device=inputs_embeds.device)[None].expand(batch, n)
+        elif not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != n:
+            raise ValueError(f"position_ids must be a tensor of shape (batch, seq) = ({batch}, {n})")
+        position_ids = position_ids.to(inputs_embeds.device).expand(batch, n)
+        key_mask = None if mask_new is None or bool(mask_new.all()) else mask_new.bool()
+
+        hidden = inputs_embeds
+        if self.wpe is not None:
+            if int(position_ids.max()) >= cfg.max_position_embeddings:
+                raise ValueError(
+                    f"position {int(position_ids.max())} is beyond max_position_embeddings={cfg.max_position_embeddings} "
+                    "(use position_embedding_type='rotary' or 'none' for unbounded lengths)"
+                )
+            hidden = hidden + self.wpe(position_ids)
+        hidden = self.drop(hidden)
+        rotary = None
+        if cfg.position_embedding_type == "rotary":
+            m = self.h[0].attn.feature_map.num_features
+            rotary = rotary_cos_sin(position_ids, m, cfg.rotary_base, torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+
+        feature_maps_step(self)  # once per top-level forward (training only)
+        all_hidden = [] if output_hidden_states else None
+        for i, block in enumerate(self.h):
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+            layer_state = cache.layers[i] if cache is not None else None
+            hidden = block(hidden, key_mask=key_mask, rotary=rotary, past_key_values=layer_state)
+        hidden = self.ln_f(hidden)
+        if all_hidden is not None:
+            all_hidden.append(hidden)
+        if cache is not None:
+            cache.advance(mask_new, batch, n, hidden.device)
+        out_cache = cache if use_cache else None
+        if not return_dict:
+            return tuple(x for x in (hidden, out_cache, all_hidden) if x is not None)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            past_key_values=out_cache,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+        )
+
+
+class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
+    """Linear GPT with a language-modelling head; works with ``generate()`` (greedy, sampling,
+    beam search, streaming) using its recurrent state as ``past_key_values``."""
+
+    _tied_weights_keys = {"lm_head.weight": "transformer.wte.weight"}
+
+    def __init__(self, config: LinearGPTConfig) -> None:
+        super().__init__(config)
+        self.transformer = LinearGPTModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[LinearGPTCache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+    ) -> Union[CausalLMOutputWithPast, tuple]:
+        """Args as :meth:`LinearGPTModel.forward`, plus:
+            labels: ``(B, N)`` next-token targets (shifted inside; -100 ignored) for the loss.
+            logits_to_keep: int ``k`` computes logits of the last ``k`` positions only (0 = all),
+                or a 1D tensor of positions to keep.
+        Returns:
+            :class:`CausalLMOutputWithPast` with ``logits (B, N_kept, vocab)``, ``loss`` and ``past_key_values``.
+        """
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, (int, torch.Tensor)):
+            raise TypeError(f"logits_to_keep must be an int or a 1D tensor of positions, got {type(logits_to_keep).__name__}")
+        if isinstance(logits_to_keep, int) and logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be >= 0 (0 = all positions), got {logits_to_keep}")
+        out = self.transformer(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+        loss = None
+        if labels is not None:
+            if labels.shape != hidden.shape[:2]:
+                raise ValueError(f"labels must have shape (batch, seq) = {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
+            full = logits if logits.shape[1] == hidden.shape[1] else self.lm_head(hidden)
+            loss = F.cross_entropy(
+                full[:, :-1].reshape(-1, full.shape[-1]).float(), labels[:, 1:].reshape(-1).to(full.device), ignore_index=-100
+            )
+        if not return_dict:
+            rest = tuple(x for x in (out.past_key_values, out.hidden_states) if x is not None)
+            return ((loss,) if loss is not None else ()) + (logits,) + rest
+        return CausalLMOutputWithPast(
+            loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states
+        )
+
+
+__all__ = ["LinearGPTPreTrainedModel", "LinearGPTModel", "LinearGPTForCausalLM", "LinearGPTCache"]
