@@ -37,5 +37,10 @@ def validate_attention_fields(
     if not isinstance(normalize_qk, bool):
         raise ValueError(f"normalize_qk must be a bool, got {normalize_qk!r}")
     check_rpe_args(rpe, max_relative_position)
+    if not isinstance(attn_backend, str):
+        raise ValueError(f"attn_backend must be a string ('auto' or a registered backend name), got {attn_backend!r}")
     if attn_backend != "auto":
-        get_backend(attn_backend)
+        try:
+            get_backend(attn_backend)
+        except ValueError as err:
+            raise ValueError(f"attn_backend: {err}") from None

@@ -194,12 +194,12 @@ def _normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[
 
 def _check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[int]]) -> str:
     if grid is None:
-        _check_tensor("rpe_bias", rpe_bias, 2, f"(heads, 2*seq-1) = ({h}, {2 * n - 1})")
+        want = f"(heads, 2*seq-1) = ({h}, {2 * n - 1})"
+        if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
+            raise ValueError(f"rpe_bias must have shape {want}; a 3D bias needs grid=(height, width)")
+        _check_tensor("rpe_bias", rpe_bias, 2, want)
         if tuple(rpe_bias.shape) != (h, 2 * n - 1):
-            raise ValueError(
-                f"rpe_bias must have shape (heads, 2*seq-1) = ({h}, {2 * n - 1}), got {tuple(rpe_bias.shape)}"
-                + ("; a 3D bias needs grid=(height, width)" if rpe_bias.dim() == 3 else "")
-            )
+            raise ValueError(f"rpe_bias must have shape {want}, got {tuple(rpe_bias.shape)}")
         return "1d"
     hg, wg = grid
     want = (h, 2 * hg - 1, 2 * wg - 1)

@@ -50,7 +50,7 @@ def check_feature_map_args(
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAPS)}, got {feature_map!r}")
     if projection not in PROJECTIONS:
-        raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {projection!r}")
+        raise ValueError(f"feature_projection must be one of {list(PROJECTIONS)}, got {projection!r}")
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     if feature_map in RANDOM_FEATURE_MAPS and (not isinstance(num_random_features, int) or num_random_features < 1):
@@ -84,7 +84,10 @@ def draw_projection(
         remaining = num_features
         while remaining > 0:
             g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
-            qmat, _ = torch.linalg.qr(g)
+            qmat, rmat = torch.linalg.qr(g)
+            # Sign-correct so Q is Haar-distributed (plain QR output is not): rows are then
+            # uniform directions, which keeps the estimator unbiased.
+            qmat = qmat * torch.sign(torch.diagonal(rmat))[None, :]
             blocks.append(qmat.T[: min(remaining, head_dim)])
             remaining -= head_dim
         w = torch.cat(blocks, dim=0)

@@ -1,0 +1,111 @@
+"""The backend registry and the ValueErrors of malformed or impossible calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_kernattn
+from hf_kernattn.modeling import backends as backends_mod
+
+
+def _qkv(b=1, h=2, n=6, m=3, d=4, dtype=torch.float32):
+    return torch.rand(b, h, n, m, dtype=dtype), torch.rand(b, h, n, m, dtype=dtype), torch.randn(b, h, n, d, dtype=dtype)
+
+
+def test_builtin_backends_and_their_capabilities():
+    names = hf_kernattn.available_backends()
+    for required in ("dense", "linear", "causal_chunked", "fft", "recurrent"):
+        assert required in names
+    assert hf_kernattn.get_backend("fft").rpe_2d and hf_kernattn.get_backend("recurrent").decoding
+    assert not hf_kernattn.get_backend("linear").causal
+
+
+def test_unknown_backend_lists_known_ones():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"unknown attention backend 'flash'.*fft"):
+        hf_kernattn.kernelized_attention(q, k, v, backend="flash")
+    with pytest.raises(ValueError, match="known backends"):
+        hf_kernattn.get_backend("nope")
+
+
+def test_rpe_on_backend_without_rpe_names_capable_backends():
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"'linear' cannot do a 1D rpe_bias; backends that can: \['dense', 'fft'\]"):
+        hf_kernattn.kernelized_attention(q, k, v, rpe_bias=torch.zeros(2, 11), backend="linear")
+    with pytest.raises(ValueError, match=r"'linear' cannot do causal=True"):
+        hf_kernattn.kernelized_attention(q, k, v, causal=True, backend="linear")
+    with pytest.raises(ValueError, match=r"'causal_chunked' cannot do causal=False"):
+        hf_kernattn.kernelized_attention(q, k, v, backend="causal_chunked")
+    q, k, v = _qkv(n=6)
+    with pytest.raises(ValueError, match=r"'recurrent' cannot do causal=False, a 2D rpe_bias"):
+        hf_kernattn.kernelized_attention(q, k, v, rpe_bias=torch.zeros(2, 3, 5), grid=(2, 3), backend="recurrent")
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(q=torch.rand(2, 6, 3)), ValueError, r"q must have shape \(batch, heads, seq, features\)"),
+        (dict(q=[1.0]), TypeError, "q must be a torch.Tensor"),
+        (dict(k=torch.rand(1, 2, 5, 3)), ValueError, "q and k must have the same shape"),
+        (dict(v=torch.randn(1, 2, 5, 4)), ValueError, r"v must match q in \(batch, heads, seq\)"),
+        (dict(v=torch.randn(1, 2, 6, 4, dtype=torch.float64)), ValueError, "share one dtype"),
+        (dict(q=torch.ones(1, 2, 6, 3, dtype=torch.long)), ValueError, "floating-point"),
+        (dict(rpe_bias=torch.zeros(2, 10)), ValueError, r"rpe_bias must have shape \(heads, 2\*seq-1\) = \(2, 11\)"),
+        (dict(rpe_bias=torch.zeros(2, 3, 5)), ValueError, "a 3D bias needs grid"),
+        (dict(rpe_bias=torch.zeros(2, 3, 5), grid=(2, 4)), ValueError, r"grid \(2, 4\) has 8 cells but the sequence has N=6"),
+        (dict(rpe_bias=torch.zeros(2, 3, 3), grid=(2, 3)), ValueError, r"\(heads, 2\*grid_h-1, 2\*grid_w-1\) = \(2, 3, 5\)"),
+        (dict(grid=(2, "3")), ValueError, "grid must be a pair of positive ints"),
+        (dict(rpe_bias=torch.zeros(2, 3, 5), grid=(2, 3), causal=True), ValueError, "causal=True is only defined for 1D"),
+        (dict(attention_mask=torch.ones(1, 5)), ValueError, r"attention_mask must have shape \(batch, seq\) = \(1, 6\)"),
+        (dict(attention_mask=torch.full((1, 6), 2)), ValueError, "only 1 \\(keep\\) and 0 \\(padding\\)"),
+        (dict(causal=1), TypeError, "causal must be a bool"),
+        (dict(backend=3), TypeError, "backend must be a string"),
+        (dict(eps=-1.0), ValueError, "eps must be a number >= 0"),
+    ],
+)
+def test_malformed_calls(kwargs, exc, match):
+    q, k, v = _qkv()
+    args = dict(q=q, k=k, v=v)
+    args.update(kwargs)
+    with pytest.raises(exc, match=match):
+        hf_kernattn.kernelized_attention(**args)
+
+
+def test_register_custom_backend_is_used_and_checked():
+    calls = []
+
+    def scaled_linear(q, k, v, *, rpe_bias=None, causal=False, key_mask=None, grid=None, eps=1e-6):
+        calls.append(q.shape)
+        return backends_mod.linear_attention(q, k, v, key_mask=key_mask, eps=eps)
+
+    try:
+        spec = hf_kernattn.register_backend("test_custom", scaled_linear, description="test")
+        assert "test_custom" in hf_kernattn.available_backends() and spec.noncausal and not spec.causal
+        q, k, v = _qkv()
+        out = hf_kernattn.kernelized_attention(q, k, v, backend="test_custom")
+        torch.testing.assert_close(out, hf_kernattn.kernelized_attention(q, k, v, backend="dense"))
+        assert calls
+        with pytest.raises(ValueError, match="already registered"):
+            hf_kernattn.register_backend("test_custom", scaled_linear)
+        with pytest.raises(ValueError, match=r"'test_custom' cannot do causal=True"):
+            hf_kernattn.kernelized_attention(q, k, v, causal=True, backend="test_custom")
+    finally:
+        backends_mod._REGISTRY.pop("test_custom", None)
+    with pytest.raises(TypeError, match="fn must be callable"):
+        hf_kernattn.register_backend("x", 3)
+    with pytest.raises(ValueError, match="other than 'auto'"):
+        hf_kernattn.register_backend("auto", scaled_linear)
+    with pytest.raises(ValueError, match="devices must be among"):
+        hf_kernattn.register_backend("x", scaled_linear, devices=("tpu",))
+
+
+def test_auto_choice_follows_crossovers():
+    choose = backends_mod.choose_backend
+    small = min(backends_mod.AUTO_DENSE_MAX_N.values())
+    big = max(backends_mod.AUTO_DENSE_MAX_N.values()) + 1
+    assert choose(n=small, causal=False, rpe=None, key_mask=False, device="cpu") == "dense"
+    assert choose(n=big, causal=False, rpe=None, key_mask=True, device="cpu") == "linear"
+    assert choose(n=big, causal=True, rpe=None, key_mask=True, device="cpu") == "causal_chunked"
+    assert choose(n=big, causal=True, rpe="1d", key_mask=False, device="cpu") == "fft"
+    assert choose(n=big, causal=False, rpe="2d", key_mask=False, device="cpu") == "fft"
