@@ -11,8 +11,10 @@ ensure_installed() {
     if ! "$PY" -c "import torch" >/dev/null 2>&1; then
         "$PY" -m pip install -q "torch==2.13.0"
     fi
-    if ! "$PY" -c "import hf_kernattn, pytest, xdist" >/dev/null 2>&1 \
-        || ! "$PY" -m pip show -q hf-kernattn >/dev/null 2>&1; then
+    # (Re)install in editable mode unless this very checkout is already the installed one.
+    local here
+    here="$(pwd -P)"
+    if ! (cd / && "$PY" -c "import sys, hf_kernattn, pytest, xdist, matplotlib; sys.exit(0 if hf_kernattn.__file__.startswith('$here/') else 1)") >/dev/null 2>&1; then
         "$PY" -m pip install -q -e ".[dev]"
     fi
 }
