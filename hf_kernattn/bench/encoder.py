@@ -1,0 +1,175 @@
+"""NPRF-BERT vs BertModel with SDPA: forward and forward+backward time and peak memory over N.
+
+Both models have the same shape (BERT-base widths by default: hidden 768, 12 heads,
+intermediate 3072, ``--layers`` encoder layers, batch 1) and the same absolute position table;
+NPRF-BERT adds PRF features (``--features`` per head) and a shared relative-position bias
+evaluated by FFT (``attn_backend="fft"``). Each (model, N, mode) case runs in its own process
+(:func:`hf_kernattn.bench.common.measure`): peak memory is the peak resident set over the
+process's baseline after the model and inputs exist; time is the median of ``--repeats`` runs
+after one warm-up. Cases that fail (out of memory, over the time limit) are reported as such.
+Writes ``encoder.csv`` and ``encoder.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from .common import format_table, measure, plot_series, write_csv
+
+FULL_NS = [512, 1024, 2048, 4096, 8192, 16384]
+QUICK_NS = [512, 1024, 2048]
+
+
+def workload(
+    model: str,
+    n: int,
+    mode: str,
+    layers: int = 2,
+    hidden: int = 768,
+    heads: int = 12,
+    intermediate: int = 3072,
+    features: int = 64,
+    batch: int = 1,
+    device: str = "cpu",
+) -> Callable[[], None]:
+    """Build one model and its inputs; return a callable doing one forward (``mode="fwd"``,
+    under ``torch.no_grad``) or one forward+backward (``mode="fwdbwd"``) on ``(batch, n)`` ids.
+
+    ``model``: ``"nprf"`` (NPRF-BERT, FFT backend) or ``"bert"`` (``transformers.BertModel``,
+    ``attn_implementation="sdpa"``). Dropout is 0 in both so they do the same work every run.
+    """
+    import torch
+
+    if model not in ("nprf", "bert"):
+        raise ValueError(f"model must be 'nprf' or 'bert', got {model!r}")
+    if mode not in ("fwd", "fwdbwd"):
+        raise ValueError(f"mode must be 'fwd' or 'fwdbwd', got {mode!r}")
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=30522, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=intermediate, max_position_embeddings=max(n, 512), hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    if model == "nprf":
+        from hf_kernattn.modeling.configuration_nprf_bert import NPRFBertConfig
+        from hf_kernattn.modeling.modeling_nprf_bert import NPRFBertModel
+
+        cfg = NPRFBertConfig(**common, num_random_features=features, attn_backend="fft", rpe_init_std=0.02)
+        net = NPRFBertModel(cfg)
+    else:
+        from transformers import BertConfig, BertModel
+
+        bcfg = BertConfig(**common)
+        bcfg._attn_implementation = "sdpa"
+        net = BertModel(bcfg)
+        if net.config._attn_implementation != "sdpa":
+            raise RuntimeError(f"BertModel did not select SDPA (got {net.config._attn_implementation!r})")
+    net = net.to(device)
+    ids = torch.randint(1, 30522, (batch, n), device=device)
+    mask = torch.ones(batch, n, dtype=torch.long, device=device)
+    if mode == "fwd":
+        net.eval()
+
+        def run() -> None:
+            with torch.no_grad():
+                net(input_ids=ids, attention_mask=mask)
+    else:
+        net.train()
+
+        def run() -> None:
+            out = net(input_ids=ids, attention_mask=mask).last_hidden_state
+            out.float().pow(2).mean().backward()
+            net.zero_grad(set_to_none=True)
+
+    return run
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="bench_out/encoder", help="folder for encoder.csv and encoder.png")
+    parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_NS}, one layer, one timed run")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_NS})")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=3072)
+    parser.add_argument("--features", type=int, default=64, help="PRF random features per head")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per case (median); one warm-up before")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per measurement")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a case is reported as timed out")
+    parser.add_argument("--device", default="cpu")
+
+
+def _ratio(a: float, b: float) -> float:
+    return b / a if a == a and b == b and a > 0 else float("nan")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every case, print a Markdown table, write CSV + PNG. Returns 0."""
+    for name in ("layers", "hidden", "heads", "intermediate", "features", "batch", "repeats"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name} must be a positive int, got {value!r}")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
+    lengths = args.lengths or (QUICK_NS if args.quick else FULL_NS)
+    if any(n < 1 for n in lengths):
+        raise ValueError(f"--lengths must be positive, got {lengths}")
+    layers = 1 if args.quick else args.layers
+    repeats = 1 if args.quick else args.repeats
+    shape = dict(layers=layers, hidden=args.hidden, heads=args.heads, intermediate=args.intermediate,
+                 features=args.features, batch=args.batch, device=args.device)
+    rows: list[dict[str, Any]] = []
+    for n in lengths:
+        for mode in ("fwd", "fwdbwd"):
+            res = {}
+            for model in ("bert", "nprf"):
+                r = measure("hf_kernattn.bench.encoder:workload", dict(model=model, n=n, mode=mode, **shape),
+                            repeats=repeats, timeout_s=args.timeout, max_seconds=args.timeout / 2, threads=args.threads)
+                res[model] = r
+                print(f"N={n:6d} {mode:7s} {model:5s} time={r['time_s']:.4g}s peak={r['peak_mb']:.4g}MB {r['status']}",
+                      flush=True)
+            rows.append({
+                "n": n, "mode": mode,
+                "bert_sdpa_time_s": res["bert"]["time_s"], "nprf_time_s": res["nprf"]["time_s"],
+                "speedup": _ratio(res["nprf"]["time_s"], res["bert"]["time_s"]),
+                "bert_sdpa_peak_mb": res["bert"]["peak_mb"], "nprf_peak_mb": res["nprf"]["peak_mb"],
+                "memory_ratio": _ratio(res["nprf"]["peak_mb"], res["bert"]["peak_mb"]),
+                "bert_status": res["bert"]["status"], "nprf_status": res["nprf"]["status"],
+                **{k: v for k, v in shape.items()},
+            })
+    out = Path(args.out)
+    write_csv(rows, out / "encoder.csv")
+    cols = ["n", "mode", "bert_sdpa_time_s", "nprf_time_s", "speedup", "bert_sdpa_peak_mb", "nprf_peak_mb",
+            "memory_ratio", "bert_status", "nprf_status"]
+    print(format_table(rows, cols))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    for mode, style in (("fwd", "forward"), ("fwdbwd", "forward+backward")):
+        sel = [r for r in rows if r["mode"] == mode]
+        xs = [r["n"] for r in sel]
+        plot_series({f"BertModel+SDPA {style}": (xs, [r["bert_sdpa_time_s"] for r in sel]),
+                     f"NPRF-BERT {style}": (xs, [r["nprf_time_s"] for r in sel])},
+                    None, title="time per step", xlabel="sequence length N", ylabel="seconds", ax=axes[0])
+        plot_series({f"BertModel+SDPA {style}": (xs, [r["bert_sdpa_peak_mb"] for r in sel]),
+                     f"NPRF-BERT {style}": (xs, [r["nprf_peak_mb"] for r in sel])},
+                    None, title="peak memory over baseline", xlabel="sequence length N", ylabel="MiB", ax=axes[1])
+        plot_series({f"speedup {style}": (xs, [r["speedup"] for r in sel])},
+                    None, title="speedup of NPRF-BERT (BERT time / NPRF time)", xlabel="sequence length N",
+                    ylabel="x", logy=False, ax=axes[2])
+    axes[2].axhline(1.0, color="gray", lw=0.8)
+    fig.suptitle(f"NPRF-BERT vs BertModel+SDPA, {layers} layers, hidden {args.hidden}, {args.heads} heads, "
+                 f"m={args.features}, batch {args.batch}, {args.device}, {os.cpu_count()} CPU cores")
+    fig.tight_layout()
+    fig.savefig(out / "encoder.png", dpi=110)
+    plt.close(fig)
+    print(f"wrote {out / 'encoder.csv'} and {out / 'encoder.png'}")
+    return 0

@@ -1,0 +1,303 @@
+"""Convert a softmax BERT or RoBERTa checkpoint directory into NPRF-BERT.
+
+Copied: word / token-type / absolute-position embeddings and their LayerNorm, the q/k/v/output
+projections of every layer, the feed-forward weights, both LayerNorms per layer, the pooler and
+whatever head the checkpoint has (MLM, sequence classification, token classification, question
+answering). New and left at their initial values: the relative-position bias (zero, so
+``exp(b) = 1``: plain kernel attention) and the random feature projections (drawn from
+``feature_seed``). RoBERTa's position table is offset by ``padding_idx + 1``; its rows are
+shifted so position ``i`` reads RoBERTa's position ``i + padding_idx + 1`` (what RoBERTa uses
+for right-padded input).
+
+What to expect: the converted model computes ``exp(q_hat . k_hat)`` (normalised q, k) through
+random features instead of ``softmax(q . k / sqrt(d))``, so *before* any training its outputs
+differ from the source model's and task accuracy drops (often to near the majority class for
+a fine-tuned classifier). The copied weights are a much better start than random: after MLM
+adaptation and/or fine-tuning, Luo et al. (2021) report NPRF-BERT within about one point of
+softmax BERT on GLUE. See ``docs/readme_nprf_bert.md``.
+
+Python::
+
+    from hf_kernattn.convert import convert_to_nprf_bert
+    model = convert_to_nprf_bert("path/to/bert", "path/to/nprf-bert")
+
+CLI::
+
+    hf-kernattn convert path/to/bert path/to/nprf-bert [--head auto] [--num-random-features 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("bert", "roberta")
+HEADS = ("auto", "base", "masked_lm", "sequence_classification", "token_classification", "question_answering")
+_TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
+    "merges.txt", "added_tokens.json",
+)
+# BERT config fields copied verbatim into NPRFBertConfig.
+_COPIED_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "hidden_act",
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "type_vocab_size", "initializer_range",
+    "layer_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "classifier_dropout", "id2label",
+    "label2id", "problem_type",
+)
+
+
+def _read_config(src: Path) -> dict[str, Any]:
+    path = src / "config.json"
+    if not path.is_file():
+        raise ValueError(f"checkpoint_dir {str(src)!r} has no config.json; expected a BERT or RoBERTa checkpoint directory")
+    cfg = json.loads(path.read_text())
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"cannot convert model_type={model_type!r} (architectures={cfg.get('architectures')}); "
+            f"supported source architectures: {list(SUPPORTED_MODEL_TYPES)} (BERT and RoBERTa encoders)"
+        )
+    if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
+        raise ValueError("cannot convert a decoder / cross-attention BERT: NPRF-BERT is a bidirectional encoder")
+    pet = cfg.get("position_embedding_type", "absolute")
+    if pet not in (None, "absolute"):
+        raise ValueError(f"cannot convert position_embedding_type={pet!r}; only 'absolute' source positions are supported")
+    return cfg
+
+
+def _read_state_dict(src: Path) -> dict[str, torch.Tensor]:
+    files = sorted(src.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(src.glob("pytorch_model*.bin"))
+    if bins:
+        state = {}
+        for f in bins:
+            state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        return state
+    raise ValueError(f"checkpoint_dir {str(src)!r} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def _infer_head(cfg: dict[str, Any]) -> str:
+    arch = " ".join(cfg.get("architectures") or [])
+    for key, head in (
+        ("ForSequenceClassification", "sequence_classification"),
+        ("ForTokenClassification", "token_classification"),
+        ("ForQuestionAnswering", "question_answering"),
+        ("ForMaskedLM", "masked_lm"),
+        ("ForPreTraining", "masked_lm"),
+    ):
+        if key in arch:
+            return head
+    return "base"
+
+
+def _key_map(model_type: str, num_layers: int, head: str, src_prefix: str, dst_prefix: str) -> dict[str, str]:
+    """Target key -> source key for every copied tensor (weights and biases)."""
+    s, d = src_prefix, dst_prefix
+    pairs: dict[str, str] = {}
+
+    def lin(dst: str, src: str) -> None:
+        pairs[f"{dst}.weight"] = f"{src}.weight"
+        pairs[f"{dst}.bias"] = f"{src}.bias"
+
+    pairs[f"{d}embeddings.word_embeddings.weight"] = f"{s}embeddings.word_embeddings.weight"
+    pairs[f"{d}embeddings.token_type_embeddings.weight"] = f"{s}embeddings.token_type_embeddings.weight"
+    pairs[f"{d}embeddings.position_embeddings.weight"] = f"{s}embeddings.position_embeddings.weight"
+    lin(f"{d}embeddings.LayerNorm", f"{s}embeddings.LayerNorm")
+    for i in range(num_layers):
+        src_l, dst_l = f"{s}encoder.layer.{i}", f"{d}layers.{i}"
+        lin(f"{dst_l}.attention.q_proj", f"{src_l}.attention.self.query")
+        lin(f"{dst_l}.attention.k_proj", f"{src_l}.attention.self.key")
+        lin(f"{dst_l}.attention.v_proj", f"{src_l}.attention.self.value")
+        lin(f"{dst_l}.attention.o_proj", f"{src_l}.attention.output.dense")
+        lin(f"{dst_l}.attention_norm", f"{src_l}.attention.output.LayerNorm")
+        lin(f"{dst_l}.intermediate", f"{src_l}.intermediate.dense")
+        lin(f"{dst_l}.output", f"{src_l}.output.dense")
+        lin(f"{dst_l}.output_norm", f"{src_l}.output.LayerNorm")
+    if head in ("base", "sequence_classification") and model_type == "bert":
+        lin(f"{d}pooler.dense", f"{s}pooler.dense")
+    if head == "masked_lm":
+        if model_type == "bert":
+            lin("lm_head.dense", "cls.predictions.transform.dense")
+            lin("lm_head.LayerNorm", "cls.predictions.transform.LayerNorm")
+            pairs["lm_head.decoder.weight"] = "cls.predictions.decoder.weight"
+            pairs["lm_head.decoder.bias"] = "cls.predictions.bias"
+        else:
+            lin("lm_head.dense", "lm_head.dense")
+            lin("lm_head.LayerNorm", "lm_head.layer_norm")
+            pairs["lm_head.decoder.weight"] = "lm_head.decoder.weight"
+            pairs["lm_head.decoder.bias"] = "lm_head.bias"
+    elif head == "sequence_classification":
+        if model_type == "bert":
+            lin("classifier", "classifier")
+        else:  # RoBERTa's head is dense + tanh + out_proj: the same as pooler + classifier
+            lin(f"{d}pooler.dense", "classifier.dense")
+            lin("classifier", "classifier.out_proj")
+    elif head == "token_classification":
+        lin("classifier", "classifier")
+    elif head == "question_answering":
+        lin("qa_outputs", "qa_outputs")
+    return pairs
+
+
+def convert_to_nprf_bert(
+    checkpoint_dir: str | Path,
+    output_dir: Optional[str | Path] = None,
+    *,
+    head: str = "auto",
+    **attention_overrides: Any,
+):
+    """Build an NPRF-BERT model from a BERT or RoBERTa checkpoint directory.
+
+    Args:
+        checkpoint_dir: a directory written by ``save_pretrained`` of a BERT/RoBERTa model
+            (``config.json`` + safetensors or ``pytorch_model.bin``).
+        output_dir: if given, the converted model is saved there (Hub-ready, with its code for
+            ``trust_remote_code``) together with the source tokenizer files.
+        head: ``"auto"`` (from the checkpoint's ``architectures``), ``"base"``, ``"masked_lm"``,
+            ``"sequence_classification"``, ``"token_classification"`` or ``"question_answering"``.
+        **attention_overrides: NPRF-BERT config fields to set (``num_random_features``,
+            ``max_relative_position``, ``feature_map``, ``attn_backend``, ``num_labels``, ...).
+            Head weights the source lacks (e.g. a classifier when converting a pre-trained
+            MLM checkpoint) stay at their initialisation, as with ``from_pretrained``.
+    Returns:
+        The NPRF-BERT model (``eval()`` mode); ``model.conversion_report`` lists the copied
+        keys, the target keys left at initialisation and the unused source keys.
+    Raises:
+        ValueError: unknown architecture, missing files, or a head the checkpoint cannot fill.
+    """
+    from .modeling.configuration_nprf_bert import NPRFBertConfig
+    from .modeling.modeling_nprf_bert import (
+        NPRFBertForMaskedLM,
+        NPRFBertForQuestionAnswering,
+        NPRFBertForSequenceClassification,
+        NPRFBertForTokenClassification,
+        NPRFBertModel,
+    )
+
+    if head not in HEADS:
+        raise ValueError(f"head must be one of {list(HEADS)}, got {head!r}")
+    src = Path(checkpoint_dir)
+    if not src.is_dir():
+        raise ValueError(f"checkpoint_dir {str(src)!r} is not a directory")
+    cfg = _read_config(src)
+    model_type = cfg["model_type"]
+    state = _read_state_dict(src)
+    if head == "auto":
+        head = _infer_head(cfg)
+
+    fields = {k: cfg[k] for k in _COPIED_FIELDS if k in cfg}
+    if "id2label" in fields:
+        fields["id2label"] = {int(k): v for k, v in fields["id2label"].items()}
+    max_pos = int(cfg.get("max_position_embeddings", 512))
+    pad = cfg.get("pad_token_id", 0)
+    offset = (int(pad) + 1) if model_type == "roberta" else 0
+    fields["max_position_embeddings"] = max_pos - offset
+    fields.setdefault("max_relative_position", fields["max_position_embeddings"])
+    unknown = set(attention_overrides) - set(NPRFBertConfig().to_dict()) - {"num_labels", "problem_type"}
+    if unknown:
+        raise ValueError(f"unknown NPRF-BERT config fields in overrides: {sorted(unknown)}")
+    if "num_labels" in attention_overrides:
+        fields.pop("id2label", None)
+        fields.pop("label2id", None)
+    fields.update(attention_overrides)
+    fields["position_embedding_type"] = "absolute"
+    config = NPRFBertConfig(**fields)
+    if head == "question_answering":
+        config.num_labels = 2
+    cls = {
+        "base": NPRFBertModel,
+        "masked_lm": NPRFBertForMaskedLM,
+        "sequence_classification": NPRFBertForSequenceClassification,
+        "token_classification": NPRFBertForTokenClassification,
+        "question_answering": NPRFBertForQuestionAnswering,
+    }[head]
+    model = cls(config)
+    model.eval()
+
+    # Source prefix: "bert." / "roberta." for head models, none for a bare BertModel save.
+    src_prefix = f"{model_type}." if any(k.startswith(f"{model_type}.") for k in state) else ""
+    dst_prefix = "" if head == "base" else "nprf_bert."
+    pairs = _key_map(model_type, config.num_hidden_layers, head, src_prefix, dst_prefix)
+    target = model.state_dict()
+    copied, used = [], set()
+    with torch.no_grad():
+        for dst, srck in pairs.items():
+            if srck not in state:
+                if dst == "lm_head.decoder.weight":  # tied: comes with the word embeddings
+                    continue
+                if not dst.startswith(dst_prefix + "embeddings.") and not dst.startswith(dst_prefix + "layers."):
+                    continue  # a head / pooler the source does not have: stays initialised (fine-tune it)
+                raise ValueError(
+                    f"checkpoint has no {srck!r}: not a complete {model_type} encoder "
+                    f"(architectures={cfg.get('architectures')})"
+                )
+            value = state[srck]
+            if dst.endswith("position_embeddings.weight") and offset:
+                value = value[offset:]
+            if tuple(value.shape) != tuple(target[dst].shape):
+                raise ValueError(f"shape mismatch for {dst!r} <- {srck!r}: {tuple(target[dst].shape)} vs {tuple(value.shape)}")
+            target[dst].copy_(value.to(target[dst].dtype))
+            copied.append(dst)
+            used.add(srck)
+    model.tie_weights()
+    model.conversion_report = {
+        "source_model_type": model_type,
+        "head": head,
+        "copied": copied,
+        "initialised": sorted(k for k in target if k not in copied and k != "lm_head.decoder.weight"),
+        "unused_source_keys": sorted(k for k in state if k not in used and not k.endswith("position_ids")),
+    }
+    if output_dir is not None:
+        out = Path(output_dir)
+        model.save_pretrained(out)
+        for name in _TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, out / name)
+    return model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint_dir", help="BERT or RoBERTa checkpoint directory (save_pretrained output)")
+    parser.add_argument("output_dir", help="where to save the NPRF-BERT checkpoint (+ tokenizer files)")
+    parser.add_argument("--head", choices=HEADS, default="auto", help="which head to build (default: from architectures)")
+    parser.add_argument("--num-random-features", type=int, default=None, help="PRF features per head (default 64)")
+    parser.add_argument("--max-relative-position", type=int, default=None,
+                        help="relative offsets beyond this share one bias (default: max_position_embeddings)")
+    parser.add_argument("--feature-map", default=None, help="prf (default), trf, elu or relu")
+    parser.add_argument("--attn-backend", default=None, help="auto (default) or a registered backend name")
+    parser.add_argument("--num-labels", type=int, default=None, help="labels of a new classification head")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hf-kernattn convert``: convert and print what was copied and what was initialised."""
+    overrides = {
+        k: v
+        for k, v in (
+            ("num_random_features", args.num_random_features),
+            ("max_relative_position", args.max_relative_position),
+            ("feature_map", args.feature_map),
+            ("attn_backend", args.attn_backend),
+            ("num_labels", args.num_labels),
+        )
+        if v is not None
+    }
+    model = convert_to_nprf_bert(args.checkpoint_dir, args.output_dir, head=args.head, **overrides)
+    rep = model.conversion_report
+    print(f"converted {rep['source_model_type']} -> {type(model).__name__} (head={rep['head']})")
+    print(f"copied {len(rep['copied'])} tensors; left at initialisation: {rep['initialised']}")
+    if rep["unused_source_keys"]:
+        print(f"source tensors not used: {rep['unused_source_keys']}")
+    print(f"saved to {args.output_dir}")
+    return 0
