@@ -49,8 +49,11 @@ def mask_keys(
     """
     if key_mask is None:
         return k, v
-    m = key_mask[:, None, :, None].to(k.dtype)
-    return k * m, v * m.to(v.dtype)
+    keep = key_mask[:, None, :, None]
+    # where, not multiply: whatever a padded slot holds (even inf/NaN) must not leak in.
+    return torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device)), torch.where(
+        keep, v, torch.zeros((), dtype=v.dtype, device=v.device)
+    )
 
 
 def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[torch.Tensor, ...]:
@@ -102,7 +105,8 @@ def dense_attention(
     allowed = allowed[None, None]
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :].bool()
-    a = a * allowed.to(dt)
+        v = torch.where(key_mask[:, None, :, None].bool(), v, torch.zeros((), dtype=dt, device=v.device))
+    a = torch.where(allowed, a, torch.zeros((), dtype=dt, device=a.device))
     return (a @ v) / (a.sum(dim=-1, keepdim=True) + eps)
 
 
@@ -157,8 +161,6 @@ def causal_chunked_attention(
     c = max(1, min(chunk_size, n))
     pad = (-n) % c
     v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # last column accumulates the denominator
-    if key_mask is not None:
-        v1 = v1 * key_mask[:, None, :, None].to(dt)
     if pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, pad))
         k = torch.nn.functional.pad(k, (0, 0, 0, pad))
