@@ -251,6 +251,9 @@ def convert_to_nprf_bert(
             target[dst].copy_(value.to(target[dst].dtype))
             copied.append(dst)
             used.add(srck)
+        for name, tensor in target.items():
+            if name.endswith("rpe.weight"):
+                tensor.zero_()  # exp(0) = 1: start from plain (position-free) kernel attention
     model.tie_weights()
     model.conversion_report = {
         "source_model_type": model_type,
