@@ -443,6 +443,30 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    def generate(self, inputs: Optional[torch.Tensor] = None, *args, **kwargs):
+        """``GenerationMixin.generate`` after checking the inputs this model is picky about
+        (``past_key_values`` must be a :class:`LinearGPTCache`; ``attention_mask`` must match
+        ``input_ids``, or cover ``past + input`` when continuing from a state)."""
+        ids = inputs if inputs is not None else kwargs.get("input_ids")
+        past = kwargs.get("past_key_values")
+        if past is not None and not isinstance(past, LinearGPTCache):
+            raise TypeError(
+                "past_key_values must be a LinearGPTCache (the state returned by this model) or None, got "
+                f"{type(past).__name__}; Linear GPT keeps a recurrent state, not keys and values"
+            )
+        mask = kwargs.get("attention_mask")
+        if mask is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                raise ValueError("attention_mask passed to generate must be a 2D tensor (batch, seq) of 1 keep / 0 padding")
+            allowed = {ids.shape[1]} | ({past.get_seq_length() + ids.shape[1]} if past is not None else set())
+            if mask.shape[0] != ids.shape[0] or mask.shape[1] not in allowed:
+                raise ValueError(
+                    f"attention_mask must have shape (batch, seq) = {tuple(ids.shape)}"
+                    + (" or (batch, past + seq)" if past is not None else "")
+                    + f" (1 = keep, 0 = padding), got {tuple(mask.shape)}"
+                )
+        return super().generate(inputs, *args, **kwargs)
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,

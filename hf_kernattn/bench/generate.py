@@ -1,0 +1,294 @@
+"""Decoding speed and memory: Linear GPT with its recurrent state vs recomputing vs GPT-2 + KV cache.
+
+Three models of one shape (hidden 512, 6 layers, 8 heads, MLP 2048, byte vocabulary of 256):
+
+* ``linear_state``: Linear GPT decoding with its constant-size state (``past_key_values``).
+* ``linear_nostate``: the same model with ``use_cache=False``: every new token re-runs the
+  whole (causal, linear-time) forward over the context.
+* ``gpt2_kv``: ``transformers`` ``GPT2LMHeadModel`` with SDPA attention and a ``DynamicCache``.
+
+Per-token latency: each case runs in a fresh process (``bench.common.measure``); its setup
+builds the model and a context of ``L`` tokens (Linear GPT: a real prefill; GPT-2: a KV cache of
+the same shape filled with random keys/values, since a decoding step's cost depends only on the
+shapes), then the timed part decodes ``--new-tokens`` tokens one forward call at a time, exactly
+the calls ``generate()`` makes, starting from a copy of the prefilled state each repeat. Peak
+memory is the resident-set growth during decoding above the prefilled state; ``state_mb`` is the
+size of the state itself (S, z per layer vs. keys and values per layer).
+
+Throughput: ``generate()`` for a batch of sequences of 784 tokens (Katharopoulos et al. 2020,
+Table 1: MNIST-sized images as pixel sequences), greedy, from a one-token prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from .common import format_table, measure, plot_series, write_csv
+
+TARGET = "hf_kernattn.bench.generate"
+SHAPE = dict(hidden=512, layers=6, heads=8, vocab=256)
+MODELS = ("linear_state", "linear_nostate", "gpt2_kv")
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark so the measured peak covers decoding, not the setup."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:  # not Linux / not permitted: the peak then includes the setup
+        pass
+
+
+def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int, vocab: int):
+    import torch
+
+    torch.manual_seed(0)
+    if model.startswith("linear"):
+        from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM
+
+        cfg = LinearGPTConfig(
+            vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+            intermediate_size=4 * hidden, max_position_embeddings=max_positions,
+        )
+        return LinearGPTForCausalLM(cfg).eval()
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_inner=4 * hidden,
+        n_positions=max_positions, attn_implementation="sdpa",
+    )
+    return GPT2LMHeadModel(cfg).eval()
+
+
+def decode_workload(
+    model: str, context: int, new_tokens: int, batch: int = 1, hidden: int = 512, layers: int = 6,
+    heads: int = 8, vocab: int = 256, device: str = "cpu",
+) -> Callable[[], None]:
+    """Setup (model + context of ``context`` tokens), then a callable decoding ``new_tokens`` tokens."""
+    import torch
+
+    net = _build(model, context + new_tokens + 1, hidden, layers, heads, vocab).to(device)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
+    first = ids[:, -1:]
+    torch.set_grad_enabled(False)
+    if model == "linear_state":
+        cache = None
+        for s in range(0, context - 1, 1024):  # real prefill, in chunks to bound memory
+            cache = net(ids[:, s : min(s + 1024, context - 1)], past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+
+        def run() -> None:
+            state = cache.copy() if cache is not None else None
+            tok = first
+            for _ in range(new_tokens):
+                out = net(tok, past_key_values=state, use_cache=True, logits_to_keep=1)
+                state = out.past_key_values
+                tok = out.logits[:, -1:].argmax(-1)
+
+        _reset_peak_rss()
+        return run
+    if model == "linear_nostate":
+        def run() -> None:
+            seq = ids
+            for _ in range(new_tokens):
+                out = net(seq, use_cache=False, logits_to_keep=1)
+                seq = torch.cat([seq, out.logits[:, -1:].argmax(-1)], dim=1)
+
+        _reset_peak_rss()
+        return run
+    if model == "gpt2_kv":
+        from transformers import DynamicCache
+
+        head_dim = hidden // heads
+        kv = DynamicCache(config=net.config)
+        for layer in range(layers):
+            k = torch.randn(batch, heads, context - 1, head_dim, generator=gen).to(device)
+            v = torch.randn(batch, heads, context - 1, head_dim, generator=gen).to(device)
+            kv.update(k, v, layer)
+
+        def run() -> None:
+            extra = kv.get_seq_length() - (context - 1)
+            if extra > 0:
+                kv.crop(-extra)
+            tok = first
+            pos = context - 1
+            for _ in range(new_tokens):
+                out = net(tok, past_key_values=kv, use_cache=True, logits_to_keep=1,
+                          position_ids=torch.full((batch, 1), pos, device=device))
+                tok = out.logits[:, -1:].argmax(-1)
+                pos += 1
+
+        _reset_peak_rss()
+        return run
+    raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
+
+
+def throughput_workload(
+    model: str, batch: int, seq_len: int, hidden: int = 512, layers: int = 6, heads: int = 8, vocab: int = 256,
+    device: str = "cpu",
+) -> Callable[[], None]:
+    """A callable that runs ``generate()`` for ``batch`` sequences of ``seq_len`` tokens."""
+    import torch
+
+    net = _build(model, seq_len + 1, hidden, layers, heads, vocab).to(device)
+    prompt = torch.zeros(batch, 1, dtype=torch.long, device=device)
+    new = seq_len - 1
+    use_cache = model != "linear_nostate"
+
+    def run() -> None:
+        with torch.no_grad():
+            net.generate(
+                prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                do_sample=False, use_cache=use_cache, pad_token_id=0, eos_token_id=None,
+            )
+
+    _reset_peak_rss()
+    return run
+
+
+def state_mb(model: str, context: int, batch: int, hidden: int, layers: int, heads: int) -> float:
+    """Size of the decoding state in MB (float32): (S, z) per layer vs. keys + values per layer."""
+    d = hidden // heads
+    if model == "linear_state":
+        return batch * layers * heads * (d * d + d) * 4 / 2**20
+    if model == "gpt2_kv":
+        return batch * layers * 2 * context * hidden * 4 / 2**20
+    return 0.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192, 16384],
+                        help="context lengths L for per-token decoding")
+    parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per timed run (state / KV models)")
+    parser.add_argument("--nostate-new-tokens", type=int, default=2, help="tokens per timed run without state")
+    parser.add_argument("--max-nostate-context", type=int, default=4096,
+                        help="largest context for linear_nostate (each token re-runs the whole forward)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--throughput-batch", type=int, default=16)
+    parser.add_argument("--throughput-len", type=int, default=784)
+    parser.add_argument("--throughput-nostate", action="store_true",
+                        help="also run the throughput case without state (slow: quadratic in the length)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per measured process")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="a small subset for the demo (about a minute)")
+    parser.add_argument("--out", default="bench_results/generate", help="folder for CSV and PNG")
+
+
+def _ratio(rows: list[dict[str, Any]], model: str, context: int) -> float:
+    for r in rows:
+        if r["model"] == model and r["context"] == context:
+            return r["ms_per_token"]
+    return float("nan")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.contexts = [128, 4096]
+        args.new_tokens = 16
+        args.max_nostate_context = 1024
+        args.nostate_new_tokens = 1
+        args.repeats = 2
+        args.throughput_batch, args.throughput_len = 4, 256
+    for name in ("new_tokens", "nostate_new_tokens", "repeats", "throughput_batch", "throughput_len", "threads"):
+        value = getattr(args, name)
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
+    if any(c < 2 for c in args.contexts):
+        raise ValueError(f"--contexts must all be >= 2, got {args.contexts}")
+    out = Path(args.out)
+    shape = SHAPE
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    for model in MODELS:
+        contexts = [c for c in args.contexts if model != "linear_nostate" or c <= args.max_nostate_context]
+        if model == "linear_nostate" and args.quick:
+            contexts = [128, 1024]
+        for ctx in contexts:
+            new = args.nostate_new_tokens if model == "linear_nostate" else args.new_tokens
+            res = measure(
+                f"{TARGET}:decode_workload",
+                dict(model=model, context=ctx, new_tokens=new, device=args.device, **shape),
+                repeats=1 if (model == "linear_nostate" and ctx >= 2048) else args.repeats,
+                threads=args.threads, timeout_s=900, max_seconds=60,
+            )
+            row = {
+                "model": model, "context": ctx, "ms_per_token": 1000 * res["time_s"] / new,
+                "decode_peak_mb": res["peak_mb"],
+                "state_mb": state_mb(model, ctx, 1, shape["hidden"], shape["layers"], shape["heads"]),
+                "runs": res["runs"], "status": res["status"],
+            }
+            rows.append(row)
+            print(f"  {model:15s} L={ctx:6d}  {row['ms_per_token']:9.2f} ms/token  decode peak {row['decode_peak_mb']:7.1f} MB"
+                  f"  state {row['state_mb']:8.2f} MB  [{res['status']}]", flush=True)
+    write_csv(rows, out / "decode_latency.csv")
+    print(format_table(rows, ["model", "context", "ms_per_token", "decode_peak_mb", "state_mb", "status"]))
+
+    tp_rows: list[dict[str, Any]] = []
+    tp_models = ["linear_state", "gpt2_kv"] + (["linear_nostate"] if args.throughput_nostate else [])
+    for model in tp_models:
+        res = measure(
+            f"{TARGET}:throughput_workload",
+            dict(model=model, batch=args.throughput_batch, seq_len=args.throughput_len, device=args.device, **shape),
+            repeats=1, threads=args.threads, timeout_s=1800, max_seconds=60,
+        )
+        tokens = args.throughput_batch * (args.throughput_len - 1)
+        tp_rows.append({
+            "model": model, "batch": args.throughput_batch, "seq_len": args.throughput_len,
+            "seconds": res["time_s"], "tokens_per_s": tokens / res["time_s"] if res["time_s"] == res["time_s"] else float("nan"),
+            "peak_mb": res["peak_mb"], "status": res["status"],
+        })
+    write_csv(tp_rows, out / "generate_throughput.csv")
+    print(format_table(tp_rows, ["model", "batch", "seq_len", "seconds", "tokens_per_s", "peak_mb", "status"]))
+
+    # Figures of the issue's targets, from this run.
+    lin = {r["context"]: r for r in rows if r["model"] == "linear_state"}
+    ctx_hi = 4096 if 4096 in lin else max(lin)
+    ctx_lo = min(lin)
+    speedup = _ratio(rows, "gpt2_kv", ctx_hi) / _ratio(rows, "linear_state", ctx_hi)
+    flatness = lin[ctx_hi]["ms_per_token"] / lin[ctx_lo]["ms_per_token"]
+    summary = [
+        {"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}", "value": speedup, "target": ">= 15"},
+        {"figure": f"linear latency L={ctx_hi} / L={ctx_lo}", "value": flatness, "target": "<= 1.2"},
+        {"figure": f"linear decode peak MB at L={max(lin)} (L={ctx_lo}: {lin[ctx_lo]['decode_peak_mb']:.1f})",
+         "value": lin[max(lin)]["decode_peak_mb"], "target": "flat"},
+    ]
+    if len(tp_rows) >= 2 and tp_rows[1]["tokens_per_s"] == tp_rows[1]["tokens_per_s"]:
+        summary.append({"figure": f"throughput ratio linear/GPT-2 (batch {args.throughput_batch} x {args.throughput_len})",
+                        "value": tp_rows[0]["tokens_per_s"] / tp_rows[1]["tokens_per_s"], "target": "-"})
+    write_csv(summary, out / "generate_summary.csv")
+    print(format_table(summary, ["figure", "value", "target"]))
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = {"linear_state": "Linear GPT, state", "linear_nostate": "Linear GPT, no state", "gpt2_kv": "GPT-2 SDPA + KV cache"}
+    series = {labels[m]: ([r["context"] for r in rows if r["model"] == m], [r["ms_per_token"] for r in rows if r["model"] == m]) for m in MODELS}
+    plot_series(series, None, title="per-token decode latency", xlabel="context length", ylabel="ms / token", ax=axes[0])
+    mem = {labels[m]: ([r["context"] for r in rows if r["model"] == m],
+                       [r["state_mb"] + max(r["decode_peak_mb"], 0.0) if r["decode_peak_mb"] == r["decode_peak_mb"] else float("nan")
+                        for r in rows if r["model"] == m]) for m in ("linear_state", "gpt2_kv")}
+    plot_series(mem, None, title="decode memory: state + peak growth", xlabel="context length", ylabel="MB", ax=axes[1])
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "generate.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out / 'decode_latency.csv'}, {out / 'generate_throughput.csv'}, {out / 'generate.png'} "
+          f"in {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args())
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

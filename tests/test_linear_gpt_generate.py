@@ -1,0 +1,150 @@
+"""Linear GPT generate(): the recurrent state gives the same tokens as recomputing, for every
+decoding mode; padding, continuation, remote-code loading and input validation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_kernattn import LinearGPTCache, LinearGPTConfig, LinearGPTForCausalLM
+from tests.remote import run_without_package
+
+VARIANTS = {
+    "absolute": dict(),
+    "rotary": dict(position_embedding_type="rotary"),
+    "rpe": dict(rpe="learned", max_relative_position=3, position_embedding_type="none"),
+}
+
+
+def tiny(**kw) -> LinearGPTForCausalLM:
+    torch.manual_seed(0)
+    cfg = LinearGPTConfig(
+        vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, eos_token_id=None, **kw,
+    )
+    model = LinearGPTForCausalLM(cfg).eval()
+    with torch.no_grad():  # sharper logits than the 0.02 init, so decoding choices are not near-ties
+        model.lm_head.weight.mul_(8.0)
+        for block in model.transformer.h:
+            if block.attn.rpe is not None:
+                torch.nn.init.normal_(block.attn.rpe.weight, std=0.7)
+    return model
+
+
+def prompt(batch=2, n=6, seed=1):
+    return torch.randint(1, 53, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+MODES = {
+    "greedy": dict(do_sample=False),
+    "beam3": dict(do_sample=False, num_beams=3),
+    "sample": dict(do_sample=True, top_k=20, temperature=1.3),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("mode", list(MODES))
+def test_generate_with_state_equals_recompute(variant, mode):
+    model = tiny(**VARIANTS[variant])
+    ids = prompt()
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(123)
+        outs.append(model.generate(ids, max_new_tokens=10, use_cache=use_cache, **MODES[mode]))
+    assert outs[0].shape == (2, 16)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_left_padded_batch_equals_rows_alone(variant):
+    model = tiny(**VARIANTS[variant])
+    rows = [prompt(1, 7, seed=4)[0], prompt(1, 4, seed=5)[0], prompt(1, 5, seed=6)[0]]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = r
+        mask[i, width - len(r):] = 1
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for i, r in enumerate(rows):
+        alone = model.generate(r[None], max_new_tokens=8, do_sample=False)
+        assert torch.equal(batched[i, width:], alone[0, len(r):]), f"row {i}"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_continuation_from_returned_state_equals_one_long_generate(variant):
+    model = tiny(**VARIANTS[variant])
+    ids = prompt()
+    long = model.generate(ids, max_new_tokens=12, do_sample=False)
+    first = model.generate(ids, max_new_tokens=5, do_sample=False, return_dict_in_generate=True)
+    state = first.past_key_values
+    assert isinstance(state, LinearGPTCache)
+    assert state.get_seq_length() == first.sequences.shape[1] - 1  # the last token is not in the state yet
+    rest = model.generate(first.sequences, past_key_values=state, max_new_tokens=7, do_sample=False)
+    assert torch.equal(rest, long)
+
+
+def test_streamer_receives_the_generated_tokens():
+    model = tiny()
+    got = []
+
+    class Collect:
+        def put(self, value):
+            got.append(value.reshape(-1).tolist())
+
+        def end(self):
+            got.append("end")
+
+    out = model.generate(prompt(1), max_new_tokens=5, do_sample=False, streamer=Collect())
+    assert got[0] == out[0, :6].tolist() and got[-1] == "end"
+    assert [t for chunk in got[1:-1] for t in chunk] == out[0, 6:].tolist()
+
+
+def test_saved_checkpoint_generates_identically_with_remote_code(tmp_path):
+    model = tiny(position_embedding_type="rotary")
+    model.save_pretrained(tmp_path / "ckpt")
+    copied = sorted(p.name for p in (tmp_path / "ckpt").glob("*.py"))
+    assert {"modeling_linear_gpt.py", "configuration_linear_gpt.py", "cache.py", "attention.py"} <= set(copied)
+    ids = prompt()
+    want = model.generate(ids, max_new_tokens=8, do_sample=False).tolist()
+    code = f"""
+import json, torch
+from transformers import AutoModelForCausalLM
+m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
+assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
+ids = torch.tensor({ids.tolist()})
+out = m.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+print(json.dumps({{"ids": out.sequences.tolist(), "cache": type(out.past_key_values).__name__}}))
+"""
+    result = json.loads(run_without_package(code, cwd=str(tmp_path)).strip().splitlines()[-1])
+    assert result["ids"] == want
+    assert result["cache"] == "LinearGPTCache"
+
+
+def test_invalid_generation_inputs_raise_clear_errors():
+    model = tiny()
+    ids = prompt()
+    with pytest.raises(TypeError, match="past_key_values"):
+        model.generate(ids, past_key_values=DynamicCache(), max_new_tokens=2)
+    with pytest.raises(TypeError, match="input_ids"):
+        model(ids.float())
+    with pytest.raises(ValueError, match="input_ids"):
+        model(ids + 100)
+    with pytest.raises(ValueError, match="attention_mask"):
+        model.generate(ids, attention_mask=torch.ones(2, 3, dtype=torch.long), max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.generate(ids, max_new_tokens=70, do_sample=False)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(ids, logits_to_keep=-1)
+    state = model(ids).past_key_values
+    with pytest.raises(ValueError, match="past_key_values"):
+        model(prompt(3, 1), past_key_values=state)
+    with pytest.raises(NotImplementedError, match="cropped"):
+        state.crop(2)
+    with pytest.raises(ValueError, match="feature_map"):
+        LinearGPTConfig(feature_map="softmax")
+    with pytest.raises(ValueError, match="position_embedding_type"):
+        LinearGPTConfig(position_embedding_type="alibi")
