@@ -180,25 +180,62 @@ def causal_chunked_attention(
 
 
 # ----------------------------------------------------------------------------- FFT Toeplitz
+#
+# Cost model (CPU). The product needs M * (D + 1) real FFTs and as many inverse FFTs of the
+# padded length; nothing cheaper exists for an arbitrary Toeplitz C. What is left to optimise
+# is everything around them: large temporaries are freshly mmap-ed (and page-faulted) on every
+# allocation, so the blocks below reuse three preallocated buffers (zero-padded input, spectrum,
+# output), write the outer products straight into the padded buffer, multiply the spectrum in
+# place and contract with q by in-place ``addcmul_``. Blocks are sized by bytes
+# (:data:`FFT_BLOCK_BYTES`) so one block's buffers stay cache-friendly. Measured on a 2-core
+# CPU at N = 16384, M = 32, D = 64: 0.52 s -> 0.30 s forward (pure FFT time: 0.22 s).
+
+FFT_BLOCK_BYTES = 16 << 20  # padded real input per block; 8-32 MiB measured best on CPU
 
 
 def _spatial_shape(n: int, grid: Optional[Sequence[int]]) -> tuple[int, ...]:
     return (n,) if grid is None else (int(grid[0]), int(grid[1]))
 
 
-def toeplitz_kernel_spectrum(c: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
+def _fast_length(n: int) -> int:
+    """Smallest ``2^a 3^b 5^c >= n``: an FFT size the CPU/GPU FFT libraries handle fastest."""
+    best = 1
+    while best < n:
+        best *= 2
+    p5 = 1
+    while p5 < best:
+        p35 = p5
+        while p35 < best:
+            p = p35
+            while p < n:
+                p *= 2
+            best = min(best, p)
+            p35 *= 3
+        p5 *= 5
+    return best
+
+
+def _fft_lengths(spatial: Sequence[int]) -> tuple[int, ...]:
+    """Padded FFT length per spatial axis: a fast size ``>= 2S - 1`` (no wrap-around for any offset)."""
+    return tuple(_fast_length(2 * int(s) - 1) for s in spatial)
+
+
+def toeplitz_kernel_spectrum(
+    c: torch.Tensor, spatial: tuple[int, ...], lengths: Optional[tuple[int, ...]] = None
+) -> torch.Tensor:
     """Spectrum of the circulant embedding of the (block-)Toeplitz matrix ``C[i, j] = c_{j-i}``.
 
     Args:
         c: ``(H, 2S-1)`` or ``(H, 2Sy-1, 2Sx-1)`` coefficients, offset ``r`` at index ``r + S - 1``.
         spatial: ``(S,)`` or ``(Sy, Sx)``.
+        lengths: padded FFT lengths, each ``>= 2S - 1`` (default :func:`_fft_lengths`).
     Returns:
-        ``rfftn`` of ``h`` with ``h[(-r) mod 2S] = c_r``, shape ``(H, 2S // 2 + 1)`` (1D) or
-        ``(H, 2Sy, Sx + 1)`` (2D). Then ``C X = irfftn(spectrum * rfftn(X))`` cropped to ``S``.
+        ``rfftn`` of ``h`` with ``h[(-r) mod L] = c_r``, shape ``(H, L // 2 + 1)`` (1D) or
+        ``(H, Ly, Lx // 2 + 1)`` (2D). Then ``C X = irfftn(spectrum * rfftn(X, s=L))`` cropped to ``S``.
     """
-    lengths = tuple(2 * s for s in spatial)
+    lengths = _fft_lengths(spatial) if lengths is None else tuple(lengths)
     h = c.new_zeros((c.shape[0],) + lengths)
-    idx = [((-torch.arange(-(s - 1), s, device=c.device)) % (2 * s)) for s in spatial]
+    idx = [((-torch.arange(-(s - 1), s, device=c.device)) % L) for s, L in zip(spatial, lengths)]
     if len(spatial) == 1:
         h[:, idx[0]] = c
     else:
@@ -207,34 +244,75 @@ def toeplitz_kernel_spectrum(c: torch.Tensor, spatial: tuple[int, ...]) -> torch
     return torch.fft.rfftn(h, s=lengths, dim=dims)
 
 
-def _toeplitz_apply_blocked(spec: torch.Tensor, x: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
-    """``C X`` for ``x (B, H, F1, F2, *spatial)``, ``spec (H, *freq)``: FFT convolution, cropped."""
-    nd = len(spatial)
-    lengths = tuple(2 * s for s in spatial)
-    dims = tuple(range(x.dim() - nd, x.dim()))
-    xf = torch.fft.rfftn(x, s=lengths, dim=dims)
-    shape = (1, spec.shape[0], 1, 1) + tuple(spec.shape[1:])
-    y = torch.fft.irfftn(xf * spec.reshape(shape), s=lengths, dim=dims)
-    if nd == 1:
-        return y[..., : spatial[0]]
-    return y[..., : spatial[0], : spatial[1]]
+def _block_size(
+    b: int, h: int, m: int, d1: int, spatial: tuple[int, ...], itemsize: int = 4, target_bytes: Optional[int] = None
+) -> tuple[int, int]:
+    """Block shape ``(features, value columns)`` pushed through the FFT at once.
 
-
-def _block_size(b: int, h: int, m: int, d1: int, spatial: tuple[int, ...], target_elems: int = 1 << 24) -> int:
-    """How many features to push through the FFT at once: about ``target_elems`` padded reals
-    per block (measured best on CPU: large enough to batch the FFTs, small enough for cache)."""
+    A block holds ``b * h * features * columns`` padded signals; it is sized so that its padded
+    real input is about ``target_bytes``: several whole features when a feature's ``d1``
+    columns are small, otherwise one feature and an even split of its columns.
+    """
+    target_bytes = FFT_BLOCK_BYTES if target_bytes is None else target_bytes
     padded = 1
-    for s in spatial:
-        padded *= 2 * s
-    return max(1, min(m, target_elems // max(b * h * d1 * padded, 1)))
+    for L in _fft_lengths(spatial):
+        padded *= L
+    rows = max(1, target_bytes // max(b * h * padded * itemsize, 1))
+    if rows >= d1:
+        return max(1, min(m, rows // d1)), d1
+    nblocks = -(-d1 // rows)
+    return 1, -(-d1 // nblocks)
 
 
-def _flat_to_spatial(x: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
-    return x.reshape(x.shape[:-1] + spatial)
+class _ToeplitzWorkspace:
+    """Reusable buffers that apply ``C`` (or ``C^T``) to blocks of products ``a_m (x) b_d``.
+
+    ``a``: ``(B, H, M, *S)``, ``b``: ``(B, H, D1, *S)``, both contiguous in spatial form. A block
+    is ``mb`` features times ``dc`` columns; the padded input buffer's tail is zero once and only
+    its leading ``*S`` corner is ever written, so no padding copy is made per block.
+    """
+
+    def __init__(self, b: int, h: int, mb: int, dc: int, spatial: tuple[int, ...], lengths: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.nd = len(spatial)
+        self.spatial, self.lengths = spatial, lengths
+        self.dims = tuple(range(4, 4 + self.nd))
+        freq = lengths[:-1] + (lengths[-1] // 2 + 1,)
+        cdtype = torch.complex128 if dtype == torch.float64 else torch.complex64
+        self.padded = torch.zeros((b, h, mb, dc) + lengths, dtype=dtype, device=device)
+        self.freq = torch.empty((b, h, mb, dc) + freq, dtype=cdtype, device=device)
+        self.result = torch.empty((b, h, mb, dc) + lengths, dtype=dtype, device=device)
+        self.crop = (...,) + tuple(slice(0, s) for s in spatial)
+
+    def transform(self, a: torch.Tensor, bv: torch.Tensor) -> torch.Tensor:
+        """Spectrum of ``a[:, :, i] * bv[:, :, d]`` for the block: ``(B, H, w, dw, *freq)``.
+
+        Args: ``a (B, H, w, *S)``, ``bv (B, H, dw, *S)``.
+        """
+        w, dw = a.shape[2], bv.shape[2]
+        pad = self.padded[:, :, :w, :dw]
+        torch.mul(a[:, :, :, None], bv[:, :, None], out=pad[self.crop])
+        xf = self.freq[:, :, :w, :dw]
+        torch.fft.rfftn(pad, dim=self.dims, out=xf)
+        return xf
+
+    def inverse(self, xf: torch.Tensor, spec: torch.Tensor) -> torch.Tensor:
+        """``irfftn(xf * spec)`` cropped to ``*S``: ``(B, H, w, dw, *S)``. Overwrites ``xf``."""
+        xf.mul_(spec.reshape((1, spec.shape[0], 1, 1) + tuple(spec.shape[1:])))
+        out = self.result[:, :, : xf.shape[2], : xf.shape[3]]
+        torch.fft.irfftn(xf, s=self.lengths, dim=self.dims, out=out)
+        return out[self.crop]
 
 
-def _spatial_to_flat(x: torch.Tensor, nd: int) -> torch.Tensor:
-    return x.reshape(x.shape[: x.dim() - nd] + (-1,))
+def _blocks(m: int, d1: int, mb: int, dc: int):
+    for s in range(0, m, mb):
+        for d0 in range(0, d1, dc):
+            yield slice(s, min(m, s + mb)), slice(d0, min(d1, d0 + dc))
+
+
+def _feature_major(x: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
+    """``(B, H, N, F)`` -> contiguous ``(B, H, F, *spatial)``."""
+    return x.transpose(-1, -2).contiguous().reshape(x.shape[:2] + (x.shape[-1],) + spatial)
 
 
 class ToeplitzKernelProduct(torch.autograd.Function):
@@ -245,74 +323,79 @@ class ToeplitzKernelProduct(torch.autograd.Function):
         dq_im = dY_i . (C [k_m v])_i
         P_m   = C^T [q_m dY]           dk_jm = P_mj . v_j       dv_j = sum_m k_jm P_mj
         dc_r  = sum_m sum_i (q_im dY_i) . (k_m v)_{i+r}  (a cross-correlation, also by FFT)
+    Memory: O(N (M + D1)) for inputs and outputs plus the block buffers (:data:`FFT_BLOCK_BYTES`).
     """
 
     @staticmethod
     def forward(ctx, q, k, v, c, spatial):  # type: ignore[override]
-        spatial = tuple(spatial)
-        nd = len(spatial)
+        spatial = tuple(int(s) for s in spatial)
         b, h, n, m = q.shape
         d1 = v.shape[-1]
-        spec = toeplitz_kernel_spectrum(c, spatial)
-        qt, kt, vt = q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)  # (B, H, F, N)
-        y = q.new_zeros(b, h, d1, n)
-        step = _block_size(b, h, m, d1, spatial)
-        for s in range(0, m, step):
-            u = kt[:, :, s : s + step, None, :] * vt[:, :, None, :, :]  # (B, H, mb, D1, N)
-            tu = _spatial_to_flat(_toeplitz_apply_blocked(spec, _flat_to_spatial(u, spatial), spatial), nd)
-            y += (qt[:, :, s : s + step, None, :] * tu).sum(dim=2)
+        lengths = _fft_lengths(spatial)
+        spec = toeplitz_kernel_spectrum(c, spatial, lengths)
+        qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
+        y = q.new_zeros((b, h, d1) + spatial)
+        mb, dc = _block_size(b, h, m, d1, spatial, q.element_size())
+        ws = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device)
+        for ms, ds in _blocks(m, d1, mb, dc):
+            tu = ws.inverse(ws.transform(ks[:, :, ms], vs[:, :, ds]), spec)  # (B, H, w, dw, *S)
+            yd = y[:, :, ds]
+            for i in range(tu.shape[2]):
+                yd.addcmul_(qs[:, :, ms.start + i, None], tu[:, :, i])
         ctx.save_for_backward(q, k, v, c)
         ctx.spatial = spatial
-        return y.transpose(-1, -2).contiguous()
+        return y.reshape(b, h, d1, n).transpose(-1, -2).contiguous()
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[override]
         q, k, v, c = ctx.saved_tensors
         spatial = ctx.spatial
         nd = len(spatial)
-        lengths = tuple(2 * s for s in spatial)
         b, h, n, m = q.shape
         d1 = v.shape[-1]
-        spec = toeplitz_kernel_spectrum(c, spatial)
-        spec_t = spec.conj()
-        qt, kt, vt = q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2)
-        dyt = dy.transpose(-1, -2).to(q.dtype)  # (B, H, D1, N)
+        lengths = _fft_lengths(spatial)
+        spec = toeplitz_kernel_spectrum(c, spatial, lengths)
+        spec_t = spec.conj().resolve_conj()
+        qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
+        dys = _feature_major(dy.to(q.dtype), spatial)  # (B, H, D1, *S)
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
-        dq = torch.zeros_like(qt) if need_q else None
-        dk = torch.zeros_like(kt) if need_k else None
-        dv = torch.zeros_like(vt) if need_v else None
-        corr = None
-        dims = tuple(range(4, 4 + nd))
-        bshape = (1, h, 1, 1) + tuple(spec.shape[1:])
-        step = _block_size(b, h, m, d1, spatial)
-        for s in range(0, m, step):
-            sl = slice(s, s + step)
-            u = _flat_to_spatial(kt[:, :, sl, None, :] * vt[:, :, None, :, :], spatial)  # (B,H,mb,D1,*S)
-            uf = torch.fft.rfftn(u, s=lengths, dim=dims)
+        dq = torch.zeros_like(qs) if need_q else None
+        dk = torch.zeros_like(ks) if need_k else None
+        dv = torch.zeros_like(vs) if need_v else None
+        mb, dc = _block_size(b, h, m, d1, spatial, q.element_size())
+        ws_u = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_q or need_c) else None
+        ws_g = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_k or need_v or need_c) else None
+        corr = torch.zeros_like(ws_u.freq) if need_c else None
+        sdims = tuple(range(3, 3 + nd))
+        for ms, ds in _blocks(m, d1, mb, dc):
+            w, dw = ms.stop - ms.start, ds.stop - ds.start
+            uf = ws_u.transform(ks[:, :, ms], vs[:, :, ds]) if ws_u is not None else None
+            gf = ws_g.transform(qs[:, :, ms], dys[:, :, ds]) if ws_g is not None else None
+            if need_c:  # before the in-place spectrum products below
+                corr[:, :, :w, :dw].addcmul_(gf.conj(), uf)
             if need_q:
-                tu = torch.fft.irfftn(uf * spec.reshape(bshape), s=lengths, dim=dims)
-                tu = _spatial_to_flat(tu[(...,) + tuple(slice(0, x) for x in spatial)], nd)
-                dq[:, :, sl] = (tu * dyt[:, :, None]).sum(dim=3)
-            g = _flat_to_spatial(qt[:, :, sl, None, :] * dyt[:, :, None, :, :], spatial)
-            gf = torch.fft.rfftn(g, s=lengths, dim=dims)
+                tu = ws_u.inverse(uf, spec)  # (B, H, w, dw, *S)
+                dq[:, :, ms] += (tu * dys[:, :, None, ds]).sum(dim=3)
             if need_k or need_v:
-                p = torch.fft.irfftn(gf * spec_t.reshape(bshape), s=lengths, dim=dims)
-                p = _spatial_to_flat(p[(...,) + tuple(slice(0, x) for x in spatial)], nd)  # (B,H,mb,D1,N)
+                p = ws_g.inverse(gf, spec_t)  # (B, H, w, dw, *S)
                 if need_k:
-                    dk[:, :, sl] = (p * vt[:, :, None]).sum(dim=3)
+                    dk[:, :, ms] += (p * vs[:, :, None, ds]).sum(dim=3)
                 if need_v:
-                    dv += (p * kt[:, :, sl, None, :]).sum(dim=2)
-            if need_c:
-                term = (gf.conj() * uf).sum(dim=(0, 2, 3))  # (H, *freq)
-                corr = term if corr is None else corr + term
-        dc = None
+                    dvd = dv[:, :, ds]
+                    for i in range(w):
+                        dvd.addcmul_(ks[:, :, ms.start + i, None], p[:, :, i])
+        dc_grad = None
         if need_c:
-            r_time = torch.fft.irfftn(corr, s=lengths, dim=tuple(range(1, 1 + nd)))
-            idx = [(torch.arange(-(x - 1), x, device=c.device) % (2 * x)) for x in spatial]
-            dc = r_time[:, idx[0]] if nd == 1 else r_time[:, idx[0][:, None], idx[1][None, :]]
-            dc = dc.to(c.dtype)
-        t = lambda x: None if x is None else x.transpose(-1, -2)  # noqa: E731
-        return t(dq), t(dk), t(dv), dc, None
+            total = corr.sum(dim=(0, 2, 3))  # (H, *freq)
+            r_time = torch.fft.irfftn(total, s=lengths, dim=tuple(range(1, 1 + nd)))
+            idx = [(torch.arange(-(x - 1), x, device=c.device) % L) for x, L in zip(spatial, lengths)]
+            dc_grad = r_time[:, idx[0]] if nd == 1 else r_time[:, idx[0][:, None], idx[1][None, :]]
+            dc_grad = dc_grad.to(c.dtype)
+
+        def back(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+            return None if x is None else x.reshape(x.shape[:3] + (n,)).transpose(-1, -2)
+
+        return back(dq), back(dk), back(dv), dc_grad, None
 
 
 def toeplitz_coefficients(
