@@ -18,9 +18,33 @@ def _step_attention(args: argparse.Namespace) -> None:
     attention.run(bench_args)
 
 
+def _step_linear_gpt(args: argparse.Namespace) -> None:
+    """Linear GPT: generate() with a constant-size recurrent state vs recomputing vs GPT-2 + KV cache."""
+    import torch
+
+    from . import LinearGPTConfig, LinearGPTForCausalLM
+    from .bench import generate as bench_generate
+
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(LinearGPTConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=4200,
+        pad_token_id=0, eos_token_id=None,
+    )).eval()
+    for n in (64, 4096):
+        out = model.generate(torch.randint(1, 256, (1, n)), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+        state = out.past_key_values
+        size = sum(getattr(l, t).numel() * 4 for l in state.layers for t in l.tensors())
+        print(f"prompt of {n:5d} tokens -> state after generate(): {type(state).__name__}, "
+              f"{state.get_seq_length()} positions seen, {size / 1024:.1f} KiB (does not grow with the context)")
+    bench_args = argparse.ArgumentParser()
+    bench_generate.add_arguments(bench_args)
+    bench_generate.run(bench_args.parse_args(["--quick", "--out", f"{args.out}/generate"]))
+
+
 # Ordered demo steps; families append theirs here.
 STEPS: list[tuple[str, Callable[[argparse.Namespace], None]]] = [
     ("attention core: FFT relative positions vs exact softmax", _step_attention),
+    ("Linear GPT: stateful generate() and its decoding speed", _step_linear_gpt),
 ]
 
 

@@ -168,6 +168,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-nostate-context", type=int, default=4096,
                         help="largest context for linear_nostate (each token re-runs the whole forward)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--extra-batch", type=int, default=16,
+                        help="also decode a batch of this many sequences (state and KV models; 0 = skip)")
+    parser.add_argument("--extra-batch-contexts", type=int, nargs="+", default=[128, 1024, 4096],
+                        help="contexts for the batched decode series")
     parser.add_argument("--throughput-batch", type=int, default=16)
     parser.add_argument("--throughput-len", type=int, default=784)
     parser.add_argument("--throughput-nostate", action="store_true",
@@ -178,9 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_results/generate", help="folder for CSV and PNG")
 
 
-def _ratio(rows: list[dict[str, Any]], model: str, context: int) -> float:
+def _ratio(rows: list[dict[str, Any]], model: str, context: int, batch: int = 1) -> float:
     for r in rows:
-        if r["model"] == model and r["context"] == context:
+        if r["model"] == model and r["context"] == context and r["batch"] == batch:
             return r["ms_per_token"]
     return float("nan")
 
@@ -192,7 +196,8 @@ def run(args: argparse.Namespace) -> int:
         args.max_nostate_context = 1024
         args.nostate_new_tokens = 1
         args.repeats = 2
-        args.throughput_batch, args.throughput_len = 4, 256
+        args.throughput_batch, args.throughput_len = 4, 128
+        args.extra_batch = 0
     for name in ("new_tokens", "nostate_new_tokens", "repeats", "throughput_batch", "throughput_len", "threads"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
@@ -203,29 +208,33 @@ def run(args: argparse.Namespace) -> int:
     shape = SHAPE
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
+    plan = []
     for model in MODELS:
         contexts = [c for c in args.contexts if model != "linear_nostate" or c <= args.max_nostate_context]
         if model == "linear_nostate" and args.quick:
             contexts = [128, 1024]
-        for ctx in contexts:
-            new = args.nostate_new_tokens if model == "linear_nostate" else args.new_tokens
-            res = measure(
-                f"{TARGET}:decode_workload",
-                dict(model=model, context=ctx, new_tokens=new, device=args.device, **shape),
-                repeats=1 if (model == "linear_nostate" and ctx >= 2048) else args.repeats,
-                threads=args.threads, timeout_s=900, max_seconds=60,
-            )
-            row = {
-                "model": model, "context": ctx, "ms_per_token": 1000 * res["time_s"] / new,
-                "decode_peak_mb": res["peak_mb"],
-                "state_mb": state_mb(model, ctx, 1, shape["hidden"], shape["layers"], shape["heads"]),
-                "runs": res["runs"], "status": res["status"],
-            }
-            rows.append(row)
-            print(f"  {model:15s} L={ctx:6d}  {row['ms_per_token']:9.2f} ms/token  decode peak {row['decode_peak_mb']:7.1f} MB"
-                  f"  state {row['state_mb']:8.2f} MB  [{res['status']}]", flush=True)
+        plan += [(model, ctx, 1) for ctx in contexts]
+    if args.extra_batch and args.extra_batch > 1:
+        plan += [(m, c, args.extra_batch) for m in ("linear_state", "gpt2_kv") for c in args.extra_batch_contexts]
+    for model, ctx, batch in plan:
+        new = args.nostate_new_tokens if model == "linear_nostate" else args.new_tokens
+        res = measure(
+            f"{TARGET}:decode_workload",
+            dict(model=model, context=ctx, new_tokens=new, batch=batch, device=args.device, **shape),
+            repeats=1 if (model == "linear_nostate" and ctx >= 2048) else args.repeats,
+            threads=args.threads, timeout_s=900, max_seconds=60,
+        )
+        row = {
+            "model": model, "batch": batch, "context": ctx, "ms_per_token": 1000 * res["time_s"] / new,
+            "decode_peak_mb": res["peak_mb"],
+            "state_mb": state_mb(model, ctx, batch, shape["hidden"], shape["layers"], shape["heads"]),
+            "runs": res["runs"], "status": res["status"],
+        }
+        rows.append(row)
+        print(f"  {model:15s} B={batch:3d} L={ctx:6d}  {row['ms_per_token']:9.2f} ms/step  decode peak "
+              f"{row['decode_peak_mb']:7.1f} MB  state {row['state_mb']:8.2f} MB  [{res['status']}]", flush=True)
     write_csv(rows, out / "decode_latency.csv")
-    print(format_table(rows, ["model", "context", "ms_per_token", "decode_peak_mb", "state_mb", "status"]))
+    print(format_table(rows, ["model", "batch", "context", "ms_per_token", "decode_peak_mb", "state_mb", "status"]))
 
     tp_rows: list[dict[str, Any]] = []
     tp_models = ["linear_state", "gpt2_kv"] + (["linear_nostate"] if args.throughput_nostate else [])
@@ -245,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(tp_rows, ["model", "batch", "seq_len", "seconds", "tokens_per_s", "peak_mb", "status"]))
 
     # Figures of the targets, from this run.
-    lin = {r["context"]: r for r in rows if r["model"] == "linear_state"}
+    lin = {r["context"]: r for r in rows if r["model"] == "linear_state" and r["batch"] == 1}
     ctx_hi = 4096 if 4096 in lin else max(lin)
     ctx_lo = min(lin)
     speedup = _ratio(rows, "gpt2_kv", ctx_hi) / _ratio(rows, "linear_state", ctx_hi)
@@ -256,6 +265,10 @@ def run(args: argparse.Namespace) -> int:
         {"figure": f"linear decode peak MB at L={max(lin)} (L={ctx_lo}: {lin[ctx_lo]['decode_peak_mb']:.1f})",
          "value": lin[max(lin)]["decode_peak_mb"], "target": "flat"},
     ]
+    if args.extra_batch and args.extra_batch > 1 and ctx_hi in args.extra_batch_contexts:
+        b = args.extra_batch
+        summary.append({"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}, batch {b}",
+                        "value": _ratio(rows, "gpt2_kv", ctx_hi, b) / _ratio(rows, "linear_state", ctx_hi, b), "target": ">= 15"})
     if len(tp_rows) >= 2 and tp_rows[1]["tokens_per_s"] == tp_rows[1]["tokens_per_s"]:
         summary.append({"figure": f"throughput ratio linear/GPT-2 (batch {args.throughput_batch} x {args.throughput_len})",
                         "value": tp_rows[0]["tokens_per_s"] / tp_rows[1]["tokens_per_s"], "target": "-"})
@@ -269,12 +282,17 @@ def run(args: argparse.Namespace) -> int:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     labels = {"linear_state": "Linear GPT, state", "linear_nostate": "Linear GPT, no state", "gpt2_kv": "GPT-2 SDPA + KV cache"}
-    series = {labels[m]: ([r["context"] for r in rows if r["model"] == m], [r["ms_per_token"] for r in rows if r["model"] == m]) for m in MODELS}
-    plot_series(series, None, title="per-token decode latency", xlabel="context length", ylabel="ms / token", ax=axes[0])
-    mem = {labels[m]: ([r["context"] for r in rows if r["model"] == m],
+    one = [r for r in rows if r["batch"] == 1]
+    series = {labels[m]: ([r["context"] for r in one if r["model"] == m], [r["ms_per_token"] for r in one if r["model"] == m]) for m in MODELS}
+    if args.extra_batch and args.extra_batch > 1:
+        for m in ("linear_state", "gpt2_kv"):
+            sel = [r for r in rows if r["model"] == m and r["batch"] == args.extra_batch]
+            series[f"{labels[m]}, batch {args.extra_batch}"] = ([r["context"] for r in sel], [r["ms_per_token"] for r in sel])
+    plot_series(series, None, title="decode latency per step (batch 1 unless noted)", xlabel="context length", ylabel="ms per decoding step", ax=axes[0])
+    mem = {labels[m]: ([r["context"] for r in one if r["model"] == m],
                        [r["state_mb"] + max(r["decode_peak_mb"], 0.0) if r["decode_peak_mb"] == r["decode_peak_mb"] else float("nan")
-                        for r in rows if r["model"] == m]) for m in ("linear_state", "gpt2_kv")}
-    plot_series(mem, None, title="decode memory: state + peak growth", xlabel="context length", ylabel="MB", ax=axes[1])
+                        for r in one if r["model"] == m]) for m in ("linear_state", "gpt2_kv")}
+    plot_series(mem, None, title="decode memory (batch 1): state + peak growth", xlabel="context length", ylabel="MB", ax=axes[1])
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "generate.png", dpi=120)
