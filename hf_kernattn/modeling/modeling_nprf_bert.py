@@ -205,6 +205,8 @@ class NPRFBertPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = False
     _no_split_modules = ["NPRFBertLayer"]
     _keys_to_ignore_on_load_unexpected = [r"position_ids"]
+    # Losses are means over the batch; the Trainer must scale them for gradient accumulation itself.
+    accepts_loss_kwargs = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
