@@ -1,0 +1,410 @@
+"""Attention core: FFT relative positions and causal chunked attention vs exact softmax, time and memory.
+
+For each sequence length N (default 1k ... 64k) four cases, each measured in a fresh process
+(``bench.common.measure``: median wall time of a few forward runs, peak resident memory above
+the inputs):
+
+* ``fft_rpe``: our ``fft`` backend, non-causal, with a 1D relative-position bias ``(H, 2N-1)``
+  (Luo et al. 2021, Algorithm 1), on feature-mapped ``q, k (B, H, N, M)`` and ``v (B, H, N, D)``.
+* ``causal_chunked``: our ``causal_chunked`` backend (causal linear attention, no bias).
+* ``softmax_rpe``: what a user would otherwise run: exact softmax attention with the same bias,
+  ``scaled_dot_product_attention`` with a float ``attn_mask``. The timed part includes building
+  the ``N x N`` mask from the ``(H, 2N-1)`` vector the cheapest way (``unfold`` + ``flip``: one
+  materialisation, no ``N x N`` index tensor). ``q, k`` have the head size D.
+* ``sdpa``: plain ``scaled_dot_product_attention`` without a mask (no positions at all).
+
+Softmax cases whose ``N x N`` matrices would exceed ``--max-nn-gb`` are skipped; a case that
+fails or exceeds ``--timeout`` is reported with its status and its larger N are skipped. One run
+writes ``attention_bench.csv`` and ``attention_bench.png`` (time and memory vs N, log-log, like
+Luo et al. 2021 Fig. 1a) and prints a Markdown table with the fft-vs-softmax ratios and the
+slope ``time(N) / time(N/2)``.
+
+``--crossover`` instead times, for N in 32 ... 1024 at M = D = 64, the dense (quadratic)
+backend against ``linear`` (non-causal), ``causal_chunked`` and ``fft`` (with a bias), and prints
+the largest N at which dense is still faster: the values of ``backends.AUTO_DENSE_MAX_N``.
+
+Workloads run in subprocesses that import this file as a top-level module together with the
+flat ``modeling`` folder (the layout a remote-code checkpoint uses), so each measurement pays for
+importing torch only, not transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+CASES = ("fft_rpe", "causal_chunked", "softmax_rpe", "sdpa")
+LABELS = {
+    "fft_rpe": "fft + RPE (ours, O(N log N))",
+    "causal_chunked": "causal chunked (ours, O(N))",
+    "softmax_rpe": "softmax + RPE (SDPA, float mask)",
+    "sdpa": "softmax, no RPE (SDPA)",
+}
+# how many N x N matrices (batch * heads * N^2 elements each) a softmax case holds at its peak:
+# softmax_rpe: the float mask plus the score/probability matrix SDPA builds with a mask on CPU;
+# sdpa: SDPA's fused CPU kernel works in tiles, but count one to stay on the safe side.
+NN_MATRICES = {"softmax_rpe": 2, "sdpa": 1}
+FULL_NS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
+QUICK_NS = (1024, 2048, 4096)
+CROSSOVER_NS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+TARGET_N = 16384
+
+
+def _kernelized_attention() -> Callable[..., Any]:
+    """The public entry point, importable both inside the package and from the flat layout."""
+    try:
+        from ..modeling.backends import kernelized_attention
+    except ImportError:  # imported as a top-level module by the isolated runner
+        from modeling.backends import kernelized_attention  # type: ignore[no-redef]
+    return kernelized_attention
+
+
+def _reset_peak_rss() -> None:
+    """Reset the kernel's peak-RSS mark (Linux) so the measured peak covers the workload only."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def workload(
+    case: str,
+    n: int,
+    batch: int = 1,
+    heads: int = 1,
+    features: int = 32,
+    head_dim: int = 64,
+    dtype: str = "float32",
+    device: str = "cpu",
+    seed: int = 0,
+) -> Callable[[], None]:
+    """Build the inputs of one case and return a zero-argument callable running one forward pass.
+
+    Shapes: kernelized cases use ``q, k (batch, heads, n, features)`` (positive, as after a
+    PRF/elu map), ``v (batch, heads, n, head_dim)`` and ``rpe_bias (heads, 2n-1)``; softmax cases
+    use ``q, k, v (batch, heads, n, head_dim)`` and the same bias.
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    dt = getattr(torch, dtype)
+    kw = dict(dtype=dt, device=device)
+    v = torch.randn(batch, heads, n, head_dim, **kw)
+    bias = 0.1 * torch.randn(heads, 2 * n - 1, **kw)
+    if case in ("fft_rpe", "causal_chunked", "dense_rpe", "dense", "dense_causal", "linear"):
+        attn = _kernelized_attention()
+        q = torch.rand(batch, heads, n, features, **kw) + 0.05
+        k = torch.rand(batch, heads, n, features, **kw) + 0.05
+        calls = {
+            "fft_rpe": dict(rpe_bias=bias, backend="fft"),
+            "dense_rpe": dict(rpe_bias=bias, backend="dense"),
+            "causal_chunked": dict(causal=True, backend="causal_chunked"),
+            "dense_causal": dict(causal=True, backend="dense"),
+            "linear": dict(backend="linear"),
+            "dense": dict(backend="dense"),
+        }[case]
+
+        def run() -> None:
+            with torch.inference_mode():
+                attn(q, k, v, **calls)
+
+    elif case in ("softmax_rpe", "sdpa"):
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        q = torch.randn(batch, heads, n, head_dim, **kw)
+        k = torch.randn(batch, heads, n, head_dim, **kw)
+        if case == "softmax_rpe":
+
+            def run() -> None:
+                with torch.inference_mode():
+                    # mask[h, i, j] = bias[h, j - i + n - 1]: windows of the bias, flipped (one copy)
+                    mask = bias.unfold(-1, n, 1).flip(-2)  # (heads, n, n)
+                    sdpa(q, k, v, attn_mask=mask[None])
+
+        else:
+
+            def run() -> None:
+                with torch.inference_mode():
+                    sdpa(q, k, v)
+
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    _reset_peak_rss()
+    return run
+
+
+@contextlib.contextmanager
+def _flat_import_path() -> Iterator[None]:
+    """Let the measuring subprocess import this file as ``attention`` and ``modeling`` flat."""
+    here = Path(__file__).resolve().parent
+    old = os.environ.get("PYTHONPATH")
+    extra = os.pathsep.join([str(here), str(here.parent)])
+    os.environ["PYTHONPATH"] = extra + (os.pathsep + old if old else "")
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+def _nn_gb(case: str, n: int, args: argparse.Namespace) -> float:
+    itemsize = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}[args.dtype]
+    return NN_MATRICES.get(case, 0) * args.batch * args.heads * n * n * itemsize / 2**30
+
+
+def lean_measure(target: str, kwargs: dict[str, Any], **options: Any) -> dict[str, Any]:
+    """``bench.common.measure`` called from a small driver process instead of this one.
+
+    ``measure`` reads the peak from ``ru_maxrss``, which on Linux starts at the resident size
+    of the process that spawned the measuring one (the kernel carries it over ``exec``). From a
+    CLI process that imported transformers that floor is hundreds of MB and hides the O(N)
+    cases' memory, so the measuring process is spawned by a driver that imports only the
+    standard library; :func:`workload` then resets the high-water mark after building inputs.
+    """
+    import json
+    import subprocess
+    import sys
+
+    code = (
+        "import json, sys; from common import measure; "
+        "a = json.loads(sys.argv[1]); print('LEAN ' + json.dumps(measure(a[0], a[1], **a[2])))"
+    )
+    with _flat_import_path():
+        env = dict(os.environ)
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps([target, kwargs, options])],
+                          capture_output=True, text=True, env=env)
+    for line in proc.stdout.splitlines():
+        if line.startswith("LEAN "):
+            return json.loads(line[len("LEAN "):])
+    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return {"time_s": math.nan, "peak_mb": math.nan, "runs": 0, "status": f"failed: {err[:200]}"}
+
+
+def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str, Any]]:
+    rows = []
+    stopped: dict[str, str] = {}
+    for n in ns:
+        for case in args.cases:
+            row: dict[str, Any] = {"case": case, "n": n, "batch": args.batch, "heads": args.heads,
+                                   "features": args.features, "head_dim": args.head_dim, "dtype": args.dtype}
+            if case in stopped:
+                res = {"time_s": math.nan, "peak_mb": math.nan, "runs": 0, "status": f"skipped ({stopped[case]})"}
+            elif _nn_gb(case, n, args) > args.max_nn_gb:
+                res = {"time_s": math.nan, "peak_mb": math.nan, "runs": 0,
+                       "status": f"skipped (N x N matrices ~{_nn_gb(case, n, args):.0f} GB > {args.max_nn_gb:g} GB)"}
+            else:
+                kwargs = dict(case=case, n=n, batch=args.batch, heads=args.heads, features=args.features,
+                              head_dim=args.head_dim, dtype=args.dtype, device=args.device)
+                res = lean_measure("attention:workload", kwargs, repeats=args.repeats, timeout_s=args.timeout,
+                                   max_seconds=args.max_seconds)
+                if res["status"] != "ok":
+                    stopped[case] = f"N={n} {res['status'].split(':')[0]}"
+            row.update(res)
+            rows.append(row)
+            print(f"  N={n:6d} {case:15s} {res['status']:>10s}  time {res['time_s']:.4g} s  "
+                  f"peak {res['peak_mb']:.4g} MB", flush=True)
+    return rows
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per N: times, memory, fft-vs-softmax+RPE speed-up and memory ratio, fft slope."""
+    by = {(r["case"], r["n"]): r for r in rows}
+    ns = sorted({r["n"] for r in rows})
+    out = []
+    for n in ns:
+        s: dict[str, Any] = {"N": n}
+        for case in CASES:
+            r = by.get((case, n))
+            s[f"{case} s"] = r["time_s"] if r else math.nan
+            s[f"{case} MB"] = r["peak_mb"] if r else math.nan
+        fft, soft = by.get(("fft_rpe", n)), by.get(("softmax_rpe", n))
+        ok = bool(fft and soft and fft["status"] == "ok" and soft["status"] == "ok")
+        s["speed-up fft vs softmax+RPE"] = soft["time_s"] / fft["time_s"] if ok else math.nan
+        s["memory ratio softmax+RPE / fft"] = (soft["peak_mb"] / fft["peak_mb"]
+                                               if ok and fft["peak_mb"] > 0 else math.nan)
+        prev = by.get(("fft_rpe", n // 2))
+        s["fft time(N)/time(N/2)"] = (fft["time_s"] / prev["time_s"]
+                                      if fft and prev and fft["status"] == prev["status"] == "ok" else math.nan)
+        out.append(s)
+    return out
+
+
+def _targets(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> list[str]:
+    """The issue's targets, checked against this run (only those whose N were measured)."""
+    by_n = {s["N"]: s for s in summary}
+    fft = {r["n"]: r for r in rows if r["case"] == "fft_rpe"}
+    lines = []
+    if TARGET_N in by_n:
+        sp = by_n[TARGET_N]["speed-up fft vs softmax+RPE"]
+        mr = by_n[TARGET_N]["memory ratio softmax+RPE / fft"]
+        lines.append(f"- fft at N={TARGET_N} vs softmax+RPE: {sp:.2f}x faster (target >= 8x: "
+                     f"{'met' if sp >= 8 else 'NOT met'}), {mr:.1f}x less peak memory (target >= 4x: "
+                     f"{'met' if mr >= 4 else 'NOT met'})")
+    if 2 * TARGET_N in by_n:
+        sl = by_n[2 * TARGET_N]["fft time(N)/time(N/2)"]
+        lines.append(f"- fft time({2 * TARGET_N})/time({TARGET_N}) = {sl:.2f} (target <= 2.3: "
+                     f"{'met' if sl <= 2.3 else 'NOT met'})")
+    if 65536 in fft:
+        r = fft[65536]
+        gib = r["peak_mb"] / 1024
+        lines.append(f"- fft at N=65536: status {r['status']}, peak {gib:.3f} GiB (target < 4 GiB: "
+                     f"{'met' if r['status'] == 'ok' and gib < 4 else 'NOT met'})")
+    return lines
+
+
+def plot(rows: list[dict[str, Any]], path: Path, args: argparse.Namespace) -> None:
+    """Two log-log panels, time and peak memory vs N, one line per case (Luo et al. Fig. 1a)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .common import plot_series
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, ylabel in ((axes[0], "time_s", "time per forward (s)"), (axes[1], "peak_mb", "peak memory (MB)")):
+        series = {}
+        for case in args.cases:
+            pts = sorted((r["n"], r[key]) for r in rows if r["case"] == case)
+            series[LABELS[case]] = ([p[0] for p in pts], [p[1] for p in pts])
+        plot_series(series, path, title=f"{ylabel.split(' (')[0]} vs N", xlabel="sequence length N",
+                    ylabel=ylabel, ax=ax)
+    fig.suptitle(f"batch {args.batch}, {args.heads} head(s), M={args.features} features, D={args.head_dim}, "
+                 f"{args.dtype}, {os.cpu_count()} CPU threads", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- crossover
+
+
+def _time_inprocess(fn: Callable[[], None], min_time: float = 0.2, min_runs: int = 5) -> float:
+    """Median seconds of ``fn`` after a warm-up, over at least ``min_runs`` runs and ``min_time`` s."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_runs or time.perf_counter() - start < min_time:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+CROSSOVER_PAIRS = {  # AUTO_DENSE_MAX_N key: (dense case, O(N) case)
+    "plain": ("dense", "linear"),
+    "causal": ("dense_causal", "causal_chunked"),
+    "rpe": ("dense_rpe", "fft_rpe"),
+}
+
+
+def crossover(args: argparse.Namespace) -> dict[str, Any]:
+    """Time dense vs the O(N) forms for small N (in-process: microseconds, so no subprocesses).
+
+    Returns ``{key: largest N where dense was faster, followed only by N where it was not}``
+    per :data:`CROSSOVER_PAIRS`, plus the raw ``rows``.
+    """
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    result: dict[str, Any] = {}
+    for key, (dense_case, fast_case) in CROSSOVER_PAIRS.items():
+        dense_wins = []
+        for n in args.crossover_ns:
+            t = {}
+            for case in (dense_case, fast_case, dense_case, fast_case):  # interleaved, best of two
+                fn = workload(case, n, batch=args.batch, heads=args.heads, features=args.crossover_dim,
+                              head_dim=args.crossover_dim, dtype=args.dtype, device=args.device)
+                t[case] = min(t.get(case, math.inf), _time_inprocess(fn))
+            rows.append({"pair": key, "n": n, "dense_s": t[dense_case], "linear_form_s": t[fast_case],
+                         "dense/linear_form": t[dense_case] / t[fast_case]})
+            dense_wins.append(t[dense_case] < t[fast_case])
+            print(f"  {key:6s} N={n:5d} dense {t[dense_case] * 1e3:8.3f} ms  {fast_case:14s} "
+                  f"{t[fast_case] * 1e3:8.3f} ms", flush=True)
+        # largest N at which dense wins such that the O(N) form wins at every larger measured N
+        limit = args.crossover_ns[0] // 2
+        for n, win in zip(args.crossover_ns, dense_wins):
+            if win:
+                limit = n
+        result[key] = limit
+    result["rows"] = rows
+    return result
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-kernattn bench attention", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}, 2 repeats (the demo)")
+    parser.add_argument("--ns", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_NS})")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--features", type=int, default=32, help="M, feature-map size of q and k")
+    parser.add_argument("--head-dim", type=int, default=64, help="D, value (and softmax q/k) size")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is killed")
+    parser.add_argument("--max-seconds", type=float, default=40.0, help="stop repeating a case after this long")
+    parser.add_argument("--max-nn-gb", type=float, default=6.0, help="skip softmax cases whose N x N matrices exceed this")
+    parser.add_argument("--out", default="bench_results/attention", help="folder for CSV and PNG")
+    parser.add_argument("--crossover", action="store_true",
+                        help="measure dense vs linear/causal_chunked/fft for small N (AUTO_DENSE_MAX_N)")
+    parser.add_argument("--crossover-ns", type=int, nargs="+", default=list(CROSSOVER_NS))
+    parser.add_argument("--crossover-dim", type=int, default=64, help="M = D for the crossover")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for --crossover")
+
+
+def run(args: argparse.Namespace) -> int:
+    from .common import format_table, write_csv
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.crossover:
+        res = crossover(args)
+        write_csv(res["rows"], out / "crossover.csv")
+        print("\n" + format_table(res["rows"], ["pair", "n", "dense_s", "linear_form_s", "dense/linear_form"]))
+        measured = {k: res[k] for k in CROSSOVER_PAIRS}
+        print(f"\nAUTO_DENSE_MAX_N (largest N where dense is faster) = {measured}")
+        print(f"wrote {out / 'crossover.csv'}")
+        return 0
+    ns = tuple(args.ns) if args.ns else (QUICK_NS if args.quick else FULL_NS)
+    if args.quick:
+        args.repeats = min(args.repeats, 2)
+    print(f"attention benchmark: N in {list(ns)}, batch {args.batch}, heads {args.heads}, M={args.features}, "
+          f"D={args.head_dim}, {args.dtype}", flush=True)
+    rows = _measure_all(args, ns)
+    summary = summarize(rows)
+    csv_path = write_csv(rows, out / "attention_bench.csv")
+    png_path = out / "attention_bench.png"
+    plot(rows, png_path, args)
+    cols = ["N"] + [f"{c} {u}" for c in args.cases for u in ("s", "MB")] + [
+        "speed-up fft vs softmax+RPE", "memory ratio softmax+RPE / fft", "fft time(N)/time(N/2)"]
+    print("\n" + format_table(summary, cols))
+    statuses = [f"- {r['case']} N={r['n']}: {r['status']}" for r in rows if r["status"] != "ok"]
+    if statuses:
+        print("\nnot measured:\n" + "\n".join(statuses))
+    targets = _targets(rows, summary)
+    if targets:
+        print("\ntargets (issue 2):\n" + "\n".join(targets))
+    print(f"\nwrote {csv_path} and {png_path}")
+    return 0
