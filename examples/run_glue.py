@@ -215,7 +215,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     def preprocess(batch):
         texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
         out = tokenizer(*texts, truncation=True, max_length=max_len)
-        if "label" in batch:
+        if "label" in batch and all(x is not None and x != -1 for x in batch["label"]):  # test splits: no labels
             if is_regression:
                 out["labels"] = [float(x) for x in batch["label"]]
             elif label2id is not None and not hasattr(label_feature, "names"):
@@ -225,7 +225,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return out
 
     with training_args.main_process_first(desc="tokenizing"):
-        processed = raw.map(preprocess, batched=True, remove_columns=split0.column_names)
+        processed = {name: split.map(preprocess, batched=True, remove_columns=split.column_names)
+                     for name, split in raw.items()}
     train_ds = processed["train"] if training_args.do_train else None
     eval_name = "validation_matched" if data_args.task_name == "mnli" else "validation"
     eval_ds = processed[eval_name] if (training_args.do_eval or training_args.eval_strategy != "no") else None
