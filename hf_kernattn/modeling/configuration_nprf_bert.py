@@ -48,6 +48,9 @@ class NPRFBertConfig(PreTrainedConfig):
         initializer_range: std of the normal initialisation of weights.
         layer_norm_eps: epsilon of the layer norms.
         pad_token_id: id of the padding token (its embedding row starts at zero).
+        bos_token_id: id of a beginning-of-sequence token, if the tokenizer has one (unused by
+            the model; kept for tokenizer/config round trips, e.g. RoBERTa's ``<s>``).
+        eos_token_id: id of an end-of-sequence token, if any (unused by the model, as above).
         position_embedding_type: ``"absolute"`` (BERT's learned absolute positions, added to the
             relative bias; needed to reuse BERT weights) or ``"none"`` (relative positions only:
             no length limit beyond memory).
