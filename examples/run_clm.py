@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -85,8 +84,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps (0: at the end of each epoch)")
     train.add_argument("--max_eval_batches", type=int, default=0, help="cap evaluation batches (0: all)")
     args = p.parse_args(argv)
-    if not args.train_file and not args.dataset_name and not args.model_name_or_path:
-        p.error("give --train_file or --dataset_name")
     if not args.train_file and not args.dataset_name:
         p.error("give --train_file or --dataset_name")
     for name in ("block_size", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "num_train_epochs"):

@@ -22,7 +22,6 @@ Table 1: MNIST-sized images as pixel sequences), greedy, from a one-token prompt
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable
