@@ -138,9 +138,12 @@ def get_backend(name: str) -> BackendSpec:
 
 
 # Crossovers measured with `hf-kernattn bench attention --crossover` on a 2-core CPU
-# (M = D = 64, one head, float32): below these N the quadratic dense form is faster than
-# the O(N) / O(N log N) forms. Dense also wins for tiny grids.
-AUTO_DENSE_MAX_N = {"plain": 256, "causal": 192, "rpe": 384}
+# (M = D = 64, batch 1, one head, float32, N in 32..1024): up to these N the quadratic dense
+# form was faster than the O(N) / O(N log N) forms. Measured: linear beats dense from N = 48
+# (1.01x; 12x at N = 1024); causal_chunked from N = 256 (1.08x; 6x at 1024); fft with a bias
+# was still 4.7x slower than dense at N = 1024 (its crossover lies above the measured range),
+# so "rpe" is capped at 1024, where dense's N x N matrices are still small.
+AUTO_DENSE_MAX_N = {"plain": 32, "causal": 192, "rpe": 1024}
 
 
 def choose_backend(*, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str) -> str:
