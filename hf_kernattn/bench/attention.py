@@ -53,9 +53,9 @@ LABELS = {
 }
 # how many N x N matrices of the compute dtype (batch * heads * N^2 elements each) a softmax case
 # holds at its peak, measured on CPU (SDPA's fused CPU kernel works in tiles even with a mask):
-# softmax_rpe: the int64 offset matrix (two float32 matrices' worth) and the float mask;
-# softmax_rpe_unfold: the mask; sdpa: none.
-NN_MATRICES = {"softmax_rpe": 3, "softmax_rpe_unfold": 1, "sdpa": 0}
+# softmax_rpe: two int64 offset matrices (offsets, offsets + N - 1) and the float mask, 6 GB
+# at N = 16384; softmax_rpe_unfold: the mask (1 GB at N = 16384); sdpa: none (8 MB at 16384).
+NN_MATRICES = {"softmax_rpe": 6, "softmax_rpe_unfold": 1, "sdpa": 0}
 FULL_NS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_NS = (1024, 2048, 4096)
 CROSSOVER_NS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
