@@ -425,6 +425,8 @@ def run(args: argparse.Namespace) -> int:
     cols = ["N"] + [f"{c} {u}" for c in args.cases for u in ("s", "MB")] + [
         "speed-up fft vs softmax+RPE", "memory ratio softmax+RPE / fft", "speed-up fft vs softmax+RPE (unfold mask)",
         "memory ratio softmax+RPE (unfold mask) / fft", "fft time(N)/time(N/2)"]
+    if "softmax_rpe_unfold" not in args.cases:
+        cols = [c for c in cols if "unfold" not in c]
     print("\n" + format_table(summary, cols))
     statuses = [f"- {r['case']} N={r['n']}: {r['status']}" for r in rows if r["status"] != "ok"]
     if statuses:
