@@ -35,13 +35,12 @@ importing torch only, not transformers.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 CASES = ("fft_rpe", "causal_chunked", "softmax_rpe", "softmax_rpe_unfold", "sdpa")
 LABELS = {
@@ -69,15 +68,6 @@ def _kernelized_attention() -> Callable[..., Any]:
     except ImportError:  # imported as a top-level module by the isolated runner
         from modeling.backends import kernelized_attention  # type: ignore[no-redef]
     return kernelized_attention
-
-
-def _reset_peak_rss() -> None:
-    """Reset the kernel's peak-RSS mark (Linux) so the measured peak covers the workload only."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
 
 
 def workload(
@@ -151,24 +141,14 @@ def workload(
 
     else:
         raise ValueError(f"unknown case {case!r}")
-    _reset_peak_rss()
     return run
 
 
-@contextlib.contextmanager
-def _flat_import_path() -> Iterator[None]:
-    """Let the measuring subprocess import this file as ``attention`` and ``modeling`` flat."""
+def _flat_path() -> list[str]:
+    """``PYTHONPATH`` entries under which this file imports as ``attention`` and the core as the
+    flat ``modeling`` package, without importing transformers (faster process start-up)."""
     here = Path(__file__).resolve().parent
-    old = os.environ.get("PYTHONPATH")
-    extra = os.pathsep.join([str(here), str(here.parent)])
-    os.environ["PYTHONPATH"] = extra + (os.pathsep + old if old else "")
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
+    return [str(here), str(here.parent)]
 
 
 def _nn_gb(case: str, n: int, args: argparse.Namespace) -> float:
@@ -176,35 +156,9 @@ def _nn_gb(case: str, n: int, args: argparse.Namespace) -> float:
     return NN_MATRICES.get(case, 0) * args.batch * args.heads * n * n * itemsize / 2**30
 
 
-def lean_measure(target: str, kwargs: dict[str, Any], **options: Any) -> dict[str, Any]:
-    """``bench.common.measure`` called from a small driver process instead of this one.
-
-    ``measure`` reads the peak from ``ru_maxrss``, which on Linux starts at the resident size
-    of the process that spawned the measuring one (the kernel carries it over ``exec``). From a
-    CLI process that imported transformers that floor is hundreds of MB and hides the O(N)
-    cases' memory, so the measuring process is spawned by a driver that imports only the
-    standard library; :func:`workload` then resets the high-water mark after building inputs.
-    """
-    import json
-    import subprocess
-    import sys
-
-    code = (
-        "import json, sys; from common import measure; "
-        "a = json.loads(sys.argv[1]); print('LEAN ' + json.dumps(measure(a[0], a[1], **a[2])))"
-    )
-    with _flat_import_path():
-        env = dict(os.environ)
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps([target, kwargs, options])],
-                          capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith("LEAN "):
-            return json.loads(line[len("LEAN "):])
-    err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"time_s": math.nan, "peak_mb": math.nan, "runs": 0, "status": f"failed: {err[:200]}"}
-
-
 def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str, Any]]:
+    from .common import measure
+
     rows = []
     stopped: dict[str, str] = {}
     for n in ns:
@@ -219,8 +173,8 @@ def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str
             else:
                 kwargs = dict(case=case, n=n, batch=args.batch, heads=args.heads, features=args.features,
                               head_dim=args.head_dim, dtype=args.dtype, device=args.device)
-                res = lean_measure("attention:workload", kwargs, repeats=args.repeats, timeout_s=args.timeout,
-                                   max_seconds=args.max_seconds)
+                res = measure("attention:workload", kwargs, repeats=args.repeats, timeout_s=args.timeout,
+                              max_seconds=args.max_seconds, extra_path=_flat_path())
                 if res["status"] != "ok":
                     stopped[case] = f"N={n} {res['status'].split(':')[0]}"
             row.update(res)

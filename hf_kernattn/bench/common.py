@@ -1,9 +1,11 @@
 """Shared benchmark machinery: isolated measurements, CSV and plots.
 
 Peak memory on a CPU cannot be read from torch's allocator, so every measurement runs in a
-fresh subprocess: it builds its inputs, notes its resident memory, runs the workload once and
-reads the peak resident set (``ru_maxrss``) minus that baseline; then it times ``repeats``
-runs and reports the median. On CUDA the allocator's own peak is used instead. A case that
+fresh subprocess: it builds its inputs, resets the kernel's peak-RSS mark
+(``/proc/self/clear_refs``), notes its resident memory, runs the workload once and reads the
+peak resident set (``VmHWM``) minus that baseline; then it times ``repeats`` runs and reports
+the median. (``ru_maxrss`` would not do: Linux carries it over ``exec`` from the parent, so it
+never drops below the resident size of the process that launched the measurement.) On CUDA the allocator's own peak is used instead. A case that
 fails (out of memory, killed, over its time limit) comes back as a row with ``status`` set,
 so one run always produces a whole table.
 
@@ -30,22 +32,33 @@ mod_name, fn_name = spec["target"].split(":")
 fn = getattr(importlib.import_module(mod_name), fn_name)(**spec["kwargs"])
 cuda = spec["kwargs"].get("device", "cpu").startswith("cuda")
 
-def rss_bytes():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
+def status_bytes(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(key)
 
 gc.collect()
 if cuda:
     torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
 else:
-    base = rss_bytes()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak-RSS mark to the current RSS
+        base = status_bytes("VmRSS")
+        use_hwm = True
+    except OSError:  # not Linux: fall back to ru_maxrss (may include the setup)
+        base, use_hwm = 0, False
 fn()
 if cuda:
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
+elif use_hwm:
+    peak = status_bytes("VmHWM") - base
 else:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 times = []
 deadline = time.perf_counter() + spec["max_seconds"]
 for _ in range(spec["repeats"]):
@@ -68,16 +81,19 @@ def measure(
     timeout_s: float = 600.0,
     max_seconds: float = 60.0,
     threads: Optional[int] = None,
+    extra_path: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Measure one workload in a fresh process.
 
-    Returns ``{"time_s", "peak_mb", "runs", "status"}``; ``status`` is ``"ok"`` or why it failed
+    ``extra_path`` entries go first on the subprocess's ``PYTHONPATH`` (a workload may import
+    a light module layout to keep process start-up short). Returns ``{"time_s", "peak_mb", "runs", "status"}``; ``status`` is ``"ok"`` or why it failed
     (then time and memory are ``nan``).
     """
     spec = {"target": target, "kwargs": kwargs, "repeats": repeats, "max_seconds": max_seconds, "threads": threads}
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    paths = [*extra_path, root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     try:
         proc = subprocess.run(
             [sys.executable, "-c", _RUNNER, json.dumps(spec)],

@@ -33,15 +33,6 @@ SHAPE = dict(hidden=512, layers=6, heads=8, vocab=256)
 MODELS = ("linear_state", "linear_nostate", "gpt2_kv")
 
 
-def _reset_peak_rss() -> None:
-    """Reset the kernel's peak-RSS mark so the measured peak covers decoding, not the setup."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:  # not Linux / not permitted: the peak then includes the setup
-        pass
-
-
 def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int, vocab: int):
     import torch
 
@@ -88,7 +79,6 @@ def decode_workload(
                 state = out.past_key_values
                 tok = out.logits[:, -1:].argmax(-1)
 
-        _reset_peak_rss()
         return run
     if model == "linear_nostate":
         def run() -> None:
@@ -97,7 +87,6 @@ def decode_workload(
                 out = net(seq, use_cache=False, logits_to_keep=1)
                 seq = torch.cat([seq, out.logits[:, -1:].argmax(-1)], dim=1)
 
-        _reset_peak_rss()
         return run
     if model == "gpt2_kv":
         from transformers import DynamicCache
@@ -121,7 +110,6 @@ def decode_workload(
                 tok = out.logits[:, -1:].argmax(-1)
                 pos += 1
 
-        _reset_peak_rss()
         return run
     raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
 
@@ -145,7 +133,6 @@ def throughput_workload(
                 do_sample=False, use_cache=use_cache, pad_token_id=0, eos_token_id=None,
             )
 
-    _reset_peak_rss()
     return run
 
 
