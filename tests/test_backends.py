@@ -180,3 +180,46 @@ def test_half_precision_long_sequence_is_finite(dtype, name, causal, rpe):
     out = hf_kernattn.kernelized_attention(q, k, v, bias, causal, backend=name)
     assert out.dtype == dtype
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("n,clip", [(1, 1), (7, 1), (40, 3), (100, 10), (100, 33), (30, 200)])
+def test_windowed_equals_dense_for_clipped_bias(n, clip, causal):
+    """The windowed backend on a bias from a clipped table: outputs and gradients (q, k, v and the
+    table) equal the dense float64 reference. Short chunks force the far-region path."""
+    from hf_kernattn.modeling.kernels import windowed_attention
+
+    q, k, v, _, mask = _inputs(max(n, 4), seed=8)
+    q, k, v, mask = q[:, :, :n], k[:, :, :n], v[:, :, :n], mask[:, :n]
+    mask[0, -1:] = 1
+    table = hf_kernattn.RelativePositionBias1D(H, clip, init_std=0.5).double()
+    results = []
+    for fn in ("dense", "windowed", "windowed_small_chunks"):
+        xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        table.zero_grad()
+        if fn == "windowed_small_chunks":
+            out = windowed_attention(*xs, rpe_bias=table(n), rpe_clip=clip, causal=causal, key_mask=mask.bool(), min_chunk=1)
+        else:
+            out = hf_kernattn.kernelized_attention(*xs, table(n), causal, mask, backend=fn, rpe_clip=clip)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)).sum().backward()
+        results.append((out.detach(), [x.grad for x in xs] + [table.weight.grad.clone()]))
+    for out, grads in results[1:]:
+        torch.testing.assert_close(out, results[0][0], rtol=0, atol=1e-9)
+        for g, rg in zip(grads, results[0][1]):
+            torch.testing.assert_close(g, rg, rtol=0, atol=1e-9)
+
+
+def test_rpe_clip_is_checked_and_auto_uses_windowed():
+    from hf_kernattn.modeling.backends import choose_backend
+
+    q, k, v, bias, _ = _inputs(12, seed=9)
+    with pytest.raises(ValueError, match=r"not constant beyond offsets \+-3"):
+        hf_kernattn.kernelized_attention(q, k, v, bias, rpe_clip=3)
+    with pytest.raises(ValueError, match="rpe_clip must be an int >= 0"):
+        hf_kernattn.kernelized_attention(q, k, v, bias, rpe_clip=-1)
+    with pytest.raises(ValueError, match="rpe_clip needs a 1D rpe_bias"):
+        hf_kernattn.kernelized_attention(q, k, v, rpe_clip=3)
+    with pytest.raises(ValueError, match="'windowed' cannot do calls without a 1D rpe_bias declared clipped"):
+        hf_kernattn.kernelized_attention(q, k, v, bias, backend="windowed")
+    assert choose_backend(n=4096, causal=False, rpe="1d", key_mask=False, device="cpu", rpe_clip=512) == "windowed"
+    assert choose_backend(n=4096, causal=True, rpe="1d", key_mask=True, device="cpu", rpe_clip=4096) == "fft"

@@ -91,12 +91,15 @@ class KernelizedSelfAttention(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         rpe_bias: Optional[torch.Tensor] = None,
         grid: Optional[Sequence[int]] = None,
+        rpe_clip: Optional[int] = None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
             attention_mask: ``(B, N)``, 1 keep, 0 padding.
             rpe_bias: ``(H, 2N-1)`` or with ``grid`` ``(H, 2Hg-1, 2Wg-1)``.
             grid: ``(Hg, Wg)`` for a 2D bias.
+            rpe_clip: ``K`` when the 1D bias comes from a table clipped at ``K`` (enables the
+                O(N K) ``windowed`` backend; see :func:`kernelized_attention`).
         Returns:
             ``(B, N, C)``.
         """
@@ -105,6 +108,6 @@ class KernelizedSelfAttention(nn.Module):
             rpe_bias = rpe_bias.to(q.dtype)
         out = kernelized_attention(
             q, k, v, rpe_bias=rpe_bias, causal=self.causal, attention_mask=attention_mask,
-            grid=grid, backend=self.backend, eps=self.eps,
+            grid=grid, backend=self.backend, eps=self.eps, rpe_clip=rpe_clip if rpe_bias is not None else None,
         )
         return self.output(out, hidden_states.dtype)

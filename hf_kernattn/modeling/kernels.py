@@ -443,6 +443,83 @@ def fft_attention(
     return y[..., :d] / (y[..., d:] + eps)
 
 
+# ----------------------------------------------------------------------------- clipped RPE, O(N K)
+
+
+def windowed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    rpe_bias: torch.Tensor,
+    rpe_clip: int,
+    causal: bool = False,
+    key_mask: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    min_chunk: int = 32,
+    **_: object,
+) -> torch.Tensor:
+    """Exact attention for a 1D bias that is constant beyond ``|r| > rpe_clip`` (a clipped table).
+
+    With ``K = rpe_clip`` every key further than K positions to the left of query i carries the
+    same weight ``c_{-K}`` (to the right ``c_K``). Cut the sequence into chunks of ``C >= K``
+    tokens: for a query in chunk a, keys in chunks a-1, a, a+1 get their exact weights from the
+    bias (``C x 3C`` blocks, bias gathered per offset), and every key in chunks ``<= a-2`` (all at
+    offsets ``< -K``) enters through the prefix sum of chunk states ``sum k^T [v, 1]`` times
+    ``c_{-K}``, every key in chunks ``>= a+2`` through the suffix sum times ``c_K``.
+    Time O(N C (M + D) + N M D), memory O(N C) for the local blocks: linear in N for fixed K.
+
+    Gradients of the far region land on the bias entries ``+-K`` (what clipping a table does:
+    the table's own gradient is then identical to the dense one).
+    """
+    dt = compute_dtype_for(q)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    k, v = mask_keys(k, v, key_mask)
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    clip = max(0, min(int(rpe_clip), n - 1))
+    c = max(clip, min_chunk, 1)
+    pad = (-n) % c
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        k = torch.nn.functional.pad(k, (0, 0, 0, pad))
+        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
+    nc = (n + pad) // c
+    qc = q.reshape(b, h, nc, c, m)
+    kc = k.reshape(b, h, nc, c, m)
+    vc = v1.reshape(b, h, nc, c, d + 1)
+
+    def neighbours(x: torch.Tensor) -> torch.Tensor:
+        """``(B, H, nc, C, F)`` -> chunks a-1, a, a+1 side by side: ``(B, H, nc, 3C, F)``."""
+        xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 1, 1))
+        return torch.cat([xp[:, :, :-2], xp[:, :, 1:-1], xp[:, :, 2:]], dim=3)
+
+    # local blocks: offset r = j - i = (s - C) - t for query t and local key s, in every chunk
+    t = torch.arange(c, device=q.device)
+    s_idx = torch.arange(3 * c, device=q.device)
+    offsets = (s_idx[None, :] - c - t[:, None]).clamp(-(n - 1), n - 1)  # (C, 3C)
+    weight = torch.exp(rpe_bias.to(dt)[:, offsets + n - 1])  # (H, C, 3C)
+    if causal:
+        weight = weight * (offsets <= 0).to(dt)
+    scores = (qc @ neighbours(kc).transpose(-1, -2)) * weight[None, :, None]  # (B, H, nc, C, 3C)
+    y = scores @ neighbours(vc)  # (B, H, nc, C, D+1)
+    if nc > 2:
+        states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D+1)
+        zero = torch.zeros_like(states[:, :, :2])
+        prefix = torch.cumsum(states, dim=2)
+        left = torch.cat([zero, prefix[:, :, :-2]], dim=2)  # sum over chunks <= a-2
+        c_left = torch.exp(rpe_bias.to(dt)[:, n - 1 - clip])[None, :, None, None, None]
+        y = y + c_left * (qc @ left)
+        if not causal:
+            suffix = torch.flip(torch.cumsum(torch.flip(states, dims=[2]), dim=2), dims=[2])
+            right = torch.cat([suffix[:, :, 2:], zero], dim=2)  # sum over chunks >= a+2
+            c_right = torch.exp(rpe_bias.to(dt)[:, n - 1 + clip])[None, :, None, None, None]
+            y = y + c_right * (qc @ right)
+    y = y.reshape(b, h, nc * c, d + 1)[:, :, :n]
+    return y[..., :d] / (y[..., d:] + eps)
+
+
 # ----------------------------------------------------------------------------- recurrent
 
 

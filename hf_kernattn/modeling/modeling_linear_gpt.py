@@ -138,7 +138,8 @@ class LinearGPTAttention(KernelizedSelfAttention):
                 out = self._rpe_steps(q, k, v, state)
                 return self.output(self.dropout(out), hidden_states.dtype)
             out = kernelized_attention(
-                q, k, v, rpe_bias=self.rpe(n).to(q.dtype), causal=True, backend=self.backend, eps=self.eps
+                q, k, v, rpe_bias=self.rpe(n).to(q.dtype), causal=True, backend=self.backend, eps=self.eps,
+                rpe_clip=self.rpe.max_relative_position,
             )
         elif not self.rotary and not has_prev:
             out = kernelized_attention(q, k, v, causal=True, backend=self.backend, eps=self.eps)

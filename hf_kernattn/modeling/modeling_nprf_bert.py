@@ -88,6 +88,9 @@ class NPRFBertLayer(nn.Module):
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.attention = KernelizedSelfAttention(config, layer_idx=layer_idx, causal=False)
+        # the bias (shared or this layer's) comes from a table clipped at K: lets `auto` use
+        # the O(N K) windowed backend, exact for such a bias
+        self.max_relative_position = config.max_relative_position
         self.attention_dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.intermediate = nn.Linear(config.hidden_size, config.intermediate_size)
@@ -114,7 +117,8 @@ class NPRFBertLayer(nn.Module):
         """
         if self.rpe is not None:
             rpe_bias = self.rpe(hidden_states.shape[1])
-        attn = self.attention(hidden_states, attention_mask=attention_mask, rpe_bias=rpe_bias)
+        clip = self.max_relative_position if rpe_bias is not None else None
+        attn = self.attention(hidden_states, attention_mask=attention_mask, rpe_bias=rpe_bias, rpe_clip=clip)
         hidden_states = self.attention_norm(hidden_states + self.attention_dropout(attn))
         ff = self.output(self.act(self.intermediate(hidden_states)))
         return self.output_norm(hidden_states + self.output_dropout(ff))
