@@ -40,7 +40,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 CASES = ("fft_rpe", "causal_chunked", "softmax_rpe", "softmax_rpe_unfold", "sdpa")
 LABELS = {

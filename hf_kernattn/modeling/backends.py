@@ -10,7 +10,7 @@ backend (raising ``ValueError`` with the backends that *can* do it if it cannot)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch

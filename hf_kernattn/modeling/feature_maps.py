@@ -32,7 +32,6 @@ The draw number is a buffer too, so a reloaded model continues the same sequence
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F

@@ -136,6 +136,23 @@ def linear_attention(
 # ----------------------------------------------------------------------------- causal chunked
 
 
+def _chunked(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero-pad N to a multiple of ``c`` and cut into chunks; values get a ones column whose
+    sums accumulate the denominator (a padded or masked key has k = 0, so it adds nothing).
+
+    Returns ``q, k (B, H, nc, c, M)`` and ``[v, 1] (B, H, nc, c, D + 1)``.
+    """
+    b, h, n, m = q.shape
+    pad = (-n) % c
+    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if pad:
+        q, k, v1 = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v1))
+    nc = (n + pad) // c
+    return q.reshape(b, h, nc, c, m), k.reshape(b, h, nc, c, m), v1.reshape(b, h, nc, c, v.shape[-1] + 1)
+
+
 def causal_chunked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -159,16 +176,8 @@ def causal_chunked_attention(
     b, h, n, m = q.shape
     d = v.shape[-1]
     c = max(1, min(chunk_size, n))
-    pad = (-n) % c
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)  # last column accumulates the denominator
-    if pad:
-        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
-        k = torch.nn.functional.pad(k, (0, 0, 0, pad))
-        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
-    nc = (n + pad) // c
-    qc = q.reshape(b, h, nc, c, m)
-    kc = k.reshape(b, h, nc, c, m)
-    vc = v1.reshape(b, h, nc, c, d + 1)
+    qc, kc, vc = _chunked(q, k, v, c)
+    nc = qc.shape[2]
     chunk_states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D+1)
     prefix = torch.cumsum(chunk_states, dim=2) - chunk_states  # states of strictly earlier chunks
     inter = qc @ prefix  # (B, H, nc, C, D+1)
@@ -368,7 +377,6 @@ class ToeplitzKernelProduct(torch.autograd.Function):
         ws_u = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_q or need_c) else None
         ws_g = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_k or need_v or need_c) else None
         corr = torch.zeros_like(ws_u.freq) if need_c else None
-        sdims = tuple(range(3, 3 + nd))
         for ms, ds in _blocks(m, d1, mb, dc):
             w, dw = ms.stop - ms.start, ds.stop - ds.start
             uf = ws_u.transform(ks[:, :, ms], vs[:, :, ds]) if ws_u is not None else None
@@ -479,16 +487,8 @@ def windowed_attention(
     d = v.shape[-1]
     clip = max(0, min(int(rpe_clip), n - 1))
     c = max(clip, min_chunk, 1)
-    pad = (-n) % c
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-    if pad:
-        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
-        k = torch.nn.functional.pad(k, (0, 0, 0, pad))
-        v1 = torch.nn.functional.pad(v1, (0, 0, 0, pad))
-    nc = (n + pad) // c
-    qc = q.reshape(b, h, nc, c, m)
-    kc = k.reshape(b, h, nc, c, m)
-    vc = v1.reshape(b, h, nc, c, d + 1)
+    qc, kc, vc = _chunked(q, k, v, c)
+    nc = qc.shape[2]
 
     def neighbours(x: torch.Tensor) -> torch.Tensor:
         """``(B, H, nc, C, F)`` -> chunks a-1, a, a+1 side by side: ``(B, H, nc, 3C, F)``."""
