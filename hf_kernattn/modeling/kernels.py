@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.utils.checkpoint
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -454,6 +455,15 @@ def fft_attention(
 # ----------------------------------------------------------------------------- clipped RPE, O(N K)
 
 
+_WINDOW_GROUP_ELEMS = 1 << 23  # score elements per group of chunks in windowed_attention
+
+
+def _local_window_block(qc: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``((q k^T) * c) [v, 1]`` for query chunks ``qc (B, H, g, C, M)`` against their neighbour
+    keys ``kn (B, H, g, 3C, M)`` / values ``vn (B, H, g, 3C, D+1)``, weights ``(H, C, 3C)``."""
+    return ((qc @ kn.transpose(-1, -2)) * weight[None, :, None]) @ vn
+
+
 def windowed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -502,8 +512,20 @@ def windowed_attention(
     weight = torch.exp(rpe_bias.to(dt)[:, offsets + n - 1])  # (H, C, 3C)
     if causal:
         weight = weight * (offsets <= 0).to(dt)
-    scores = (qc @ neighbours(kc).transpose(-1, -2)) * weight[None, :, None]  # (B, H, nc, C, 3C)
-    y = scores @ neighbours(vc)  # (B, H, nc, C, D+1)
+    kn, vn = neighbours(kc), neighbours(vc)
+    # The (C x 3C) score blocks dominate memory; they are built a group of chunks at a time and,
+    # when gradients are needed, recomputed in the backward pass instead of stored, so memory
+    # stays O(N (M + D)) plus one group, not O(N K).
+    group = max(1, _WINDOW_GROUP_ELEMS // max(b * h * c * 3 * c, 1))
+    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, weight))
+    parts = []
+    for g in range(0, nc, group):
+        args = (qc[:, :, g : g + group], kn[:, :, g : g + group], vn[:, :, g : g + group], weight)
+        if recompute:
+            parts.append(torch.utils.checkpoint.checkpoint(_local_window_block, *args, use_reentrant=False))
+        else:
+            parts.append(_local_window_block(*args))
+    y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # (B, H, nc, C, D+1)
     if nc > 2:
         states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D+1)
         zero = torch.zeros_like(states[:, :, :2])
