@@ -3,7 +3,9 @@
 Both models have the same shape (BERT-base widths by default: hidden 768, 12 heads,
 intermediate 3072, ``--layers`` encoder layers, batch 1) and the same absolute position table;
 NPRF-BERT adds PRF features (``--features`` per head) and a shared relative-position bias
-evaluated by FFT (``attn_backend="fft"``). Each (model, N, mode) case runs in its own process
+clipped at ``--max-relative-position`` (default 512, the config default), evaluated by the
+backend ``--backend`` (default ``auto``: the O(N K) ``windowed`` backend once N >= 2K, else the
+dense or FFT path; ``fft`` forces the O(N log N) Toeplitz FFT). Each (model, N, mode) case runs in its own process
 (:func:`hf_kernattn.bench.common.measure`): peak memory is the peak resident set over the
 process's baseline after the model and inputs exist; time is the median of ``--repeats`` runs
 after one warm-up. Cases that fail (out of memory, over the time limit) are reported as such.
@@ -13,7 +15,6 @@ Writes ``encoder.csv`` and ``encoder.png`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -35,11 +36,13 @@ def workload(
     features: int = 64,
     batch: int = 1,
     device: str = "cpu",
+    backend: str = "auto",
+    max_relative_position: int = 512,
 ) -> Callable[[], None]:
     """Build one model and its inputs; return a callable doing one forward (``mode="fwd"``,
     under ``torch.no_grad``) or one forward+backward (``mode="fwdbwd"``) on ``(batch, n)`` ids.
 
-    ``model``: ``"nprf"`` (NPRF-BERT, FFT backend) or ``"bert"`` (``transformers.BertModel``,
+    ``model``: ``"nprf"`` (NPRF-BERT with ``attn_backend=backend``) or ``"bert"`` (``transformers.BertModel``,
     ``attn_implementation="sdpa"``). Dropout is 0 in both so they do the same work every run.
     """
     import torch
@@ -58,7 +61,8 @@ def workload(
         from hf_kernattn.modeling.configuration_nprf_bert import NPRFBertConfig
         from hf_kernattn.modeling.modeling_nprf_bert import NPRFBertModel
 
-        cfg = NPRFBertConfig(**common, num_random_features=features, attn_backend="fft", rpe_init_std=0.02)
+        cfg = NPRFBertConfig(**common, num_random_features=features, attn_backend=backend, rpe_init_std=0.02,
+                             max_relative_position=max_relative_position)
         net = NPRFBertModel(cfg)
     else:
         from transformers import BertConfig, BertModel
@@ -93,6 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_NS}, one layer, one timed run")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_NS})")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--backend", default="auto", help="NPRF-BERT attn_backend (auto, fft, windowed, ...)")
+    parser.add_argument("--max-relative-position", type=int, default=512, help="K, where the bias is clipped")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--intermediate", type=int, default=3072)
@@ -123,12 +129,14 @@ def run(args: argparse.Namespace) -> int:
     repeats = 1 if args.quick else args.repeats
     shape = dict(layers=layers, hidden=args.hidden, heads=args.heads, intermediate=args.intermediate,
                  features=args.features, batch=args.batch, device=args.device)
+    nprf_only = dict(backend=args.backend, max_relative_position=args.max_relative_position)
     rows: list[dict[str, Any]] = []
     for n in lengths:
         for mode in ("fwd", "fwdbwd"):
             res = {}
             for model in ("bert", "nprf"):
-                r = measure("hf_kernattn.bench.encoder:workload", dict(model=model, n=n, mode=mode, **shape),
+                kwargs = dict(model=model, n=n, mode=mode, **shape, **(nprf_only if model == "nprf" else {}))
+                r = measure("hf_kernattn.bench.encoder:workload", kwargs,
                             repeats=repeats, timeout_s=args.timeout, max_seconds=args.timeout / 2, threads=args.threads)
                 res[model] = r
                 print(f"N={n:6d} {mode:7s} {model:5s} time={r['time_s']:.4g}s peak={r['peak_mb']:.4g}MB {r['status']}",
@@ -167,7 +175,8 @@ def run(args: argparse.Namespace) -> int:
                     ylabel="x", logy=False, ax=axes[2])
     axes[2].axhline(1.0, color="gray", lw=0.8)
     fig.suptitle(f"NPRF-BERT vs BertModel+SDPA, {layers} layers, hidden {args.hidden}, {args.heads} heads, "
-                 f"m={args.features}, batch {args.batch}, {args.device}, {os.cpu_count()} CPU cores")
+                 f"m={args.features}, K={args.max_relative_position}, backend {args.backend}, batch {args.batch}, "
+                 f"{args.device}, {os.cpu_count()} CPU cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "encoder.png", dpi=110)
     plt.close(fig)

@@ -519,8 +519,10 @@ def windowed_attention(
     group = max(1, _WINDOW_GROUP_ELEMS // max(b * h * c * 3 * c, 1))
     recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, weight))
     parts = []
-    for g in range(0, nc, group):
-        args = (qc[:, :, g : g + group], kn[:, :, g : g + group], vn[:, :, g : g + group], weight)
+    # split, not slicing in a loop: the backward of a split is one concatenation, while each
+    # slice's backward would write into a zero tensor of the full size
+    for q_g, k_g, v_g in zip(qc.split(group, dim=2), kn.split(group, dim=2), vn.split(group, dim=2)):
+        args = (q_g, k_g, v_g, weight)
         if recompute:
             parts.append(torch.utils.checkpoint.checkpoint(_local_window_block, *args, use_reentrant=False))
         else:
