@@ -196,10 +196,10 @@ def _check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tens
     return x
 
 
-def _normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[torch.Tensor]:
-    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded."""
+def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
+    """``TypeError`` / ``ValueError`` unless ``attention_mask`` is None or a ``(b, n)`` tensor."""
     if attention_mask is None:
-        return None
+        return
     if not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"attention_mask must be a torch.Tensor of shape (batch, seq) = ({b}, {n}) or None")
     if tuple(attention_mask.shape) != (b, n):
@@ -207,6 +207,13 @@ def _normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[
             f"attention_mask must have shape (batch, seq) = ({b}, {n}) with 1 = keep and 0 = padding, "
             f"got {tuple(attention_mask.shape)}"
         )
+
+
+def _normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[torch.Tensor]:
+    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded."""
+    check_attention_mask(attention_mask, b, n)
+    if attention_mask is None:
+        return None
     if attention_mask.is_floating_point() or attention_mask.dtype not in (torch.bool,):
         bad = (attention_mask != 0) & (attention_mask != 1)
         if bool(bad.any()):

@@ -7,6 +7,7 @@ from typing import Optional
 from transformers import PreTrainedConfig
 
 from .attention_config import validate_attention_fields
+from .feature_maps import feature_size
 
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "none")
 
@@ -125,7 +126,7 @@ class LinearGPTConfig(PreTrainedConfig):
         if position_embedding_type == "rotary":
             if rpe != "none":
                 raise ValueError("position_embedding_type='rotary' cannot be combined with rpe='learned'; pick one")
-            m = num_random_features if feature_map == "prf" else 2 * num_random_features if feature_map == "trf" else hidden_size // num_attention_heads
+            m = feature_size(feature_map, num_random_features, hidden_size // num_attention_heads)
             if m % 2:
                 raise ValueError(f"position_embedding_type='rotary' needs an even feature size, got {m}")
         if not isinstance(rotary_base, (int, float)) or rotary_base <= 1:

@@ -60,6 +60,15 @@ def check_feature_map_args(
         raise ValueError(f"feature_redraw_interval must be an int >= 0 (0 = never redraw), got {redraw_interval!r}")
 
 
+def feature_size(feature_map: str, num_random_features: int, head_dim: int) -> int:
+    """M, the feature dimension a map produces: m for prf, 2m for trf, d for elu and relu."""
+    if feature_map == "prf":
+        return num_random_features
+    if feature_map == "trf":
+        return 2 * num_random_features
+    return head_dim
+
+
 def draw_projection(
     num_features: int, head_dim: int, kind: str, generator: torch.Generator, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -143,11 +152,7 @@ class FeatureMap(nn.Module):
     @property
     def num_features(self) -> int:
         """M, the size of the feature dimension."""
-        if self.kind == "prf":
-            return self.num_random_features
-        if self.kind == "trf":
-            return 2 * self.num_random_features
-        return self.head_dim
+        return feature_size(self.kind, self.num_random_features, self.head_dim)
 
     def _draw(self, index: int) -> torch.Tensor:
         gen = torch.Generator(device="cpu").manual_seed(self.seed + index)

@@ -137,21 +137,42 @@ def linear_attention(
 # ----------------------------------------------------------------------------- causal chunked
 
 
-def _chunked(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Zero-pad N to a multiple of ``c`` and cut into chunks; values get a ones column whose
-    sums accumulate the denominator (a padded or masked key has k = 0, so it adds nothing).
-
-    Returns ``q, k (B, H, nc, c, M)`` and ``[v, 1] (B, H, nc, c, D + 1)``.
-    """
-    b, h, n, m = q.shape
+def _chunk(x: torch.Tensor, c: int) -> torch.Tensor:
+    """Zero-pad ``x (B, H, N, F)`` along N to a multiple of ``c``: ``(B, H, N / c, c, F)``."""
+    b, h, n, f = x.shape
     pad = (-n) % c
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
     if pad:
-        q, k, v1 = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v1))
-    nc = (n + pad) // c
-    return q.reshape(b, h, nc, c, m), k.reshape(b, h, nc, c, m), v1.reshape(b, h, nc, c, v.shape[-1] + 1)
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.reshape(b, h, (n + pad) // c, c, f)
+
+
+def with_ones_column(v: torch.Tensor) -> torch.Tensor:
+    """``[v, 1]``: ``(B, H, N, D) -> (B, H, N, D + 1)``. Summing it with the attention weights
+    gives numerator and denominator in one pass (a masked key has k = 0, so it adds nothing)."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
+    """Unnormalised causal sums ``Y_i = sum_{j <= i} (q_i . k_j) v_j`` in chunked O(N) form.
+
+    The sequence is cut into chunks of ``C``. Inside a chunk the (C x C) causal matrix is exact;
+    across chunks each chunk reads ``S = sum_{earlier chunks} k_j^T v_j`` (an exclusive prefix
+    sum over chunk states). Time O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D).
+
+    Args:
+        q, k: ``(B, H, N, M)``; v: ``(B, H, N, D)`` (one dtype).
+    Returns:
+        ``(B, H, N, D)``.
+    """
+    n, d = q.shape[2], v.shape[-1]
+    c = max(1, min(chunk_size, n))
+    qc, kc, vc = _chunk(q, c), _chunk(k, c), _chunk(v, c)
+    chunk_states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D)
+    prefix = torch.cumsum(chunk_states, dim=2) - chunk_states  # states of strictly earlier chunks
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    scores = torch.where(tri, qc @ kc.transpose(-1, -2), torch.zeros((), dtype=q.dtype, device=q.device))
+    y = qc @ prefix + scores @ vc  # (B, H, nc, C, D)
+    return y.reshape(q.shape[0], q.shape[1], -1, d)[:, :, :n]
 
 
 def causal_chunked_attention(
@@ -164,28 +185,13 @@ def causal_chunked_attention(
     chunk_size: int = 64,
     **_: object,
 ) -> torch.Tensor:
-    """Causal linear attention in chunked form.
-
-    The sequence is cut into ``N / C`` chunks. Inside a chunk the (C x C) causal matrix is
-    exact; across chunks each chunk reads the state ``S = sum_{earlier chunks} k_j^T [v_j, 1]``
-    (an exclusive prefix sum over chunk states). Time O(N C (M + D) + N M D), memory
-    O(N (M + D) + (N / C) M D): never quadratic in N.
-    """
+    """Causal linear attention in chunked form (:func:`causal_linear_sums` over ``[v, 1]``):
+    never quadratic in N."""
     dt = compute_dtype_for(q)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     k, v = mask_keys(k, v, key_mask)
-    b, h, n, m = q.shape
     d = v.shape[-1]
-    c = max(1, min(chunk_size, n))
-    qc, kc, vc = _chunked(q, k, v, c)
-    nc = qc.shape[2]
-    chunk_states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D+1)
-    prefix = torch.cumsum(chunk_states, dim=2) - chunk_states  # states of strictly earlier chunks
-    inter = qc @ prefix  # (B, H, nc, C, D+1)
-    scores = qc @ kc.transpose(-1, -2)  # (B, H, nc, C, C)
-    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    intra = (scores * tri.to(dt)) @ vc
-    y = (inter + intra).reshape(b, h, nc * c, d + 1)[:, :, :n]
+    y = causal_linear_sums(q, k, with_ones_column(v), chunk_size)
     return y[..., :d] / (y[..., d:] + eps)
 
 
@@ -447,7 +453,7 @@ def fft_attention(
     k, v = mask_keys(k, v, key_mask)
     n, d = q.shape[-2], v.shape[-1]
     c = toeplitz_coefficients(rpe_bias, n, q.shape[1], causal, grid, dt, q.device)
-    v1 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    v1 = with_ones_column(v)
     y = ToeplitzKernelProduct.apply(q, k, v1, c, _spatial_shape(n, grid))
     return y[..., :d] / (y[..., d:] + eps)
 
@@ -497,7 +503,7 @@ def windowed_attention(
     d = v.shape[-1]
     clip = max(0, min(int(rpe_clip), n - 1))
     c = max(clip, min_chunk, 1)
-    qc, kc, vc = _chunked(q, k, v, c)
+    qc, kc, vc = _chunk(q, c), _chunk(k, c), _chunk(with_ones_column(v), c)
     nc = qc.shape[2]
 
     def neighbours(x: torch.Tensor) -> torch.Tensor:

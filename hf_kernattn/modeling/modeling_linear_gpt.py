@@ -35,34 +35,10 @@ from .backends import kernelized_attention
 from .cache import LinearAttentionState, LinearGPTCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .feature_maps import feature_maps_step
-from .kernels import recurrent_step
+from .kernels import causal_linear_sums, mask_keys, recurrent_step, with_ones_column
 from .positional import RelativePositionBias1D
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
-    """Unnormalised causal sums ``Y_i = sum_{j<=i} (q_i . k_j) v_j`` in chunked O(N) form.
-
-    Args:
-        q, k: ``(B, H, N, M)``; v: ``(B, H, N, D)`` (same dtype).
-    Returns:
-        ``(B, H, N, D)``.
-    """
-    b, h, n, m = q.shape
-    d = v.shape[-1]
-    c = max(1, min(chunk_size, n))
-    pad = (-n) % c
-    if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-    nc = (n + pad) // c
-    qc, kc, vc = q.reshape(b, h, nc, c, m), k.reshape(b, h, nc, c, m), v.reshape(b, h, nc, c, d)
-    chunk_states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D)
-    prefix = torch.cumsum(chunk_states, dim=2) - chunk_states
-    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    scores = torch.where(tri, qc @ kc.transpose(-1, -2), torch.zeros((), dtype=q.dtype, device=q.device))
-    y = qc @ prefix + scores @ vc
-    return y.reshape(b, h, nc * c, d)[:, :, :n]
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,13 +53,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
-
-def _zero_padded(x: torch.Tensor, key_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Zero rows of ``x (B, H, N, F)`` where ``key_mask (B, N)`` is False."""
-    if key_mask is None:
-        return x
-    return torch.where(key_mask[:, None, :, None], x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 # ----------------------------------------------------------------------------- layers
@@ -127,7 +96,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
         n = q.shape[2]
         state = past_key_values
         has_prev = state is not None and state.is_initialized
-        k, v = _zero_padded(k, key_mask), _zero_padded(v, key_mask)
+        k, v = mask_keys(k, v, key_mask)
         q_num, k_num = q, k
         if self.rotary:
             cos, sin = rotary
@@ -159,7 +128,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
             num = causal_linear_sums(q_num, k_num, v)
             den = causal_linear_sums(q, k, torch.ones_like(v[..., :1]))
         else:
-            y = causal_linear_sums(q, k, torch.cat([v, torch.ones_like(v[..., :1])], dim=-1))
+            y = causal_linear_sums(q, k, with_ones_column(v))
             num, den = y[..., :-1], y[..., -1:]
         if state is not None:
             num = num + q_num @ state.state

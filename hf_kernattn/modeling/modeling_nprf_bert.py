@@ -31,6 +31,7 @@ from transformers.modeling_outputs import (
 )
 
 from .attention import KernelizedSelfAttention
+from .backends import check_attention_mask
 from .configuration_nprf_bert import NPRFBertConfig
 from .feature_maps import feature_maps_step
 from .positional import RelativePositionBias1D
@@ -181,14 +182,7 @@ def _check_inputs(
         b, n = inputs_embeds.shape[:2]
     if n < 1:
         raise ValueError("input_ids / inputs_embeds must have at least one position")
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a torch.Tensor of shape (batch, seq) = ({b}, {n}) or None")
-        if tuple(attention_mask.shape) != (b, n):
-            raise ValueError(
-                f"attention_mask must have shape (batch, seq) = ({b}, {n}) with 1 = keep and 0 = padding, "
-                f"got {tuple(attention_mask.shape)}"
-            )
+    check_attention_mask(attention_mask, b, n)
     if token_type_ids is not None:
         if not isinstance(token_type_ids, torch.Tensor) or tuple(token_type_ids.shape) != (b, n):
             raise ValueError(f"token_type_ids must be a tensor of shape (batch, seq) = ({b}, {n})")
