@@ -184,11 +184,10 @@ def test_half_precision_long_sequence_is_finite(dtype, name, causal, rpe):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n,clip", [(1, 1), (7, 1), (40, 3), (100, 10), (100, 33), (30, 200)])
-def test_windowed_equals_dense_for_clipped_bias(n, clip, causal, monkeypatch):
+def test_windowed_equals_dense_for_clipped_bias(n, clip, causal):
     """The windowed backend on a bias from a clipped table: outputs and gradients (q, k, v and the
-    table) equal the dense float64 reference. Short chunks force the far-region path, and a tiny
-    group size the chunk-group loop with recomputation in the backward pass."""
-    from hf_kernattn.modeling import kernels
+    table) equal the dense float64 reference. Short chunks force a band of several chunks per
+    side (s > 1) and the far-region path."""
     from hf_kernattn.modeling.kernels import windowed_attention
 
     q, k, v, _, mask = _inputs(max(n, 4), seed=8)
@@ -200,8 +199,7 @@ def test_windowed_equals_dense_for_clipped_bias(n, clip, causal, monkeypatch):
         xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
         table.zero_grad()
         if fn == "windowed_small_chunks":
-            monkeypatch.setattr(kernels, "_WINDOW_GROUP_ELEMS", 1)
-            out = windowed_attention(*xs, rpe_bias=table(n), rpe_clip=clip, causal=causal, key_mask=mask.bool(), min_chunk=1)
+            out = windowed_attention(*xs, rpe_bias=table(n), rpe_clip=clip, causal=causal, key_mask=mask.bool(), chunk_size=2)
         else:
             out = hf_kernattn.kernelized_attention(*xs, table(n), causal, mask, backend=fn, rpe_clip=clip)
         (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)).sum().backward()

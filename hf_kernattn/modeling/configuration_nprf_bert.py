@@ -79,8 +79,13 @@ class NPRFBertConfig(PreTrainedConfig):
         max_relative_position: K; offsets ``|j - i| > K`` share the bias of ``+-K``.
         rpe_init_std: std of the normal initialisation of the bias (0: start from plain kernel
             attention, which is also what conversion from BERT produces).
-        attn_backend: ``"auto"`` (fastest valid: dense for short inputs, FFT for long) or a
-            registered backend name (``hf_kernattn.available_backends()``) such as ``"fft"``.
+        attn_backend: ``"auto"`` (fastest valid: dense for short inputs, the O(N K) ``windowed``
+            backend once N >= 3K, FFT otherwise) or a registered backend name
+            (``hf_kernattn.available_backends()``) such as ``"fft"``.
+        recompute_attention: when gradients are needed, keep only the projected q, k, v of each
+            layer and recompute the feature maps and the attention kernel's intermediates in the
+            backward pass (as flash attention does for softmax). Same outputs and gradients;
+            less memory, at the cost of one more feature-map and kernel forward per layer.
         attention_eps: added to the attention denominator.
         attention_bias: biases on the q/k/v/o projections (BERT has them).
     """
@@ -120,6 +125,7 @@ class NPRFBertConfig(PreTrainedConfig):
         attn_backend: str = "auto",
         attention_eps: float = 1e-6,
         attention_bias: bool = True,
+        recompute_attention: bool = True,
         **kwargs,
     ) -> None:
         for name, value, lo in (
@@ -154,6 +160,8 @@ class NPRFBertConfig(PreTrainedConfig):
             raise ValueError(f"rpe_init_std must be a number >= 0, got {rpe_init_std!r}")
         if not isinstance(attention_eps, (int, float)) or attention_eps < 0:
             raise ValueError(f"attention_eps must be a number >= 0, got {attention_eps!r}")
+        if not isinstance(recompute_attention, bool):
+            raise ValueError(f"recompute_attention must be a bool, got {recompute_attention!r}")
         if not isinstance(layer_norm_eps, (int, float)) or layer_norm_eps <= 0:
             raise ValueError(f"layer_norm_eps must be a number > 0, got {layer_norm_eps!r}")
         validate_attention_fields(
@@ -202,6 +210,7 @@ class NPRFBertConfig(PreTrainedConfig):
         self.attn_backend = attn_backend
         self.attention_eps = float(attention_eps)
         self.attention_bias = attention_bias
+        self.recompute_attention = recompute_attention
         kwargs.setdefault("auto_map", dict(_AUTO_MAP))
         super().__init__(**kwargs)
 

@@ -461,13 +461,112 @@ def fft_attention(
 # ----------------------------------------------------------------------------- clipped RPE, O(N K)
 
 
-_WINDOW_GROUP_ELEMS = 1 << 23  # score elements per group of chunks in windowed_attention
+def band_blocks(n: int, c: int, s: int, causal: bool):
+    """The blocks of the band: for each chunk of ``c`` queries ``[a0, a1)``, its keys ``[lo, hi)``
+    (chunks ``a-s .. a+s``, or ``a-s .. a`` when causal, cut to ``[0, n)``) and the columns
+    ``[c0, c1)`` of the ``(C, W)`` weight block that those keys use."""
+    for a0 in range(0, n, c):
+        a1 = min(a0 + c, n)
+        start = a0 - s * c
+        lo, hi = max(0, start), min(n, a0 + c if causal else a0 + (s + 1) * c)
+        yield a0, a1, lo, hi, lo - start, hi - start
 
 
-def _local_window_block(qc: torch.Tensor, kn: torch.Tensor, vn: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``((q k^T) * c) [v, 1]`` for query chunks ``qc (B, H, g, C, M)`` against their neighbour
-    keys ``kn (B, H, g, 3C, M)`` / values ``vn (B, H, g, 3C, D+1)``, weights ``(H, C, 3C)``."""
-    return ((qc @ kn.transpose(-1, -2)) * weight[None, :, None]) @ vn
+class BandedKernelProduct(torch.autograd.Function):
+    """The work of :func:`windowed_attention`: ``Y_i = sum_j w[i, j] (q_i . k_j) v_j`` over the
+    keys of the band around query i's chunk a, plus ``q_i F_a`` for the far keys summarised in
+    the chunk's matrix ``F_a``, with a hand-written backward.
+
+    Shapes: ``q, k (B, H, N, M)``, ``v (B, H, N, E)``, ``weight (H, C, W)`` with
+    ``W = (2s+1) C`` (``(s+1) C`` causal): row t, column u weighs query ``aC + t`` against key
+    ``aC - sC + u``; ``far (B, H, ceil(N / C), M, E)`` or None. Returns ``(B, H, N, E)``.
+
+    The band is walked one chunk of queries at a time, so the ``(C, W)`` score block stays in
+    cache and no ``N x W`` tensor (nor shifted copies of k and v) ever exists. Only the inputs are
+    saved; the backward recomputes each score block once and produces every gradient from it.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, weight, far, c, s, causal):  # type: ignore[override]
+        b, h, n, m = q.shape
+        e = v.shape[-1]
+        q3, k3, v3 = (x.reshape(b * h, n, x.shape[-1]) for x in (q, k, v))
+        w3 = weight.repeat(b, 1, 1)  # (B*H, C, W), batch index b*H + h like q3
+        far3 = None if far is None else far.reshape(b * h, -1, m, e)
+        ctx.save_for_backward(q3, k3, v3, w3, far3)
+        ctx.geometry = (b, c, s, causal)
+        y = q3.new_empty(b * h, n, e)
+        for a0, a1, lo, hi, c0, c1 in band_blocks(n, c, s, causal):
+            qa = q3[:, a0:a1]
+            scores = torch.bmm(qa, k3[:, lo:hi].transpose(1, 2)).mul_(w3[:, : a1 - a0, c0:c1])
+            if far3 is None:
+                y[:, a0:a1] = torch.bmm(scores, v3[:, lo:hi])
+            else:
+                y[:, a0:a1] = torch.baddbmm(torch.bmm(qa, far3[:, a0 // c]), scores, v3[:, lo:hi])
+        return y.view(b, h, n, e)
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[override]
+        q3, k3, v3, w3, far3 = ctx.saved_tensors
+        b, c, s, causal = ctx.geometry
+        bh, n, _ = q3.shape
+        dy3 = dy.reshape(bh, n, dy.shape[-1])
+        need_q, need_k, need_v, need_w, need_far = ctx.needs_input_grad[:5]
+        dq = torch.empty_like(q3) if need_q else None  # every block of dq and dfar is written once
+        dk = torch.zeros_like(k3) if need_k else None
+        dv = torch.zeros_like(v3) if need_v else None
+        dw = torch.zeros_like(w3) if need_w else None
+        dfar = torch.empty_like(far3) if need_far and far3 is not None else None
+        for a0, a1, lo, hi, c0, c1 in band_blocks(n, c, s, causal):
+            qa, kw, vw, dya = q3[:, a0:a1], k3[:, lo:hi], v3[:, lo:hi], dy3[:, a0:a1]
+            w = w3[:, : a1 - a0, c0:c1]
+            scores = torch.bmm(qa, kw.transpose(1, 2))
+            dp = torch.bmm(dya, vw.transpose(1, 2))  # gradient of the weighted scores
+            if need_w:
+                dw[:, : a1 - a0, c0:c1].addcmul_(dp, scores)
+            if need_v:
+                dv[:, lo:hi] += torch.bmm(scores.mul_(w).transpose(1, 2), dya)
+            ds = dp.mul_(w)
+            if need_q:
+                if far3 is None:
+                    dq[:, a0:a1] = torch.bmm(ds, kw)
+                else:
+                    dq[:, a0:a1] = torch.baddbmm(torch.bmm(dya, far3[:, a0 // c].transpose(1, 2)), ds, kw)
+            if need_k:
+                dk[:, lo:hi] += torch.bmm(ds.transpose(1, 2), qa)
+            if dfar is not None:
+                dfar[:, a0 // c] = torch.bmm(qa.transpose(1, 2), dya)
+        grads = [None if x is None else x.view(b, -1, *x.shape[1:]) for x in (dq, dk, dv, dw, dfar)]
+        if grads[3] is not None:
+            grads[3] = grads[3].sum(0)  # the weight is shared across the batch
+        return (*grads, None, None, None)
+
+
+def _far_states(
+    k: torch.Tensor, v1: torch.Tensor, c_left: torch.Tensor, c_right: Optional[torch.Tensor], c: int, s: int
+) -> torch.Tensor:
+    """``F_a = c_left sum_{chunks <= a-s-1} k^T v1 + c_right sum_{chunks >= a+s+1} k^T v1`` for
+    every chunk a of ``c`` tokens: ``k (B, H, N, M)``, ``v1 (B, H, N, E)``, ``c_left``/``c_right``
+    ``(H,)`` (``c_right`` None when causal) -> ``(B, H, ceil(N / c), M, E)``."""
+    states = _chunk(k, c).transpose(-1, -2) @ _chunk(v1, c)  # (B, H, nc, M, E)
+    nc = states.shape[2]
+    zero = torch.zeros_like(states[:, :, : s + 1])
+    prefix = torch.cumsum(states, dim=2)
+    far = c_left[None, :, None, None, None] * torch.cat([zero, prefix[:, :, : nc - s - 1]], dim=2)
+    if c_right is not None:
+        suffix = torch.flip(torch.cumsum(torch.flip(states, dims=[2]), dim=2), dims=[2])
+        far = far + c_right[None, :, None, None, None] * torch.cat([suffix[:, :, s + 1 :], zero], dim=2)
+    return far
+
+
+def window_geometry(clip: int, chunk_size: int) -> tuple[int, int]:
+    """Chunk length C and band half-width s (in chunks) for a bias clipped at ``clip``: the
+    smallest ``s`` with ``C = ceil(clip / s) <= chunk_size`` (so ``s C >= clip``: the band covers
+    every offset up to the clip, and its width ``(2s+1) C`` is about ``2 clip + C``)."""
+    if clip <= chunk_size:
+        return max(clip, 1), 1
+    s = -(-clip // chunk_size)
+    return -(-clip // s), s
 
 
 def windowed_attention(
@@ -480,18 +579,19 @@ def windowed_attention(
     causal: bool = False,
     key_mask: Optional[torch.Tensor] = None,
     eps: float = 1e-6,
-    min_chunk: int = 32,
+    chunk_size: int = 128,
     **_: object,
 ) -> torch.Tensor:
     """Exact attention for a 1D bias that is constant beyond ``|r| > rpe_clip`` (a clipped table).
 
     With ``K = rpe_clip`` every key further than K positions to the left of query i carries the
-    same weight ``c_{-K}`` (to the right ``c_K``). Cut the sequence into chunks of ``C >= K``
-    tokens: for a query in chunk a, keys in chunks a-1, a, a+1 get their exact weights from the
-    bias (``C x 3C`` blocks, bias gathered per offset), and every key in chunks ``<= a-2`` (all at
-    offsets ``< -K``) enters through the prefix sum of chunk states ``sum k^T [v, 1]`` times
-    ``c_{-K}``, every key in chunks ``>= a+2`` through the suffix sum times ``c_K``.
-    Time O(N C (M + D) + N M D), memory O(N C) for the local blocks: linear in N for fixed K.
+    same weight ``c_{-K}`` (to the right ``c_K``). Cut the sequence into chunks of ``C`` tokens
+    with ``s C >= K`` (:func:`window_geometry`). For a query in chunk a, keys in chunks
+    ``a-s .. a+s`` get their exact weights from the bias (one ``C x (2s+1)C`` block per chunk),
+    every key in chunks ``<= a-s-1`` (all at offsets ``< -K``) enters through the prefix sum of
+    chunk states ``sum k^T [v, 1]`` times ``c_{-K}``, every key in chunks ``>= a+s+1`` through
+    the suffix sum times ``c_K`` (:func:`_far_states`); :class:`BandedKernelProduct` does both.
+    Time O(N (2K + C) (M + D) + N M D), memory O(N (M + D) + (N / C) M D): linear in N.
 
     Gradients of the far region land on the bias entries ``+-K`` (what clipping a table does:
     the table's own gradient is then identical to the dense one).
@@ -499,54 +599,30 @@ def windowed_attention(
     dt = compute_dtype_for(q)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     k, v = mask_keys(k, v, key_mask)
-    b, h, n, m = q.shape
+    n = q.shape[2]
     d = v.shape[-1]
     clip = max(0, min(int(rpe_clip), n - 1))
-    c = max(clip, min_chunk, 1)
-    qc, kc, vc = _chunk(q, c), _chunk(k, c), _chunk(with_ones_column(v), c)
-    nc = qc.shape[2]
-
-    def neighbours(x: torch.Tensor) -> torch.Tensor:
-        """``(B, H, nc, C, F)`` -> chunks a-1, a, a+1 side by side: ``(B, H, nc, 3C, F)``."""
-        xp = torch.nn.functional.pad(x, (0, 0, 0, 0, 1, 1))
-        return torch.cat([xp[:, :, :-2], xp[:, :, 1:-1], xp[:, :, 2:]], dim=3)
-
-    # local blocks: offset r = j - i = (s - C) - t for query t and local key s, in every chunk
+    c, s = window_geometry(clip, chunk_size)
+    bias = rpe_bias.to(dt)
+    v1 = with_ones_column(v)
+    # weight[t, u] = exp(b_r) for query t of a chunk and key u of its band, r = u - s C - t
     t = torch.arange(c, device=q.device)
-    s_idx = torch.arange(3 * c, device=q.device)
-    offsets = (s_idx[None, :] - c - t[:, None]).clamp(-(n - 1), n - 1)  # (C, 3C)
-    weight = torch.exp(rpe_bias.to(dt)[:, offsets + n - 1])  # (H, C, 3C)
+    u = torch.arange((s + 1 if causal else 2 * s + 1) * c, device=q.device)
+    offsets = (u[None, :] - s * c - t[:, None]).clamp(-(n - 1), n - 1)  # (C, W)
+    weight = torch.exp(bias[:, offsets + n - 1])  # (H, C, W)
     if causal:
         weight = weight * (offsets <= 0).to(dt)
-    kn, vn = neighbours(kc), neighbours(vc)
-    # The (C x 3C) score blocks dominate memory; they are built a group of chunks at a time and,
-    # when gradients are needed, recomputed in the backward pass instead of stored, so memory
-    # stays O(N (M + D)) plus one group, not O(N K).
-    group = max(1, _WINDOW_GROUP_ELEMS // max(b * h * c * 3 * c, 1))
-    recompute = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, weight))
-    parts = []
-    # split, not slicing in a loop: the backward of a split is one concatenation, while each
-    # slice's backward would write into a zero tensor of the full size
-    for q_g, k_g, v_g in zip(qc.split(group, dim=2), kn.split(group, dim=2), vn.split(group, dim=2)):
-        args = (q_g, k_g, v_g, weight)
-        if recompute:
-            parts.append(torch.utils.checkpoint.checkpoint(_local_window_block, *args, use_reentrant=False))
+    far = None
+    if -(-n // c) > s + 1:  # some chunks lie beyond the band: the far region, through chunk states
+        c_left = torch.exp(bias[:, n - 1 - clip])
+        c_right = None if causal else torch.exp(bias[:, n - 1 + clip])
+        args = (k, v1, c_left, c_right, c, s)
+        if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in args[:4]):
+            # recomputed in the backward pass: only k and v1 are kept, not the O((N / C) M E) sums
+            far = torch.utils.checkpoint.checkpoint(_far_states, *args, use_reentrant=False)
         else:
-            parts.append(_local_window_block(*args))
-    y = torch.cat(parts, dim=2) if len(parts) > 1 else parts[0]  # (B, H, nc, C, D+1)
-    if nc > 2:
-        states = kc.transpose(-1, -2) @ vc  # (B, H, nc, M, D+1)
-        zero = torch.zeros_like(states[:, :, :2])
-        prefix = torch.cumsum(states, dim=2)
-        left = torch.cat([zero, prefix[:, :, :-2]], dim=2)  # sum over chunks <= a-2
-        c_left = torch.exp(rpe_bias.to(dt)[:, n - 1 - clip])[None, :, None, None, None]
-        y = y + c_left * (qc @ left)
-        if not causal:
-            suffix = torch.flip(torch.cumsum(torch.flip(states, dims=[2]), dim=2), dims=[2])
-            right = torch.cat([suffix[:, :, 2:], zero], dim=2)  # sum over chunks >= a+2
-            c_right = torch.exp(rpe_bias.to(dt)[:, n - 1 + clip])[None, :, None, None, None]
-            y = y + c_right * (qc @ right)
-    y = y.reshape(b, h, nc * c, d + 1)[:, :, :n]
+            far = _far_states(*args)
+    y = BandedKernelProduct.apply(q.contiguous(), k.contiguous(), v1, weight, far, c, s, causal)
     return y[..., :d] / (y[..., d:] + eps)
 
 
