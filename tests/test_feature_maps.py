@@ -195,3 +195,40 @@ def test_bad_feature_map_arguments(kwargs, match):
 def test_wrong_head_dim_input():
     with pytest.raises(ValueError, match="head_dim"):
         hf_kernattn.FeatureMap(8, "elu")(torch.randn(1, 1, 3, 7), True)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("is_query", [True, False])
+def test_fused_prf_matches_plain_autograd_formula(normalize, is_query):
+    """The one-op PRF map (hand-written backward) against the formula written with plain autograd
+    ops, in float64: values, gradients of x and of the projection, and torch.autograd.gradcheck
+    for keys (a query's shift is a constant for the gradient by design, so finite differences of
+    the map alone differ from it; in attention it cancels). One input row is all zeros (the l2-normalisation divides it by eps, not by its length)."""
+    from hf_kernattn.modeling.feature_maps import PositiveRandomFeatures
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64)
+    x[0, 1, 2] = 0.0
+    w = torch.randn(6, 8, generator=g, dtype=torch.float64)
+    prescale, scale = 8 ** -0.25, 6 ** -0.5
+
+    def reference(x, w):
+        u = torch.nn.functional.normalize(x, dim=-1, eps=1e-6) if normalize else x * prescale
+        logits = u @ w.T - 0.5 * (u * u).sum(-1, keepdim=True)
+        if is_query:
+            logits = logits - logits.amax(-1, keepdim=True).detach()
+        return torch.exp(logits) * scale
+
+    weights = torch.randn(2, 3, 5, 6, generator=g, dtype=torch.float64)
+    grads = []
+    for fn in (reference, lambda x, w: PositiveRandomFeatures.apply(x, w, normalize, prescale, is_query, scale)):
+        xs, ws = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        out = fn(xs, ws)
+        (out * weights).sum().backward()
+        grads.append((out.detach(), xs.grad, ws.grad))
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert is_query or torch.autograd.gradcheck(
+        lambda x, w: PositiveRandomFeatures.apply(x, w, normalize, prescale, is_query, scale),
+        (x[:, :, 3:].clone().requires_grad_(True), w.clone().requires_grad_(True)),  # no zero row: |x| has a kink
+    )

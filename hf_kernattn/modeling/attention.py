@@ -14,10 +14,10 @@ the ViT a 2D bias on the patch grid. The shared config fields (same names in eve
 * ``feature_redraw_interval``: training steps between redraws of random projections (0 never).
 * ``rpe`` / ``max_relative_position``: relative-position bias (see ``positional.py``).
 * ``attn_backend``: ``auto`` or a registered backend name.
-* ``recompute_attention``: when gradients are needed, keep only the projected ``q, k, v`` and
-  recompute the feature maps and the kernel's intermediates in the backward pass (as flash
-  attention does for softmax). Outputs and gradients are identical; the feature maps and the
-  kernel's forward run twice.
+* ``recompute_attention``: when gradients are needed, keep only the block's input and recompute
+  the q/k/v projections, the feature maps and the kernel's intermediates in the backward pass
+  (flash attention recomputes its scores the same way). Outputs and gradients are identical;
+  that part of the forward runs twice.
 """
 
 from __future__ import annotations
@@ -110,10 +110,7 @@ class KernelizedSelfAttention(nn.Module):
         Returns:
             ``(B, N, C)``.
         """
-        q = self._split(self.q_proj(hidden_states))
-        k = self._split(self.k_proj(hidden_states))
-        v = self._split(self.v_proj(hidden_states))
-        args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None)
+        args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None)
         if self.recompute and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
         else:
@@ -122,20 +119,17 @@ class KernelizedSelfAttention(nn.Module):
 
     def _attend(
         self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor],
         rpe_bias: Optional[torch.Tensor],
         grid: Optional[Sequence[int]],
         rpe_clip: Optional[int],
     ) -> torch.Tensor:
-        """Projected heads ``q, k, v (B, H, N, d)`` -> feature maps -> kernel: ``(B, H, N, d)``."""
-        q = self.feature_map(q, is_query=True)
-        k = self.feature_map(k, is_query=False)
+        """``(B, N, C)`` -> projections, feature maps, kernel: ``(B, H, N, d)`` before ``o_proj``."""
+        q, k, v = self.project(hidden_states)
         if rpe_bias is not None:
             rpe_bias = rpe_bias.to(q.dtype)
         return kernelized_attention(
-            q, k, v.to(q.dtype), rpe_bias=rpe_bias, causal=self.causal, attention_mask=attention_mask,
+            q, k, v, rpe_bias=rpe_bias, causal=self.causal, attention_mask=attention_mask,
             grid=grid, backend=self.backend, eps=self.eps, rpe_clip=rpe_clip,
         )

@@ -82,10 +82,10 @@ class NPRFBertConfig(PreTrainedConfig):
         attn_backend: ``"auto"`` (fastest valid: dense for short inputs, the O(N K) ``windowed``
             backend once N >= 3K, FFT otherwise) or a registered backend name
             (``hf_kernattn.available_backends()``) such as ``"fft"``.
-        recompute_attention: when gradients are needed, keep only the projected q, k, v of each
-            layer and recompute the feature maps and the attention kernel's intermediates in the
-            backward pass (as flash attention does for softmax). Same outputs and gradients;
-            less memory, at the cost of one more feature-map and kernel forward per layer.
+        recompute_attention: when gradients are needed, keep only each attention block's input
+            and recompute its q/k/v projections, feature maps and kernel intermediates in the
+            backward pass (flash attention recomputes its scores the same way). Same outputs and
+            gradients; less memory, for one more forward of those parts per layer.
         attention_eps: added to the attention denominator.
         attention_bias: biases on the q/k/v/o projections (BERT has them).
     """

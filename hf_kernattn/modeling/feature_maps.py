@@ -32,6 +32,7 @@ The draw number is a buffer too, so a reloaded model continues the same sequence
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +104,57 @@ def draw_projection(
         norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=-1)
         return (w * norms[:, None]).to(dtype)
     raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {kind!r}")
+
+
+_NORM_EPS = 1e-6  # F.normalize's eps: inputs shorter than this are divided by it instead
+
+
+class PositiveRandomFeatures(torch.autograd.Function):
+    """The ``prf`` map as one op: ``x (B, H, N, d)``, ``w (m, d)`` -> ``(B, H, N, m)``,
+
+    ``phi(x) = exp(w . u - |u|^2 / 2 - shift) * scale`` with ``u = x / max(|x|, eps)`` when
+    ``normalize`` else ``u = prescale * x``; ``shift`` is the per-position max over features
+    for queries (``is_query``; a constant for the gradient, it cancels in attention) and 0 for
+    keys. Only ``x`` and the output are saved; the backward rebuilds ``u`` (O(N d)) and applies
+    ``d logits = d phi * phi``, ``d u = d logits w - u sum(d logits)``, then the normalisation's
+    Jacobian ``(I - u u^T) / |x|``. Replaces a chain of ~10 elementwise autograd ops.
+    """
+
+    @staticmethod
+    def _unit(x: torch.Tensor, normalize: bool, prescale: float) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        if not normalize:
+            return x * prescale, None
+        length = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        return x / length.clamp_min(_NORM_EPS), length
+
+    @staticmethod
+    def forward(ctx, x, w, normalize, prescale, is_query, scale):  # type: ignore[override]
+        u, _ = PositiveRandomFeatures._unit(x, normalize, prescale)
+        logits = torch.matmul(u, w.T)
+        logits -= 0.5 * (u * u).sum(dim=-1, keepdim=True)
+        if is_query:
+            logits -= logits.amax(dim=-1, keepdim=True)
+        phi = logits.exp_().mul_(scale)
+        ctx.save_for_backward(x, w, phi)
+        ctx.options = (normalize, prescale)
+        return phi
+
+    @staticmethod
+    def backward(ctx, dphi):  # type: ignore[override]
+        x, w, phi = ctx.saved_tensors
+        normalize, prescale = ctx.options
+        u, length = PositiveRandomFeatures._unit(x, normalize, prescale)
+        g = dphi * phi  # gradient of the logits
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = g.reshape(-1, g.shape[-1]).T @ u.reshape(-1, u.shape[-1])
+        du = torch.matmul(g, w) - u * g.sum(dim=-1, keepdim=True)
+        if normalize:
+            radial = (u * du).sum(dim=-1, keepdim=True) * (length > _NORM_EPS)
+            dx = (du - u * radial) / length.clamp_min(_NORM_EPS)
+        else:
+            dx = du * prescale
+        return dx, dw, None, None, None, None
 
 
 class FeatureMap(nn.Module):
@@ -194,8 +246,12 @@ class FeatureMap(nn.Module):
             raise ValueError(f"feature map expects last dim head_dim={self.head_dim}, got shape {tuple(x.shape)}")
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         x = x.to(compute_dtype)
+        scale = self.num_random_features ** -0.5
+        if self.kind == "prf":
+            w = self.projection.to(device=x.device, dtype=compute_dtype)
+            return PositiveRandomFeatures.apply(x, w, self.normalize_qk, self.head_dim ** -0.25, is_query, scale)
         if self.normalize_qk:
-            x = F.normalize(x, p=2.0, dim=-1, eps=1e-6)
+            x = F.normalize(x, p=2.0, dim=-1, eps=_NORM_EPS)
         if self.kind == "elu":
             return F.elu(x) + 1.0
         if self.kind == "relu":
@@ -204,15 +260,7 @@ class FeatureMap(nn.Module):
             x = x * self.head_dim ** -0.25
         w = self.projection.to(device=x.device, dtype=compute_dtype)
         proj = x @ w.T  # (B, H, N, m)
-        half_sq_norm = 0.5 * (x * x).sum(dim=-1, keepdim=True)
-        scale = self.num_random_features ** -0.5
-        if self.kind == "prf":
-            logits = proj - half_sq_norm
-            if is_query:
-                logits = logits - logits.amax(dim=-1, keepdim=True).detach()
-            return torch.exp(logits) * scale
-        # trf
-        amp = torch.exp(half_sq_norm) * scale
+        amp = torch.exp(0.5 * (x * x).sum(dim=-1, keepdim=True)) * scale  # trf
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
 
 
