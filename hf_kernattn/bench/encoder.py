@@ -4,8 +4,10 @@ Both models have the same shape (BERT-base widths by default: hidden 768, 12 hea
 intermediate 3072, ``--layers`` encoder layers, batch 1) and the same absolute position table;
 NPRF-BERT adds PRF features (``--features`` per head) and a shared relative-position bias
 clipped at ``--max-relative-position`` (default 512, the config default), evaluated by the
-backend ``--backend`` (default ``auto``: the O(N K) ``windowed`` backend once N >= 2K, else the
-dense or FFT path; ``fft`` forces the O(N log N) Toeplitz FFT). Each (model, N, mode) case runs in its own process
+backend ``--backend`` (default ``auto``: the O(N K) ``windowed`` backend once N >= max(512, 2K),
+else the dense or FFT path; ``fft`` forces the O(N log N) Toeplitz FFT), and by default
+recomputing its attention blocks in the backward pass (``recompute_attention``;
+``--no-recompute`` keeps them, as BertModel does). Each (model, N, mode) case runs in its own process
 (:func:`hf_kernattn.bench.common.measure`): peak memory is the peak resident set over the
 process's baseline after the model and inputs exist; time is the median of ``--repeats`` runs
 after one warm-up. Cases that fail (out of memory, over the time limit) are reported as such.
@@ -38,6 +40,7 @@ def workload(
     device: str = "cpu",
     backend: str = "auto",
     max_relative_position: int = 512,
+    recompute_attention: bool = True,
 ) -> Callable[[], None]:
     """Build one model and its inputs; return a callable doing one forward (``mode="fwd"``,
     under ``torch.no_grad``) or one forward+backward (``mode="fwdbwd"``) on ``(batch, n)`` ids.
@@ -62,7 +65,8 @@ def workload(
         from hf_kernattn.modeling.modeling_nprf_bert import NPRFBertModel
 
         cfg = NPRFBertConfig(**common, num_random_features=features, attn_backend=backend, rpe_init_std=0.02,
-                             max_relative_position=max_relative_position)
+                             max_relative_position=max_relative_position,
+                             recompute_attention=recompute_attention)
         net = NPRFBertModel(cfg)
     else:
         from transformers import BertConfig, BertModel
@@ -99,6 +103,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--backend", default="auto", help="NPRF-BERT attn_backend (auto, fft, windowed, ...)")
     parser.add_argument("--max-relative-position", type=int, default=512, help="K, where the bias is clipped")
+    parser.add_argument("--no-recompute", action="store_true",
+                        help="NPRF-BERT keeps its attention intermediates (recompute_attention=False)")
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--intermediate", type=int, default=3072)
@@ -129,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     repeats = 1 if args.quick else args.repeats
     shape = dict(layers=layers, hidden=args.hidden, heads=args.heads, intermediate=args.intermediate,
                  features=args.features, batch=args.batch, device=args.device)
-    nprf_only = dict(backend=args.backend, max_relative_position=args.max_relative_position)
+    nprf_only = dict(backend=args.backend, max_relative_position=args.max_relative_position,
+                     recompute_attention=not args.no_recompute)
     rows: list[dict[str, Any]] = []
     for n in lengths:
         for mode in ("fwd", "fwdbwd"):
@@ -148,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
                 "bert_sdpa_peak_mb": res["bert"]["peak_mb"], "nprf_peak_mb": res["nprf"]["peak_mb"],
                 "memory_ratio": _ratio(res["nprf"]["peak_mb"], res["bert"]["peak_mb"]),
                 "bert_status": res["bert"]["status"], "nprf_status": res["nprf"]["status"],
-                **{k: v for k, v in shape.items()},
+                **shape, **nprf_only,
             })
     out = Path(args.out)
     write_csv(rows, out / "encoder.csv")
@@ -175,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                     ylabel="x", logy=False, ax=axes[2])
     axes[2].axhline(1.0, color="gray", lw=0.8)
     fig.suptitle(f"NPRF-BERT vs BertModel+SDPA, {layers} layers, hidden {args.hidden}, {args.heads} heads, "
-                 f"m={args.features}, K={args.max_relative_position}, backend {args.backend}, batch {args.batch}, "
+                 f"m={args.features}, K={args.max_relative_position}, backend {args.backend}, "
+                 f"recompute {'off' if args.no_recompute else 'on'}, batch {args.batch}, "
                  f"{args.device}, {os.cpu_count()} CPU cores", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "encoder.png", dpi=110)

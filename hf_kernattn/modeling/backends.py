@@ -153,18 +153,20 @@ def get_backend(name: str) -> BackendSpec:
 # was still 4.7x slower than dense at N = 1024 (its crossover lies above the measured range),
 # so "rpe" is capped at 1024, where dense's N x N matrices are still small.
 AUTO_DENSE_MAX_N = {"plain": 32, "causal": 192, "rpe": 1024}
-# With a bias clipped at K (rpe_clip) the windowed backend, O(N K), is chosen once N >= 3K (each
-# query then reads 3K keys exactly instead of N): forward+backward at K = 512, 12 heads,
-# M = D = 64, it measured 0.34 s vs dense 0.28 s at N = 1024 (2K), 0.57 vs 1.07 s at 2048,
-# 1.25 vs 6.24 s at 4096; and 2.5-10x faster than fft for N = 1k-16k, K = 128-512.
-AUTO_WINDOWED_MIN_RATIO = 3
+# With a bias clipped at K (rpe_clip) the windowed backend, O(N (2K + C)), is chosen once
+# N >= AUTO_WINDOWED_MIN_N and N >= AUTO_WINDOWED_MIN_RATIO * K. Forward+backward, 12 heads,
+# M = D = 64, float32, 2 CPU threads: at K = 512 windowed/dense took 0.030/0.040 s at N = 512,
+# 0.075/0.256 at 1024, 0.165/1.108 at 2048; below N = 512 dense was faster (0.39-0.89x at
+# N = 128-256 for K = 16 and 512). Against fft it was 2.5-10x faster for N = 1k-16k, K = 128-512.
+AUTO_WINDOWED_MIN_N = 512
+AUTO_WINDOWED_MIN_RATIO = 2
 
 
 def choose_backend(
     *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None
 ) -> str:
     """The fastest backend valid for the request (see :data:`AUTO_DENSE_MAX_N`)."""
-    if rpe == "1d" and rpe_clip is not None and n >= AUTO_WINDOWED_MIN_RATIO * max(rpe_clip, 1):
+    if rpe == "1d" and rpe_clip is not None and n >= max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * rpe_clip):
         return "windowed"
     if rpe is not None:
         preferred, limit = "fft", AUTO_DENSE_MAX_N["rpe"]

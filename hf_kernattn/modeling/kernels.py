@@ -473,44 +473,51 @@ def band_blocks(n: int, c: int, s: int, causal: bool):
 
 
 class BandedKernelProduct(torch.autograd.Function):
-    """The work of :func:`windowed_attention`: ``Y_i = sum_j w[i, j] (q_i . k_j) v_j`` over the
-    keys of the band around query i's chunk a, plus ``q_i F_a`` for the far keys summarised in
-    the chunk's matrix ``F_a``, with a hand-written backward.
+    """The work of :func:`windowed_attention`: ``Y_i = sum_j w[i, j] (q_i . k_j) [v_j, 1]`` over
+    the keys of the band around query i's chunk a, plus ``q_i F_a`` for the far keys summarised
+    in the chunk's matrix ``F_a``; the output is ``Y_i[:D] / (Y_i[D] + eps)``. Hand-written
+    backward.
 
-    Shapes: ``q, k (B, H, N, M)``, ``v (B, H, N, E)``, ``weight (H, C, W)`` with
-    ``W = (2s+1) C`` (``(s+1) C`` causal): row t, column u weighs query ``aC + t`` against key
-    ``aC - sC + u``; ``far (B, H, ceil(N / C), M, E)`` or None. Returns ``(B, H, N, E)``.
+    Shapes: ``q, k (B, H, N, M)``, ``v (B, H, N, D+1)`` (values with a ones column),
+    ``weight (H, C, W)`` with ``W = (2s+1) C`` (``(s+1) C`` causal): row t, column u weighs
+    query ``aC + t`` against key ``aC - sC + u``; ``far (B, H, ceil(N / C), M, D+1)`` or None.
+    Returns ``(B, H, N, D)``, stored heads-last (a ``(B, N, H, D)`` tensor seen through a
+    permutation) so the caller's head merge needs no copy.
 
     The band is walked one chunk of queries at a time, so the ``(C, W)`` score block stays in
-    cache and no ``N x W`` tensor (nor shifted copies of k and v) ever exists. Only the inputs are
-    saved; the backward recomputes each score block once and produces every gradient from it.
+    cache and no ``N x W`` tensor (nor shifted copies of k and v) ever exists. Only the inputs,
+    the output and the denominators are saved; the backward recomputes each score block once and
+    produces every gradient from it.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, weight, far, c, s, causal):  # type: ignore[override]
+    def forward(ctx, q, k, v, weight, far, c, s, causal, eps):  # type: ignore[override]
         b, h, n, m = q.shape
         e = v.shape[-1]
         q3, k3, v3 = (x.reshape(b * h, n, x.shape[-1]) for x in (q, k, v))
         w3 = weight.repeat(b, 1, 1)  # (B*H, C, W), batch index b*H + h like q3
         far3 = None if far is None else far.reshape(b * h, -1, m, e)
-        ctx.save_for_backward(q3, k3, v3, w3, far3)
-        ctx.geometry = (b, c, s, causal)
-        y = q3.new_empty(b * h, n, e)
+        # heads-last storage: merging the heads afterwards (B, N, H*D) is a view, not a copy
+        out = q3.new_empty(b, n, h, e - 1).permute(0, 2, 1, 3)
+        den = q3.new_empty(b * h, n, 1)
         for a0, a1, lo, hi, c0, c1 in band_blocks(n, c, s, causal):
             qa = q3[:, a0:a1]
             scores = torch.bmm(qa, k3[:, lo:hi].transpose(1, 2)).mul_(w3[:, : a1 - a0, c0:c1])
             if far3 is None:
-                y[:, a0:a1] = torch.bmm(scores, v3[:, lo:hi])
+                ya = torch.bmm(scores, v3[:, lo:hi])
             else:
-                y[:, a0:a1] = torch.baddbmm(torch.bmm(qa, far3[:, a0 // c]), scores, v3[:, lo:hi])
-        return y.view(b, h, n, e)
+                ya = torch.baddbmm(torch.bmm(qa, far3[:, a0 // c]), scores, v3[:, lo:hi])
+            den[:, a0:a1] = ya[..., -1:] + eps
+            out[:, :, a0:a1] = (ya[..., :-1] / den[:, a0:a1]).view(b, h, a1 - a0, e - 1)
+        ctx.save_for_backward(q3, k3, v3, w3, far3, out, den)
+        ctx.geometry = (b, c, s, causal)
+        return out
 
     @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
-        q3, k3, v3, w3, far3 = ctx.saved_tensors
+    def backward(ctx, dout):  # type: ignore[override]
+        q3, k3, v3, w3, far3, out, den = ctx.saved_tensors
         b, c, s, causal = ctx.geometry
         bh, n, _ = q3.shape
-        dy3 = dy.reshape(bh, n, dy.shape[-1])
         need_q, need_k, need_v, need_w, need_far = ctx.needs_input_grad[:5]
         dq = torch.empty_like(q3) if need_q else None  # every block of dq and dfar is written once
         dk = torch.zeros_like(k3) if need_k else None
@@ -518,7 +525,12 @@ class BandedKernelProduct(torch.autograd.Function):
         dw = torch.zeros_like(w3) if need_w else None
         dfar = torch.empty_like(far3) if need_far and far3 is not None else None
         for a0, a1, lo, hi, c0, c1 in band_blocks(n, c, s, causal):
-            qa, kw, vw, dya = q3[:, a0:a1], k3[:, lo:hi], v3[:, lo:hi], dy3[:, a0:a1]
+            qa, kw, vw = q3[:, a0:a1], k3[:, lo:hi], v3[:, lo:hi]
+            # out = num / den: d num = d out / den, d den = -(d out . out) / den
+            do_a = dout[:, :, a0:a1].reshape(bh, a1 - a0, -1)
+            den_a = den[:, a0:a1]
+            dya = torch.cat([do_a, -(do_a * out[:, :, a0:a1].reshape(bh, a1 - a0, -1)).sum(-1, keepdim=True)], dim=-1)
+            dya /= den_a
             w = w3[:, : a1 - a0, c0:c1]
             scores = torch.bmm(qa, kw.transpose(1, 2))
             dp = torch.bmm(dya, vw.transpose(1, 2))  # gradient of the weighted scores
@@ -539,7 +551,7 @@ class BandedKernelProduct(torch.autograd.Function):
         grads = [None if x is None else x.view(b, -1, *x.shape[1:]) for x in (dq, dk, dv, dw, dfar)]
         if grads[3] is not None:
             grads[3] = grads[3].sum(0)  # the weight is shared across the batch
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def _far_states(
@@ -600,7 +612,6 @@ def windowed_attention(
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     k, v = mask_keys(k, v, key_mask)
     n = q.shape[2]
-    d = v.shape[-1]
     clip = max(0, min(int(rpe_clip), n - 1))
     c, s = window_geometry(clip, chunk_size)
     bias = rpe_bias.to(dt)
@@ -622,8 +633,7 @@ def windowed_attention(
             far = torch.utils.checkpoint.checkpoint(_far_states, *args, use_reentrant=False)
         else:
             far = _far_states(*args)
-    y = BandedKernelProduct.apply(q.contiguous(), k.contiguous(), v1, weight, far, c, s, causal)
-    return y[..., :d] / (y[..., d:] + eps)
+    return BandedKernelProduct.apply(q.contiguous(), k.contiguous(), v1, weight, far, c, s, causal, float(eps))
 
 
 # ----------------------------------------------------------------------------- recurrent
