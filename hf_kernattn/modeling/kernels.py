@@ -571,12 +571,14 @@ def _far_states(
     return far
 
 
-def window_geometry(clip: int, chunk_size: int) -> tuple[int, int]:
+def window_geometry(clip: int, chunk_size: int, min_chunk: int = 32) -> tuple[int, int]:
     """Chunk length C and band half-width s (in chunks) for a bias clipped at ``clip``: the
     smallest ``s`` with ``C = ceil(clip / s) <= chunk_size`` (so ``s C >= clip``: the band covers
-    every offset up to the clip, and its width ``(2s+1) C`` is about ``2 clip + C``)."""
+    every offset up to the clip, and its width ``(2s+1) C`` is about ``2 clip + C``). A short clip
+    still gets chunks of ``min(min_chunk, chunk_size)`` tokens: the band is walked one chunk per
+    Python step, so chunks of a few tokens would cost more in overhead than the wider band."""
     if clip <= chunk_size:
-        return max(clip, 1), 1
+        return max(clip, min(min_chunk, chunk_size), 1), 1
     s = -(-clip // chunk_size)
     return -(-clip // s), s
 
