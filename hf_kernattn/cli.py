@@ -32,8 +32,19 @@ def _cmd_backends(_args: argparse.Namespace) -> int:
     return 0
 
 
-def _load(module: str):
-    return importlib.import_module(f"hf_kernattn.{module}")
+def _add_command(subparsers, name: str, module: str) -> None:
+    """Add the sub-command ``name`` served by ``hf_kernattn.<module>`` (its ``add_arguments``
+    and ``run``; help from the first docstring line). Skipped when that module is not in this
+    install; any other import error propagates."""
+    try:
+        mod = importlib.import_module(f"hf_kernattn.{module}")
+    except ModuleNotFoundError as err:
+        if err.name != f"hf_kernattn.{module}":
+            raise
+        return
+    p = subparsers.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
+    mod.add_arguments(p)
+    p.set_defaults(func=mod.run)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,26 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run a benchmark (CSV + PNG)")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     for name, module in BENCHMARKS.items():
-        try:
-            mod = _load(f"bench.{module}")
-        except ModuleNotFoundError as err:  # a benchmark whose module is not in this install
-            if err.name != f"hf_kernattn.bench.{module}":
-                raise
-            continue
-        bp = bench_sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
-        mod.add_arguments(bp)
-        bp.set_defaults(func=mod.run)
-
+        _add_command(bench_sub, name, f"bench.{module}")
     for name in ("demo", "convert"):
-        try:
-            mod = _load(name)
-        except ModuleNotFoundError as err:
-            if err.name != f"hf_kernattn.{name}":
-                raise
-            continue
-        p = sub.add_parser(name, help=(mod.__doc__ or "").strip().splitlines()[0])
-        mod.add_arguments(p)
-        p.set_defaults(func=mod.run)
+        _add_command(sub, name, name)
     return parser
 
 

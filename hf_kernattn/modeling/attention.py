@@ -25,9 +25,8 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from torch import nn
-
 import torch.utils.checkpoint
+from torch import nn
 
 from .backends import get_backend, kernelized_attention
 from .feature_maps import FeatureMap

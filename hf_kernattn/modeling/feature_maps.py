@@ -246,9 +246,9 @@ class FeatureMap(nn.Module):
             raise ValueError(f"feature map expects last dim head_dim={self.head_dim}, got shape {tuple(x.shape)}")
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         x = x.to(compute_dtype)
-        scale = self.num_random_features ** -0.5
         if self.kind == "prf":
             w = self.projection.to(device=x.device, dtype=compute_dtype)
+            scale = self.num_random_features ** -0.5
             return PositiveRandomFeatures.apply(x, w, self.normalize_qk, self.head_dim ** -0.25, is_query, scale)
         if self.normalize_qk:
             x = F.normalize(x, p=2.0, dim=-1, eps=_NORM_EPS)
@@ -258,9 +258,9 @@ class FeatureMap(nn.Module):
             return F.relu(x)
         if not self.normalize_qk:
             x = x * self.head_dim ** -0.25
-        w = self.projection.to(device=x.device, dtype=compute_dtype)
-        proj = x @ w.T  # (B, H, N, m)
-        amp = torch.exp(0.5 * (x * x).sum(dim=-1, keepdim=True)) * scale  # trf
+        # trf
+        proj = x @ self.projection.to(device=x.device, dtype=compute_dtype).T  # (B, H, N, m)
+        amp = torch.exp(0.5 * (x * x).sum(dim=-1, keepdim=True)) * self.num_random_features ** -0.5
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
 
 
