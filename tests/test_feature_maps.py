@@ -232,3 +232,52 @@ def test_fused_prf_matches_plain_autograd_formula(normalize, is_query):
         lambda x, w: PositiveRandomFeatures.apply(x, w, normalize, prescale, is_query, scale),
         (x[:, :, 3:].clone().requires_grad_(True), w.clone().requires_grad_(True)),  # no zero row: |x| has a kink
     )
+
+
+@pytest.mark.parametrize("kind", ["prf", "trf"])
+def test_init_features_refills_garbage_buffers_deterministically(kind):
+    """init_features() writes draw 0 of the seed into the existing buffer (in place, keeping
+    dtype) and zeroes the counters, whatever the buffers held (uninitialised memory, NaN, a later
+    draw)."""
+    reference = hf_kernattn.FeatureMap(8, kind, 16, "orthogonal", redraw_interval=1, seed=5)
+    fm = hf_kernattn.FeatureMap(8, kind, 16, "orthogonal", redraw_interval=1, seed=5).double().train()
+    for _ in range(3):
+        fm.step()  # three redraws: the projection is draw 3 now
+    with torch.no_grad():
+        fm.projection[0, 0] = float("nan")
+        fm.projection[1] = 3e38
+        fm.num_steps.fill_(-7)
+    buffer = fm.projection
+    fm.init_features()
+    assert fm.projection is buffer and fm.projection.dtype == torch.float64
+    torch.testing.assert_close(fm.projection, reference.projection.double(), rtol=0, atol=0)
+    assert int(fm.num_draws) == 0 and int(fm.num_steps) == 0
+    fm.step()  # the draw sequence restarts: the next step gives draw 1, as for a fresh map
+    reference.redraw()
+    torch.testing.assert_close(fm.projection, reference.projection.double(), rtol=0, atol=0)
+
+
+def test_init_features_after_meta_device_build_and_to_empty():
+    """A module built on the meta device and materialised with to_empty() holds uninitialised
+    memory; init_features() gives exactly the projection a normal build draws."""
+    from types import SimpleNamespace
+
+    cfg = SimpleNamespace(hidden_size=16, num_attention_heads=2, feature_map="prf", num_random_features=8,
+                          feature_seed=3)
+    normal = hf_kernattn.KernelizedSelfAttention(cfg, layer_idx=1)
+    with torch.device("meta"):
+        lazy = hf_kernattn.KernelizedSelfAttention(cfg, layer_idx=1)
+    assert lazy.feature_map.projection.is_meta
+    lazy.feature_map.init_features()  # still on meta: a no-op, not an error
+    lazy.to_empty(device="cpu")
+    lazy.feature_map.init_features()
+    torch.testing.assert_close(lazy.feature_map.projection, normal.feature_map.projection, rtol=0, atol=0)
+    assert int(lazy.feature_map.num_draws) == 0 and int(lazy.feature_map.num_steps) == 0
+    wrong = hf_kernattn.FeatureMap(8, "prf", 4, seed=2)
+    wrong.projection = torch.full((3, 8), float("nan"))  # e.g. loaded with mismatched sizes
+    wrong.init_features()
+    torch.testing.assert_close(wrong.projection, hf_kernattn.FeatureMap(8, "prf", 4, seed=2).projection, rtol=0, atol=0)
+    det = hf_kernattn.FeatureMap(8, "elu")
+    det.num_steps.fill_(9)
+    det.init_features()
+    assert det.projection is None and int(det.num_steps) == 0

@@ -132,3 +132,35 @@ def test_validate_attention_fields_names_the_field(field, value):
     cfg[field] = value
     with pytest.raises(ValueError, match=field if field != "hidden_size" else "hidden_size"):
         validate_attention_fields(**cfg)
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_forward_recompute_keyword_overrides_the_configured_recompute(monkeypatch, configured):
+    """recompute=None follows recompute_attention, False never checkpoints inside (an enclosing
+    checkpointed layer already recomputes), True always does; outputs and gradients agree."""
+    torch.manual_seed(3)
+    attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", recompute_attention=configured)).double()
+    rpe = hf_kernattn.RelativePositionBias1D(2, 4, init_std=0.5).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
+    results = []
+    for recompute, expect in ((None, configured), (False, False), (True, True)):
+        attn.zero_grad()
+        xs = x.clone().requires_grad_(True)
+        calls.clear()
+        out = attn(xs, rpe_bias=rpe(6), recompute=recompute)
+        assert bool(calls) == expect, recompute
+        out.pow(2).sum().backward()
+        results.append((out.detach(), xs.grad, attn.q_proj.weight.grad.clone()))
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    with pytest.raises(TypeError, match="recompute must be None or a bool"):
+        attn(x, recompute="no")

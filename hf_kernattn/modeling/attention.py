@@ -98,6 +98,7 @@ class KernelizedSelfAttention(nn.Module):
         rpe_bias: Optional[torch.Tensor] = None,
         grid: Optional[Sequence[int]] = None,
         rpe_clip: Optional[int] = None,
+        recompute: Optional[bool] = None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
@@ -106,11 +107,18 @@ class KernelizedSelfAttention(nn.Module):
             grid: ``(Hg, Wg)`` for a 2D bias.
             rpe_clip: ``K`` when the 1D bias comes from a table clipped at ``K`` (enables the
                 O(N K) ``windowed`` backend; see :func:`kernelized_attention`).
+            recompute: recompute the attention in the backward pass instead of storing its
+                intermediates (see ``recompute_attention``). None: the module's configured
+                ``recompute_attention``; False: never (e.g. when an enclosing layer is already
+                gradient-checkpointed, so the work is not done three times); True: always.
         Returns:
             ``(B, N, C)``.
         """
+        if recompute is not None and not isinstance(recompute, bool):
+            raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
+        recompute = self.recompute if recompute is None else recompute
         args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None)
-        if self.recompute and torch.is_grad_enabled():
+        if recompute and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
         else:
             out = self._attend(*args)

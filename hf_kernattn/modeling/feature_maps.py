@@ -211,6 +211,29 @@ class FeatureMap(nn.Module):
         return draw_projection(self.num_random_features, self.head_dim, self.projection_kind, gen)
 
     @torch.no_grad()
+    def init_features(self) -> None:
+        """Initialise the random-feature state deterministically: the projection becomes draw 0
+        of ``seed`` (what a freshly built map holds) and both counters restart at 0.
+
+        Writes into the existing buffers in place (under ``torch.no_grad``), keeping their
+        device and dtype, so it works after ``to_empty()`` on a model built on the meta device
+        and on buffers left holding uninitialised memory. A projection buffer of another shape
+        (e.g. loaded with mismatched sizes) is replaced by one of the right shape. Deterministic
+        maps (``elu``, ``relu``) only reset the counters.
+        """
+        if self.is_random:
+            w = self._draw(0)
+            p = self.projection
+            if p is not None and tuple(p.shape) == tuple(w.shape):
+                p.copy_(w.to(dtype=p.dtype))  # copies from the CPU onto p's device (a no-op on meta)
+            else:
+                device = p.device if p is not None else None
+                dtype = p.dtype if p is not None and p.is_floating_point() else w.dtype
+                self.projection = w.to(device=device, dtype=dtype)
+        self.num_draws.zero_()
+        self.num_steps.zero_()
+
+    @torch.no_grad()
     def redraw(self) -> None:
         """Draw the next projection of the seeded sequence (random maps only)."""
         if not self.is_random:
