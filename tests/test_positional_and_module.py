@@ -29,6 +29,7 @@ def test_1d_bias_layout_and_clipping():
 
 
 def test_2d_bias_layout_and_gradient():
+    torch.manual_seed(0)
     rpe = hf_kernattn.RelativePositionBias2D(num_heads=1, max_relative_position=2, init_std=1.0)
     bias = rpe(3, 4)
     assert bias.shape == (1, 5, 7)
