@@ -16,6 +16,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .kernels import (
+    autocast_disabled,
     causal_chunked_attention,
     dense_attention,
     fft_attention,
@@ -329,7 +330,8 @@ def kernelized_attention(
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
     extra = {"rpe_clip": rpe_clip} if spec.needs_rpe_clip else {}
-    out = spec.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), **extra)
+    with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
+        out = spec.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), **extra)
     return out.to(v.dtype)
 
 

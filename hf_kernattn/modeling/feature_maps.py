@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels import full_precision
+
 FEATURE_MAPS = ("elu", "relu", "prf", "trf")
 PROJECTIONS = ("gaussian", "orthogonal", "sphere")
 RANDOM_FEATURE_MAPS = ("prf", "trf")
@@ -128,6 +130,7 @@ class PositiveRandomFeatures(torch.autograd.Function):
         return x / length.clamp_min(_NORM_EPS), length
 
     @staticmethod
+    @full_precision
     def forward(ctx, x, w, normalize, prescale, is_query, scale):  # type: ignore[override]
         u, _ = PositiveRandomFeatures._unit(x, normalize, prescale)
         logits = torch.matmul(u, w.T)
@@ -140,6 +143,7 @@ class PositiveRandomFeatures(torch.autograd.Function):
         return phi
 
     @staticmethod
+    @full_precision
     def backward(ctx, dphi):  # type: ignore[override]
         x, w, phi = ctx.saved_tensors
         normalize, prescale = ctx.options
@@ -258,6 +262,7 @@ class FeatureMap(nn.Module):
             f"redraw_interval={self.redraw_interval}"
         )
 
+    @full_precision
     def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
         """Args:
             x: ``(B, H, N, d)`` queries or keys.

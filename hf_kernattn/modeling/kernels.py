@@ -22,17 +22,47 @@ shape ``(H, 2N-1)`` (entry ``r + N - 1`` holds ``b_r``); a 2D bias for a row-maj
   runs it over a sequence (the RNN view of causal linear attention).
 
 Inputs are assumed validated (see ``backends.kernelized_attention``). Computation happens in
-float32 at least: half-precision inputs are upcast, float64 stays float64.
+float32 at least: half-precision inputs are upcast, float64 stays float64. Mixed precision:
+inside ``torch.autocast`` the attention core (feature maps, every backend, the hand-written
+autograd ops' forward and backward) runs with autocast switched off (:func:`autocast_disabled`),
+so its products stay in float32 and the custom backwards see the dtypes their forwards saved;
+layers around it (the q/k/v/output projections) still autocast.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Optional, Sequence
 
 import torch
 import torch.utils.checkpoint
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def autocast_disabled(device_type: str):
+    """A context that switches ``torch.autocast`` off for ``device_type`` while it is on (a null
+    context otherwise, and for device types without autocast)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def full_precision(fn):
+    """Run ``fn`` with autocast off for the device of its first tensor argument: the kernels
+    upcast half-precision inputs themselves and must not be cast back down op by op (autocast
+    would run their matmuls in bf16/fp16 and hand custom backwards gradients of another dtype)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is None:
+            return fn(*args, **kwargs)
+        with autocast_disabled(tensor.device.type):
+            return fn(*args, **kwargs)
+
+    return wrapper
 
 
 def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
@@ -82,6 +112,7 @@ def dense_bias_matrix(rpe_bias: torch.Tensor, n: int, grid: Optional[Sequence[in
 # ----------------------------------------------------------------------------- dense reference
 
 
+@full_precision
 def dense_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -114,6 +145,7 @@ def dense_attention(
 # ----------------------------------------------------------------------------- linear, O(N)
 
 
+@full_precision
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -152,6 +184,7 @@ def with_ones_column(v: torch.Tensor) -> torch.Tensor:
     return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
 
 
+@full_precision
 def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
     """Unnormalised causal sums ``Y_i = sum_{j <= i} (q_i . k_j) v_j`` in chunked O(N) form.
 
@@ -175,6 +208,7 @@ def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
     return y.reshape(q.shape[0], q.shape[1], -1, d)[:, :, :n]
 
 
+@full_precision
 def causal_chunked_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -345,6 +379,7 @@ class ToeplitzKernelProduct(torch.autograd.Function):
     """
 
     @staticmethod
+    @full_precision
     def forward(ctx, q, k, v, c, spatial):  # type: ignore[override]
         spatial = tuple(int(s) for s in spatial)
         b, h, n, m = q.shape
@@ -365,6 +400,7 @@ class ToeplitzKernelProduct(torch.autograd.Function):
         return y.reshape(b, h, d1, n).transpose(-1, -2).contiguous()
 
     @staticmethod
+    @full_precision
     def backward(ctx, dy):  # type: ignore[override]
         q, k, v, c = ctx.saved_tensors
         spatial = ctx.spatial
@@ -436,6 +472,7 @@ def toeplitz_coefficients(
     return c
 
 
+@full_precision
 def fft_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -491,6 +528,7 @@ class BandedKernelProduct(torch.autograd.Function):
     """
 
     @staticmethod
+    @full_precision
     def forward(ctx, q, k, v, weight, far, c, s, causal, eps):  # type: ignore[override]
         b, h, n, m = q.shape
         e = v.shape[-1]
@@ -514,6 +552,7 @@ class BandedKernelProduct(torch.autograd.Function):
         return out
 
     @staticmethod
+    @full_precision
     def backward(ctx, dout):  # type: ignore[override]
         q3, k3, v3, w3, far3, out, den = ctx.saved_tensors
         b, c, s, causal = ctx.geometry
@@ -583,6 +622,7 @@ def window_geometry(clip: int, chunk_size: int, min_chunk: int = 32) -> tuple[in
     return -(-clip // s), s
 
 
+@full_precision
 def windowed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -641,6 +681,7 @@ def windowed_attention(
 # ----------------------------------------------------------------------------- recurrent
 
 
+@full_precision
 def recurrent_step(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
@@ -665,6 +706,7 @@ def recurrent_step(
     return num / (den + eps), state, normalizer
 
 
+@full_precision
 def recurrent_attention(
     q: torch.Tensor,
     k: torch.Tensor,
