@@ -4,9 +4,14 @@
 * Tokenizer: ``--tokenizer byte`` (256 byte tokens + ``<|endoftext|>``, nothing to train) or
   ``--tokenizer bpe`` (a byte-level BPE trained here with ``tokenizers`` on the training text).
 * Accelerate: multi-process (CPU gloo or GPUs), mixed precision where the device has it
-  (``--mixed_precision bf16|fp16`` or from ``accelerate launch``), gradient accumulation,
-  checkpoints every ``--checkpointing_steps`` and ``--resume_from_checkpoint``, a tqdm progress
-  bar, evaluation perplexity.
+  (``--mixed_precision bf16|fp16`` or from ``accelerate launch``), gradient accumulation, a tqdm
+  progress bar, evaluation perplexity, ``--with_tracking`` / ``--report_to``.
+* AdamW with ``--lr_scheduler_type`` (``transformers.get_scheduler``) after ``--num_warmup_steps``
+  (or ``--warmup_ratio``); no weight decay for biases, normalisation weights and the
+  relative-position bias tables (the rule shared by every example script).
+* Checkpoints every ``--checkpointing_steps`` (``output_dir/step_N``, written atomically, no
+  pickle); ``--resume_from_checkpoint latest`` continues from the newest complete checkpoint of
+  the same run and ends bitwise where the uninterrupted run ends (same number of processes).
 * Saves a Hub-ready checkpoint: ``save_pretrained`` (weights, config with ``auto_map``, the
   modeling code for ``trust_remote_code=True``), the tokenizer and a model card.
 
@@ -30,21 +35,34 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
+from transformers import get_scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import hf_kernattn  # noqa: E402  (registers Linear GPT with the Auto classes)
 from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM  # noqa: E402
+from hf_kernattn.training import (  # noqa: E402
+    NOT_FINGERPRINTED,
+    EpochShuffleSampler,
+    add_training_args,
+    check_text_files,
+    check_training_args,
+    fingerprint_settings,
+    make_accelerator,
+    optimizer_grouped_parameters,
+    resolve_checkpoint,
+    run_fingerprint,
+    train_loop,
+    warmup_steps,
+)
 
 EOS = "<|endoftext|>"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument("--train_file", nargs="+", help="one or more .txt files (one document per line)")
     data.add_argument("--validation_file", nargs="+", help="validation .txt files (default: split off the train set)")
@@ -69,31 +87,28 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train = p.add_argument_group("training")
     train.add_argument("--per_device_train_batch_size", type=int, default=8)
     train.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    train.add_argument("--learning_rate", type=float, default=1e-3)
-    train.add_argument("--weight_decay", type=float, default=0.01)
     train.add_argument("--num_train_epochs", type=int, default=1)
-    train.add_argument("--max_train_steps", type=int, help="overrides --num_train_epochs")
-    train.add_argument("--warmup_steps", type=int, default=0)
-    train.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    train.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], help="default: what accelerate launch says")
-    train.add_argument("--cpu", action="store_true", help="force CPU (with accelerate launch: gloo processes)")
-    train.add_argument("--seed", type=int, default=42)
-    train.add_argument("--output_dir", required=True)
-    train.add_argument("--checkpointing_steps", type=int, default=0, help="save a resumable checkpoint every N optimizer steps (0: only at the end)")
-    train.add_argument("--resume_from_checkpoint", help="a checkpoint folder (step_N) or 'latest'")
+    train.add_argument("--max_train_steps", type=int, help="optimizer steps (overrides --num_train_epochs)")
     train.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps (0: at the end of each epoch)")
     train.add_argument("--max_eval_batches", type=int, default=0, help="cap evaluation batches (0: all)")
+    add_training_args(p, learning_rate=1e-3, weight_decay=0.01, warmup_default="0", checkpointing_steps=None)
     args = p.parse_args(argv)
+    check_training_args(p, args)
     if not args.train_file and not args.dataset_name:
         p.error("give --train_file or --dataset_name")
-    for name in ("block_size", "per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps", "num_train_epochs"):
+    for name in ("block_size", "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs"):
         if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1")
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_train_steps is not None and args.max_train_steps < 1:
+        p.error(f"--max_train_steps must be >= 1, got {args.max_train_steps}")
+    if args.eval_steps < 0 or args.max_eval_batches < 0:
+        p.error("--eval_steps and --max_eval_batches must be >= 0")
     return args
 
 
-def build_tokenizer(kind: str, texts, vocab_size: int):
-    """A byte-level tokenizer (``byte``: 256 byte tokens) or a byte-level BPE trained on ``texts``."""
+def build_tokenizer(kind: str, texts, vocab_size: int, model_max_length: int):
+    """A byte-level tokenizer (``byte``: 256 byte tokens) or a byte-level BPE trained on ``texts``;
+    ``model_max_length`` is the longest input the model takes (its position table)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -111,7 +126,8 @@ def build_tokenizer(kind: str, texts, vocab_size: int):
         tok.train_from_iterator(texts, trainer=trainer)
     else:
         tok.add_special_tokens([EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=None)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, unk_token=None,
+                                   model_max_length=model_max_length)
 
 
 def load_text(args):
@@ -120,40 +136,47 @@ def load_text(args):
     if args.dataset_name:
         raw = load_dataset(args.dataset_name, args.dataset_config_name)
     else:
+        check_text_files(args.train_file, "--train_file")
         files = {"train": args.train_file}
         if args.validation_file:
+            check_text_files(args.validation_file, "--validation_file")
             files["validation"] = args.validation_file
         raw = load_dataset("text", data_files=files)
+    if args.text_column not in raw["train"].column_names:
+        raise ValueError(f"--text_column {args.text_column!r} is not a column of the data: {raw['train'].column_names}")
     if "validation" not in raw:
         split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
         raw["train"], raw["validation"] = split["train"], split["test"]
     return raw
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    accel_kwargs = dict(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=args.cpu)
-    if args.mixed_precision:
-        accel_kwargs["mixed_precision"] = args.mixed_precision
-    accelerator = Accelerator(**accel_kwargs)
+    accelerator = make_accelerator(args)
     set_seed(args.seed)
     out = Path(args.output_dir)
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
                       f"mixed precision: {accelerator.mixed_precision}")
+    settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
+        "script": "run_clm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
+    fingerprint = run_fingerprint(settings)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint)
 
     raw = load_text(args)
     column = args.text_column
+    max_positions = max(args.block_size, 1024)
 
-    # Tokenizer: built once on the main process, then loaded by every process.
+    # Tokenizer: a resumed run takes the one saved in its checkpoint; otherwise it is built on the
+    # main process straight into --output_dir (where the final model goes) and loaded by all.
     from transformers import AutoTokenizer
 
-    tok_dir = args.tokenizer_name or args.model_name_or_path or str(out / "tokenizer")
-    if not (args.tokenizer_name or args.model_name_or_path):
+    tok_dir = args.tokenizer_name or args.model_name_or_path or (str(resume) if resume else str(out))
+    if not (args.tokenizer_name or args.model_name_or_path or resume):
         if accelerator.is_main_process:
             texts = (t for t in raw["train"][column] if t)
-            build_tokenizer(args.tokenizer, texts, args.bpe_vocab_size).save_pretrained(tok_dir)
+            build_tokenizer(args.tokenizer, texts, args.bpe_vocab_size, max_positions).save_pretrained(tok_dir)
         accelerator.wait_for_everyone()
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
 
@@ -170,56 +193,41 @@ def main(argv: Optional[list[str]] = None) -> int:
         tokenized = raw.map(tokenize, batched=True, remove_columns=raw["train"].column_names)
         lm = tokenized.map(group, batched=True, remove_columns=tokenized["train"].column_names)
     lm.set_format("torch")
-    if len(lm["train"]) == 0:
-        raise ValueError(f"the training text gives no full block of --block_size={args.block_size} tokens")
+    for split in ("train", "validation"):
+        if len(lm[split]) == 0:
+            raise ValueError(f"the {split} text gives no full block of --block_size={args.block_size} tokens "
+                             f"({sum(len(x) for x in tokenized[split]['input_ids'])} tokens in all): "
+                             "give more text or a smaller --block_size")
 
     if args.model_name_or_path:
         model = LinearGPTForCausalLM.from_pretrained(args.model_name_or_path)
     else:
         config = LinearGPTConfig(
             vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-            num_attention_heads=args.num_attention_heads, max_position_embeddings=max(args.block_size, 1024),
+            num_attention_heads=args.num_attention_heads, max_position_embeddings=max_positions,
             feature_map=args.feature_map, position_embedding_type=args.position_embedding_type, rpe=args.rpe,
             max_relative_position=args.max_relative_position, bos_token_id=tokenizer.eos_token_id,
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
         model = LinearGPTForCausalLM(config)
     if args.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        model.gradient_checkpointing_enable()
 
-    train_dl = DataLoader(lm["train"], batch_size=args.per_device_train_batch_size, shuffle=True)
-    eval_dl = DataLoader(lm["validation"], batch_size=args.per_device_eval_batch_size)
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=args.learning_rate
-    )
+    sampler = EpochShuffleSampler(len(lm["train"]), args.seed)
+    train_dl = DataLoader(lm["train"], batch_size=args.per_device_train_batch_size, sampler=sampler,
+                          generator=torch.Generator())
+    eval_dl = DataLoader(lm["validation"], batch_size=args.per_device_eval_batch_size,
+                         generator=torch.Generator())
+    optimizer = torch.optim.AdamW(optimizer_grouped_parameters(model, args.weight_decay), lr=args.learning_rate)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
     max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    epochs = math.ceil(max_steps / steps_per_epoch)
-
-    def lr_lambda(step: int) -> float:
-        if step < args.warmup_steps:
-            return (step + 1) / max(1, args.warmup_steps)
-        return max(0.0, (max_steps - step) / max(1, max_steps - args.warmup_steps))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    accelerator.register_for_checkpointing(scheduler)
-
-    step, start_epoch, skip_batches = 0, 0, 0
-    if args.resume_from_checkpoint:
-        ckpt = args.resume_from_checkpoint
-        if ckpt == "latest":
-            found = sorted(out.glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-            if not found:
-                raise ValueError(f"--resume_from_checkpoint latest: no step_* folder in {out}")
-            ckpt = str(found[-1])
-        accelerator.load_state(ckpt)
-        step = int(Path(ckpt).name.split("_")[1])
-        start_epoch = step // steps_per_epoch
-        skip_batches = (step % steps_per_epoch) * args.gradient_accumulation_steps
-        accelerator.print(f"resumed from {ckpt} at step {step}")
+    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
+    scheduler = accelerator.prepare(get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps) * accelerator.num_processes,
+        num_training_steps=max_steps * accelerator.num_processes))
+    if args.with_tracking:
+        accelerator.init_trackers("run_clm", {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
 
     def evaluate() -> dict:
         model.eval()
@@ -231,54 +239,32 @@ def main(argv: Optional[list[str]] = None) -> int:
                 loss = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
             losses.append(accelerator.gather_for_metrics(loss.detach().float().reshape(1).repeat(batch["input_ids"].shape[0])))
         model.train()
-        mean = torch.cat(losses).mean().item() if losses else float("nan")
+        mean = torch.cat(losses).mean().item()
         return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0))}
 
-    history = []
-    bar = tqdm(total=max_steps, initial=step, disable=not accelerator.is_local_main_process, desc="train")
-    model.train()
-    for epoch in range(start_epoch, epochs):
-        if step >= max_steps:
-            break
-        loader = accelerator.skip_first_batches(train_dl, skip_batches) if (epoch == start_epoch and skip_batches) else train_dl
-        for batch in loader:
-            with accelerator.accumulate(model):
-                loss = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            if not accelerator.sync_gradients:
-                continue
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            if args.checkpointing_steps and step % args.checkpointing_steps == 0:
-                accelerator.save_state(str(out / f"step_{step}"))
-            if args.eval_steps and step % args.eval_steps == 0:
-                metrics = evaluate() | {"step": step}
-                history.append(metrics)
-                accelerator.print(json.dumps(metrics))
-            if step >= max_steps:
-                break
-        if not args.eval_steps:
-            metrics = evaluate() | {"step": step, "epoch": epoch}
-            history.append(metrics)
-            accelerator.print(json.dumps(metrics))
-        if step >= max_steps:
-            break
-    bar.close()
+    result = train_loop(
+        accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
+        max_train_steps=max_steps, evaluate=evaluate, eval_steps=args.eval_steps,
+        prepare_batch=lambda b: {"input_ids": b["input_ids"], "labels": b["labels"], "use_cache": False},
+        fingerprint=fingerprint, settings=settings, save_extra=tokenizer.save_pretrained, resume=resume, desc="train",
+    )
+    step, history = result["step"], result["history"]
+    if result["stopped"]:
+        accelerator.print(f"stopped after step {step} (--stop_after_steps); resume with --resume_from_checkpoint latest")
+        accelerator.end_training()
+        return {"step": step, "stopped": True}
     final = evaluate() | {"step": step}
     accelerator.print("final " + json.dumps(final))
+    if args.with_tracking:
+        accelerator.log({f"final_{k}": v for k, v in final.items() if k != "step"}, step=step)
 
     accelerator.wait_for_everyone()
     unwrapped = accelerator.unwrap_model(model)
     unwrapped.save_pretrained(out, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out)
-        (out / "eval_results.json").write_text(json.dumps({"final": final, "history": history}, indent=2))
+        (out / "eval_results.json").write_text(json.dumps({"final": final, "history": history["eval"],
+                                                           "train_history": history["train"]}, indent=2))
         card = Path(__file__).resolve().parents[1] / "model_cards" / "linear_gpt.md"
         if card.exists():
             cfg = unwrapped.config
@@ -293,8 +279,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             (out / "README.md").write_text(text)
         accelerator.print(f"saved model, tokenizer and card to {out}")
     accelerator.end_training()
-    return 0
+    return final
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -6,13 +6,18 @@
   one per example with ``--line_by_line``).
 * Masking: ``--mlm_probability`` (15%) of the tokens are chosen; of those 80% become ``[MASK]``,
   10% a random token and 10% stay unchanged (BERT's 80/10/10 rule).
-* Schedule: AdamW with linear warm-up to ``--learning_rate`` over ``--num_warmup_steps`` and
-  linear decay to zero at ``--max_train_steps``: the warm-up + linear-decay schedule of
-  Luo et al. 2021 (Table 5). The defaults are BERT-base pre-training values (peak 1e-4,
-  10k warm-up steps, weight decay 0.01, Adam eps 1e-6, betas 0.9/0.98); scale them to your run.
-* Checkpoints: ``accelerator.save_state`` every ``--checkpointing_steps`` into
-  ``--output_dir/step_N``; ``--resume_from_checkpoint latest`` (or a path) continues exactly
-  there (optimizer, scheduler, RNG, data position). The final model is saved Hub-ready.
+* Schedule: AdamW with ``--lr_scheduler_type`` (``transformers.get_scheduler``; default linear)
+  after a linear warm-up over ``--num_warmup_steps`` (or ``--warmup_ratio``): warm-up + linear
+  decay is the schedule of Luo et al. 2021 (Table 5). The defaults are BERT-base pre-training
+  values (peak 1e-4, 10k warm-up steps, capped at 10% of ``--max_train_steps`` when left at the
+  default, weight decay 0.01, Adam eps 1e-6, betas 0.9/0.98); scale them to your run. No weight
+  decay for biases, normalisation weights and the relative-position bias table (the rule shared
+  by every example script).
+* Checkpoints every ``--checkpointing_steps`` into ``--output_dir/step_N`` (written atomically, no
+  pickle); ``--resume_from_checkpoint latest`` (or a path) continues from the newest complete
+  checkpoint of the same run and ends bitwise where the uninterrupted run ends (data order,
+  masking, dropout and all other random states, optimizer, scheduler, counters, evaluation
+  history; same number of processes). The final model is saved Hub-ready.
 * Model: ``--model_name_or_path`` (an NPRF-BERT checkpoint, or a BERT/RoBERTa one converted on
   the fly), or ``--config_name``/``--tokenizer_name`` to start from scratch with
   ``NPRFBertConfig`` fields given as ``--config_overrides key=value,...``.
@@ -35,74 +40,78 @@ import json
 import logging
 import math
 import os
-import re
 from itertools import chain
-from pathlib import Path
 from typing import Optional
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from datasets import load_dataset
 from torch.utils.data import DataLoader
-from tqdm.auto import tqdm
 from transformers import (
     AutoConfig,
     AutoModelForMaskedLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
-    get_linear_schedule_with_warmup,
+    get_scheduler,
 )
 
 import hf_kernattn  # noqa: F401  (registers NPRF-BERT with the Auto classes)
 from hf_kernattn import NPRFBertConfig, NPRFBertForMaskedLM
 from hf_kernattn.convert import convert_to_nprf_bert
+from hf_kernattn.training import (
+    NOT_FINGERPRINTED,
+    EpochShuffleSampler,
+    add_training_args,
+    check_text_files,
+    check_training_args,
+    fingerprint_settings,
+    make_accelerator,
+    optimizer_grouped_parameters,
+    resolve_checkpoint,
+    run_fingerprint,
+    train_loop,
+    warmup_steps,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train_file", required=True, help="text file, one document/sentence per line")
     p.add_argument("--validation_file", default=None)
     p.add_argument("--model_name_or_path", default=None, help="NPRF-BERT checkpoint or BERT/RoBERTa to convert")
     p.add_argument("--config_name", default=None, help="NPRF-BERT config to start from scratch")
     p.add_argument("--config_overrides", default=None, help="key=value,... NPRFBertConfig fields (from scratch)")
     p.add_argument("--tokenizer_name", default=None)
-    p.add_argument("--max_seq_length", type=int, default=512)
+    p.add_argument("--max_seq_length", type=int, default=512, help="tokens per example, [CLS] and [SEP] included (>= 3)")
     p.add_argument("--line_by_line", action="store_true", help="one example per line instead of packed blocks")
     p.add_argument("--mlm_probability", type=float, default=0.15)
     p.add_argument("--per_device_train_batch_size", type=int, default=8)
     p.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    p.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    p.add_argument("--learning_rate", type=float, default=1e-4)
-    p.add_argument("--weight_decay", type=float, default=0.01)
     p.add_argument("--adam_beta1", type=float, default=0.9)
     p.add_argument("--adam_beta2", type=float, default=0.98)
     p.add_argument("--adam_epsilon", type=float, default=1e-6)
-    p.add_argument("--max_grad_norm", type=float, default=1.0)
     p.add_argument("--max_train_steps", type=int, default=1000, help="optimizer steps")
-    p.add_argument("--num_warmup_steps", type=int, default=10000,
-                   help="linear warm-up steps (capped at 10%% of --max_train_steps for short runs)")
-    p.add_argument("--checkpointing_steps", type=int, default=500)
-    p.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    p.add_argument("--resume_from_checkpoint", default=None, help="a step_N folder or 'latest'")
-    p.add_argument("--output_dir", required=True)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"])
-    p.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU is present")
+    p.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: at the end of each epoch)")
     p.add_argument("--preprocessing_num_workers", type=int, default=None)
+    add_training_args(p, learning_rate=1e-4, weight_decay=0.01, checkpointing_steps="500",
+                      warmup_default="10000, BERT-base's, or 10%% of --max_train_steps when that is fewer")
     args = p.parse_args(argv)
-    for name in ("max_seq_length", "per_device_train_batch_size", "per_device_eval_batch_size",
-                 "gradient_accumulation_steps", "max_train_steps", "checkpointing_steps"):
+    check_training_args(p, args)
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "max_train_steps"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_seq_length < 3:
+        p.error(f"--max_seq_length must be >= 3 ([CLS], at least one token, [SEP]), got {args.max_seq_length}")
+    if args.eval_steps < 0:
+        p.error(f"--eval_steps must be >= 0, got {args.eval_steps}")
     if not 0.0 < args.mlm_probability < 1.0:
-        raise ValueError(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
+        p.error(f"--mlm_probability must be in (0, 1), got {args.mlm_probability}")
     if args.model_name_or_path is None and args.config_name is None and args.config_overrides is None:
-        raise ValueError("pass --model_name_or_path, or --config_name / --config_overrides to start from scratch")
+        p.error("pass --model_name_or_path, or --config_name / --config_overrides to start from scratch")
     if args.model_name_or_path is None and args.tokenizer_name is None:
-        raise ValueError("--tokenizer_name is required when starting from scratch")
+        p.error("--tokenizer_name is required when starting from scratch")
     return args
 
 
@@ -135,23 +144,22 @@ def build_model(args: argparse.Namespace, tokenizer) -> NPRFBertForMaskedLM:
     return NPRFBertForMaskedLM(NPRFBertConfig(**fields))
 
 
-def _latest_checkpoint(output_dir: str) -> Optional[str]:
-    steps = [(int(m.group(1)), d) for d in Path(output_dir).glob("step_*") if (m := re.fullmatch(r"step_(\d+)", d.name))]
-    return str(max(steps)[1]) if steps else None
-
-
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    accelerator = Accelerator(
-        gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=args.mixed_precision,
-        cpu=args.cpu,
-    )
+    accelerator = make_accelerator(args)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if accelerator.is_main_process else logging.WARNING)
     set_seed(args.seed)
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
+    settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
+        "script": "run_mlm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
+    fingerprint = run_fingerprint(settings)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, fingerprint)
 
+    check_text_files([args.train_file], "--train_file")
+    if args.validation_file:
+        check_text_files([args.validation_file], "--validation_file")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or args.model_name_or_path)
     if tokenizer.mask_token is None or tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
         raise ValueError("the tokenizer needs mask, cls and sep tokens for BERT-style MLM")
@@ -159,6 +167,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     max_len = args.max_seq_length
     if model.config.position_embedding_type == "absolute":
         max_len = min(max_len, model.config.max_position_embeddings)
+    if max_len < 3:
+        raise ValueError(f"blocks of {max_len} tokens leave no room for text between [CLS] and [SEP]")
 
     files = {"train": args.train_file}
     if args.validation_file:
@@ -185,105 +195,95 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if not args.line_by_line:
             data = data.map(group, batched=True, remove_columns=data["train"].column_names,
                             num_proc=args.preprocessing_num_workers)
-    if len(data["train"]) == 0:
-        raise ValueError(f"--train_file gave no training blocks of {max_len} tokens; use --line_by_line or less --max_seq_length")
+    for split, path in files.items():
+        if len(data[split]) == 0:
+            raise ValueError(f"{path} gives no {split} example of {max_len} tokens; use --line_by_line or a "
+                             "smaller --max_seq_length")
 
-    collator = DataCollatorForLanguageModeling(
+    # Masking happens in the training loop, on CPU, with a generator per process whose state
+    # goes into the checkpoints (a collator would run ahead of the loop: the data loader fetches
+    # one batch in advance). Evaluation masks with its own generator, reset at every evaluation,
+    # so evaluations compare like with like and never disturb the training randomness.
+    masker = DataCollatorForLanguageModeling(
         tokenizer, mlm=True, mlm_probability=args.mlm_probability, mask_replace_prob=0.8, random_replace_prob=0.1,
     )
-    train_dl = DataLoader(data["train"], shuffle=True, collate_fn=collator, batch_size=args.per_device_train_batch_size)
-    eval_dl = (DataLoader(data["validation"], collate_fn=collator, batch_size=args.per_device_eval_batch_size)
+    mask_seed = args.seed + 1_000_003 * accelerator.process_index
+    train_gen = torch.Generator().manual_seed(mask_seed)
+    eval_gen = torch.Generator()
+
+    def pad(examples):
+        return tokenizer.pad(examples, return_tensors="pt")
+
+    def mask(batch, generator):
+        masker.generator = generator
+        batch = dict(batch)
+        batch["input_ids"], batch["labels"] = masker.torch_mask_tokens(
+            batch["input_ids"], special_tokens_mask=batch.pop("special_tokens_mask"))
+        return {k: v.to(accelerator.device) for k, v in batch.items()}
+
+    sampler = EpochShuffleSampler(len(data["train"]), args.seed)
+    train_dl = DataLoader(data["train"], sampler=sampler, collate_fn=pad, batch_size=args.per_device_train_batch_size,
+                          generator=torch.Generator())
+    eval_dl = (DataLoader(data["validation"], collate_fn=pad, batch_size=args.per_device_eval_batch_size,
+                         generator=torch.Generator())
                if "validation" in data else None)
 
-    decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n or "_norm" in n or "rpe" in n)]
-    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and all(p is not q for q in decay)]
     optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        optimizer_grouped_parameters(model, args.weight_decay),
         lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
     )
-    warmup = min(args.num_warmup_steps, max(1, args.max_train_steps // 10)) if args.max_train_steps < 10 * args.num_warmup_steps else args.num_warmup_steps
-    scheduler = get_linear_schedule_with_warmup(optimizer, warmup * accelerator.num_processes,
-                                                args.max_train_steps * accelerator.num_processes)
-    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+    warmup = warmup_steps(args, args.max_train_steps, default=min(10000, max(1, args.max_train_steps // 10)))
+    model, optimizer = accelerator.prepare(model, optimizer)
+    train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     if eval_dl is not None:
-        eval_dl = accelerator.prepare(eval_dl)
+        eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
+    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
+    scheduler = accelerator.prepare(get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
+        num_training_steps=args.max_train_steps * accelerator.num_processes))
+    if args.with_tracking:
+        accelerator.init_trackers("run_mlm", {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
 
     def evaluate_ppl() -> dict:
+        if eval_dl is None:
+            return {}
         model.eval()
+        eval_gen.manual_seed(mask_seed + 1)
         losses = []
         with torch.no_grad():
             for batch in eval_dl:
-                loss = model(**batch).loss
-                losses.append(accelerator.gather_for_metrics(loss.detach().reshape(1)))
+                loss = model(**mask(batch, eval_gen)).loss
+                losses.append(accelerator.gather_for_metrics(loss.detach().float().reshape(1)))
         model.train()
         loss = torch.cat(losses).mean().item()
         return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
-    completed, resume_batches, start_epoch = 0, 0, 0
-    resume = args.resume_from_checkpoint
-    if resume == "latest":
-        resume = _latest_checkpoint(args.output_dir)
-        if resume is None:
-            logger.info("no checkpoint in %s: starting fresh", args.output_dir)
-    if resume:
-        accelerator.load_state(resume)
-        completed = int(Path(resume).name.split("_")[-1])
-        batches_done = completed * args.gradient_accumulation_steps
-        start_epoch, resume_batches = divmod(batches_done, len(train_dl))
-        logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume, completed, start_epoch, resume_batches)
-
     logger.info("training: %d blocks, %d processes, %d steps, warm-up %d, peak lr %g",
                 len(data["train"]), accelerator.num_processes, args.max_train_steps, warmup, args.learning_rate)
-    bar = tqdm(total=args.max_train_steps, initial=completed, disable=not accelerator.is_local_main_process, desc="mlm")
-    model.train()
-    history: list[dict] = []
-    epoch = start_epoch
-    running, counted = 0.0, 0
-    while completed < args.max_train_steps:
-        if hasattr(train_dl, "set_epoch"):
-            train_dl.set_epoch(epoch)
-        loader = accelerator.skip_first_batches(train_dl, resume_batches) if resume_batches else train_dl
-        resume_batches = 0
-        for batch in loader:
-            with accelerator.accumulate(model):
-                loss = model(**batch).loss
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and args.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            running += loss.detach().float().item()
-            counted += 1
-            if not accelerator.sync_gradients:
-                continue
-            completed += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{running / counted:.3f}", lr=f"{scheduler.get_last_lr()[0]:.2e}")
-            history.append({"step": completed, "loss": running / counted, "lr": scheduler.get_last_lr()[0]})
-            running, counted = 0.0, 0
-            if completed % args.checkpointing_steps == 0 or completed == args.max_train_steps:
-                accelerator.save_state(os.path.join(args.output_dir, f"step_{completed}"))
-            if eval_dl is not None and args.eval_steps and completed % args.eval_steps == 0:
-                res = evaluate_ppl()
-                history[-1].update(res)
-                accelerator.print(f"step {completed}: {res}")
-            if completed >= args.max_train_steps:
-                break
-        epoch += 1
-    bar.close()
+    result = train_loop(
+        accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
+        max_train_steps=args.max_train_steps, evaluate=evaluate_ppl, eval_steps=args.eval_steps,
+        prepare_batch=lambda b: mask(b, train_gen), generators={"masking": train_gen},
+        fingerprint=fingerprint, settings=settings, resume=resume, desc="mlm",
+    )
+    completed, history = result["step"], result["history"]
+    if result["stopped"]:
+        accelerator.print(f"stopped after step {completed} (--stop_after_steps); resume with --resume_from_checkpoint latest")
+        accelerator.end_training()
+        return {"steps": completed, "stopped": True}
 
-    results = {"train_loss_last": history[-1]["loss"] if history else None, "steps": completed}
-    if eval_dl is not None:
-        results.update(evaluate_ppl())
-        accelerator.print(f"final: {results}")
+    results = {"train_loss_last": history["train"][-1]["loss"] if history["train"] else None, "steps": completed}
+    results.update(evaluate_ppl())
+    accelerator.print(f"final: {results}")
+    if args.with_tracking:
+        accelerator.log({f"final_{k}": v for k, v in results.items() if isinstance(v, float)}, step=completed)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(model)
         unwrapped.save_pretrained(args.output_dir, safe_serialization=True)
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "mlm_results.json"), "w") as f:
-            json.dump({"results": results, "history": history}, f, indent=1)
+            json.dump({"results": results, "history": history["eval"], "train_history": history["train"]}, f, indent=1)
     accelerator.end_training()
     return results
 

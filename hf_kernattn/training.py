@@ -1,0 +1,570 @@
+"""Shared training code of the example scripts: the command-line flags they have in common, one
+weight-decay rule, the Accelerate training loop, and resumable checkpoints written without pickle.
+
+Weight decay (:func:`decay_parameter_names`, :func:`optimizer_grouped_parameters`): the
+``transformers`` rule (no decay for biases and normalisation weights, as
+``Trainer.get_decay_parameter_names``), extended to the relative-position bias tables
+(``RelativePositionBias1D``): they are additive biases on the attention logits, and decaying them
+pulls the model towards having no position information. Embedding tables are decayed, as
+``transformers`` does.
+
+Checkpoints (:func:`save_checkpoint` / :func:`load_checkpoint`) hold everything needed to continue
+a run exactly where it stopped: model weights, optimizer, learning-rate scheduler, gradient scaler,
+step counters, the data position, the evaluation history, and every process's random states
+(torch, CUDA, Python ``random``, NumPy, and any named ``torch.Generator``). Tensors go to
+safetensors files and everything else to JSON: nothing is pickled and loading never executes code.
+A checkpoint is written into a temporary folder and renamed into place when complete, with its
+``training_state.json`` (which records a fingerprint of the run's arguments) written last; a folder
+without it is ignored. :func:`resolve_checkpoint` picks the newest complete checkpoint of the same
+run for ``--resume_from_checkpoint latest`` and refuses one written with other arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import numpy as np
+import safetensors.torch
+import torch
+from torch import nn
+from transformers.trainer_pt_utils import get_parameter_names
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+CHECKPOINT_PREFIX = "step_"
+STATE_FILE = "training_state.json"
+MODEL_FILE = "model.safetensors"
+FORMAT_VERSION = 1
+_TMP_SUFFIX = ".tmp"
+_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
+
+# transformers' patterns (Trainer.get_decay_parameter_names), matched on lower-cased names.
+_NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+_NO_DECAY_MODULES = ("RelativePositionBias1D",)
+
+WEIGHT_DECAY_HELP = (
+    "weight decay of AdamW; as in transformers, biases and normalisation weights get none, and "
+    "neither do the relative-position bias tables (embeddings are decayed)"
+)
+
+
+# --------------------------------------------------------------------------------------------
+# weight decay
+
+
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the parameters that get weight decay (see the module docstring for the rule)."""
+    forbidden = [nn.LayerNorm]
+    # By class name as well: a model loaded as remote code has its own copy of the class.
+    forbidden += list({type(m) for m in model.modules() if type(m).__name__ in _NO_DECAY_MODULES})
+    return get_parameter_names(model, forbidden, _NO_DECAY_PATTERNS)
+
+
+def optimizer_grouped_parameters(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two AdamW parameter groups following :func:`decay_parameter_names` (trainable parameters)."""
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+    decay = set(decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return [
+        {"params": [p for n, p in named if n in decay], "weight_decay": weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# run fingerprint
+
+
+def run_fingerprint(settings: dict[str, Any]) -> str:
+    """A short hash of the settings that determine a run's trajectory (JSON, sorted keys)."""
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# JSON + safetensors encoding of state dicts (no pickle)
+
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], path: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = path or "tensor"
+        tensors[key] = obj.detach().cpu().contiguous().clone()
+        return {"__tensor__": key}
+    if isinstance(obj, np.ndarray):
+        return {"__ndarray__": obj.tolist(), "dtype": str(obj.dtype)}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"cannot store a state dict key of type {type(k).__name__} at {path!r}")
+            out[f"{'i' if isinstance(k, int) else 's'}:{k}"] = _encode(v, tensors, f"{path}.{k}" if path else str(k))
+        return {"__dict__": out}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, tensors, f"{path}.{i}") for i, v in enumerate(obj)]
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    raise TypeError(f"cannot store a value of type {type(obj).__name__} at {path!r} without pickle")
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, list):
+        return [_decode(v, tensors) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        return tensors[obj["__tensor__"]]
+    if "__ndarray__" in obj:
+        return np.asarray(obj["__ndarray__"], dtype=np.dtype(obj["dtype"]))
+    if "__tuple__" in obj:
+        return tuple(_decode(v, tensors) for v in obj["__tuple__"])
+    if "__dict__" in obj:
+        out = {}
+        for k, v in obj["__dict__"].items():
+            kind, name = k.split(":", 1)
+            out[int(name) if kind == "i" else name] = _decode(v, tensors)
+        return out
+    raise ValueError(f"unknown entry in a stored state: {sorted(obj)}")
+
+
+def save_tree(folder: Path, name: str, tree: Any) -> None:
+    """Write ``tree`` (nested dicts/lists/tuples of tensors, arrays and plain values) as
+    ``name.json`` plus ``name.safetensors``."""
+    tensors: dict[str, torch.Tensor] = {}
+    encoded = _encode(tree, tensors, "")
+    safetensors.torch.save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(encoded))
+
+
+def load_tree(folder: Path, name: str) -> Any:
+    """Read what :func:`save_tree` wrote (JSON and safetensors only)."""
+    tensors = safetensors.torch.load_file(str(folder / f"{name}.safetensors"))
+    return _decode(json.loads((folder / f"{name}.json").read_text()), tensors)
+
+
+# --------------------------------------------------------------------------------------------
+# random states
+
+
+def rng_state(generators: Optional[dict[str, torch.Generator]] = None) -> dict:
+    """This process's random states: Python, NumPy, torch (CPU and CUDA), named generators."""
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "generators": {k: g.get_state() for k, g in (generators or {}).items()},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict, generators: Optional[dict[str, torch.Generator]] = None) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    for k, g in (generators or {}).items():
+        if k not in state["generators"]:
+            raise ValueError(f"the checkpoint has no state for the random generator {k!r}")
+        g.set_state(state["generators"][k])
+
+
+# --------------------------------------------------------------------------------------------
+# checkpoints
+
+
+def checkpoint_step(path: Path) -> Optional[int]:
+    m = _CHECKPOINT_RE.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def is_complete(path: Path) -> bool:
+    """A checkpoint folder whose state file (written last) is present and readable."""
+    try:
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("format_version") == FORMAT_VERSION and state.get("complete") is True
+
+
+def resolve_checkpoint(spec: Optional[str], output_dir: str | os.PathLike, fingerprint: str) -> Optional[Path]:
+    """The checkpoint folder to resume from, or ``None`` to start fresh.
+
+    ``spec`` is ``None`` (no resume), ``"latest"`` (the newest complete checkpoint in
+    ``output_dir`` written by a run with the same ``fingerprint``; half-written folders are
+    skipped; ``None`` when there is none at all) or a folder. Raises ``ValueError`` for a folder
+    that is incomplete or was written with other arguments, and for ``latest`` when the output
+    folder holds complete checkpoints but all of another run.
+    """
+    if spec is None:
+        return None
+    if spec != "latest":
+        path = Path(spec)
+        if not path.is_dir():
+            raise ValueError(f"--resume_from_checkpoint: {spec} is not a folder")
+        if not is_complete(path):
+            raise ValueError(f"--resume_from_checkpoint: {spec} is not a complete checkpoint (no valid {STATE_FILE}; "
+                             "it may have been interrupted while being written)")
+        _check_fingerprint(path, fingerprint)
+        return path
+    out = Path(output_dir)
+    found = sorted(
+        ((checkpoint_step(p), p) for p in out.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None),
+        reverse=True,
+    )
+    others = []
+    for _, path in found:
+        if not is_complete(path):
+            logger.warning(f"ignoring the incomplete checkpoint {path}")
+            continue
+        if _read_state(path)["fingerprint"] == fingerprint:
+            return path
+        others.append(path)
+    if others:
+        _check_fingerprint(others[0], fingerprint)  # raises, naming what differs
+    return None
+
+
+def _read_state(path: Path) -> dict:
+    return json.loads((Path(path) / STATE_FILE).read_text())
+
+
+def _check_fingerprint(path: Path, fingerprint: str) -> None:
+    state = _read_state(path)
+    if state["fingerprint"] != fingerprint:
+        raise ValueError(
+            f"the checkpoint {path} was written by a run with other settings (fingerprint {state['fingerprint']}, "
+            f"this run {fingerprint}; its settings: {json.dumps(state.get('settings', {}), sort_keys=True)}). "
+            "Resume with the same arguments, or use another --output_dir."
+        )
+
+
+def save_checkpoint(
+    accelerator,
+    output_dir: str | os.PathLike,
+    step: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    fingerprint: str,
+    settings: dict[str, Any],
+    progress: dict[str, Any],
+    generators: Optional[dict[str, torch.Generator]] = None,
+    save_extra: Optional[Callable[[Path], None]] = None,
+) -> Path:
+    """Write ``output_dir/step_{step}`` atomically; every process must call it.
+
+    ``progress`` is JSON (counters, data position, evaluation history); ``generators`` are
+    torch generators of this process to restore as well; ``save_extra(folder)`` (main process)
+    adds files such as the tokenizer.
+    """
+    final = Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}"
+    tmp = Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}{_TMP_SUFFIX}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    save_tree(tmp, f"rng_state_{accelerator.process_index}", rng_state(generators))
+    if accelerator.is_main_process:
+        safetensors.torch.save_model(accelerator.unwrap_model(model), str(tmp / MODEL_FILE))
+        optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        save_tree(tmp, "optimizer", optim.state_dict())
+        sched = scheduler.scheduler if hasattr(scheduler, "scheduler") else scheduler
+        save_tree(tmp, "scheduler", sched.state_dict())
+        if accelerator.scaler is not None:
+            save_tree(tmp, "scaler", accelerator.scaler.state_dict())
+        if save_extra is not None:
+            save_extra(tmp)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = {
+            "format_version": FORMAT_VERSION, "step": step, "fingerprint": fingerprint, "settings": settings,
+            "num_processes": accelerator.num_processes, "progress": progress, "complete": True,
+        }
+        with open(tmp / STATE_FILE, "w") as f:
+            f.write(json.dumps(state, indent=1, default=str))
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(
+    accelerator,
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    generators: Optional[dict[str, torch.Generator]] = None,
+) -> dict:
+    """Restore what :func:`save_checkpoint` wrote; returns its ``progress`` dict.
+
+    Reads only JSON and safetensors. The number of processes must be the one that wrote it.
+    """
+    path = Path(path)
+    state = _read_state(path)
+    if state["num_processes"] != accelerator.num_processes:
+        raise ValueError(f"the checkpoint {path} was written by {state['num_processes']} processes; "
+                         f"resume it with the same number (now {accelerator.num_processes})")
+    missing, unexpected = safetensors.torch.load_model(
+        accelerator.unwrap_model(model), str(path / MODEL_FILE), strict=False, device="cpu"
+    )
+    if missing or unexpected:
+        raise ValueError(f"the checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+    optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    optim.load_state_dict(load_tree(path, "optimizer"))
+    sched = scheduler.scheduler if hasattr(scheduler, "scheduler") else scheduler
+    sched.load_state_dict(load_tree(path, "scheduler"))
+    if accelerator.scaler is not None:
+        accelerator.scaler.load_state_dict(load_tree(path, "scaler"))
+    set_rng_state(load_tree(path, f"rng_state_{accelerator.process_index}"), generators)
+    return state["progress"]
+
+
+def fingerprint_settings(args, exclude: Iterable[str]) -> dict[str, Any]:
+    """The argparse namespace as a dict, without the keys in ``exclude``."""
+    skip = set(exclude)
+    return {k: v for k, v in sorted(vars(args).items()) if k not in skip}
+
+
+# --------------------------------------------------------------------------------------------
+# command-line flags shared by the Accelerate scripts
+
+SCHEDULER_TYPES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+                   "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
+# Flags that do not change what a run computes: a checkpoint may be resumed with other values.
+NOT_FINGERPRINTED = ("output_dir", "resume_from_checkpoint", "stop_after_steps", "checkpointing_steps",
+                     "with_tracking", "report_to", "preprocessing_num_workers")
+
+
+def add_training_args(p: argparse.ArgumentParser, *, learning_rate: float, weight_decay: float,
+                      warmup_default: str, checkpointing_steps: Optional[str]) -> None:
+    """The flags every Accelerate example script has, with the same names and meaning."""
+    g = p.add_argument_group("optimisation and checkpoints (shared by the Accelerate scripts)")
+    g.add_argument("--learning_rate", type=float, default=learning_rate, help="peak learning rate of AdamW")
+    g.add_argument("--weight_decay", type=float, default=weight_decay, help=WEIGHT_DECAY_HELP)
+    g.add_argument("--lr_scheduler_type", default="linear", choices=SCHEDULER_TYPES,
+                   help="schedule after warm-up (transformers.get_scheduler)")
+    g.add_argument("--num_warmup_steps", type=int, default=None, help=f"linear warm-up steps (default: {warmup_default})")
+    g.add_argument("--warmup_ratio", type=float, default=None,
+                   help="warm-up as a fraction of the optimizer steps (instead of --num_warmup_steps)")
+    g.add_argument("--max_grad_norm", type=float, default=1.0, help="gradient clipping (0: none)")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--checkpointing_steps", default=checkpointing_steps,
+                   help="save a resumable checkpoint (output_dir/step_N) every N optimizer steps, or 'epoch'")
+    g.add_argument("--resume_from_checkpoint", default=None,
+                   help="a step_N folder, or 'latest': the newest complete checkpoint of this run in --output_dir "
+                        "(none: start fresh). Checkpoints of a run with other settings are refused")
+    g.add_argument("--stop_after_steps", type=int, default=None,
+                   help="end this invocation after N optimizer steps in all, with a checkpoint, as a job with a "
+                        "time limit would; continue with --resume_from_checkpoint latest (the schedule still "
+                        "spans the whole run)")
+    g.add_argument("--with_tracking", action="store_true", help="log metrics to the trackers of --report_to")
+    g.add_argument("--report_to", default="all",
+                   help="trackers for --with_tracking: 'all', or tensorboard, wandb, comet_ml, clearml, ...")
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                   help="default: what accelerate launch / accelerate config say")
+    g.add_argument("--cpu", action="store_true", help="run on CPU even where a GPU exists "
+                   "(with accelerate launch --multi_gpu: gloo processes)")
+    g.add_argument("--seed", type=int, default=42, help="seed of initialisation, data order, dropout and masking")
+    g.add_argument("--output_dir", required=True, help="final model and checkpoints")
+
+
+def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse bad values of the shared flags (argparse error naming the flag)."""
+    if args.gradient_accumulation_steps < 1:
+        p.error(f"--gradient_accumulation_steps must be >= 1, got {args.gradient_accumulation_steps}")
+    if args.num_warmup_steps is not None and args.num_warmup_steps < 0:
+        p.error(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
+    if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio <= 1.0:
+        p.error(f"--warmup_ratio must be in [0, 1], got {args.warmup_ratio}")
+    if args.warmup_ratio is not None and args.num_warmup_steps is not None:
+        p.error("give --num_warmup_steps or --warmup_ratio, not both")
+    if not args.weight_decay >= 0.0:
+        p.error(f"--weight_decay must be >= 0, got {args.weight_decay}")
+    if args.stop_after_steps is not None and args.stop_after_steps < 1:
+        p.error(f"--stop_after_steps must be >= 1, got {args.stop_after_steps}")
+    c = args.checkpointing_steps
+    if c is not None and c != "epoch" and not (str(c).isdigit() and int(c) >= 1):
+        p.error(f"--checkpointing_steps must be a positive integer or 'epoch', got {c!r}")
+
+
+def warmup_steps(args: argparse.Namespace, max_train_steps: int, default: int = 0) -> int:
+    """Warm-up steps: ``--warmup_ratio`` of the run when given, else ``--num_warmup_steps``, else
+    ``default``."""
+    if args.warmup_ratio is not None:
+        if args.num_warmup_steps is not None:
+            raise ValueError("give --num_warmup_steps or --warmup_ratio, not both")
+        return math.ceil(args.warmup_ratio * max_train_steps)
+    return default if args.num_warmup_steps is None else args.num_warmup_steps
+
+
+def make_accelerator(args: argparse.Namespace, **kwargs):
+    from accelerate import Accelerator
+
+    if args.mixed_precision:
+        kwargs["mixed_precision"] = args.mixed_precision
+    if args.with_tracking:
+        kwargs.update(log_with=args.report_to, project_dir=args.output_dir)
+    return Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=args.cpu, **kwargs)
+
+
+def check_text_files(paths: Iterable[str], flag: str) -> None:
+    """Refuse missing, unreadable (not UTF-8) or empty text files, naming the file (and line)."""
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"{flag}: {path} is not a file")
+        has_text = False
+        with open(p, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    text = line.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{flag}: {path}, line {lineno}: not UTF-8 text ({err.reason})") from None
+                has_text = has_text or bool(text.strip())
+        if not has_text:
+            raise ValueError(f"{flag}: {path} holds no text (empty or only blank lines)")
+
+
+# --------------------------------------------------------------------------------------------
+# data order and the training loop
+
+
+class EpochShuffleSampler(torch.utils.data.Sampler):
+    """A random permutation per epoch, drawn from ``seed + epoch`` alone (no global RNG): the data
+    order of any epoch can be reproduced when a run resumes.
+
+    Give the ``DataLoader`` its own ``generator=torch.Generator()`` as well: otherwise every new
+    iterator draws its base seed from the global RNG, which shifts the dropout randomness of a
+    resumed run (it starts an iterator mid-epoch)."""
+
+    def __init__(self, num_samples: int, seed: int):
+        self.num_samples, self.seed, self.epoch = num_samples, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_samples, generator=g).tolist())
+
+
+def train_loop(
+    accelerator,
+    args: argparse.Namespace,
+    *,
+    model: nn.Module,
+    optimizer,
+    scheduler,
+    train_dl,
+    sampler: EpochShuffleSampler,
+    max_train_steps: int,
+    evaluate: Callable[[], dict],
+    eval_steps: int = 0,
+    prepare_batch: Optional[Callable[[dict], dict]] = None,
+    generators: Optional[dict[str, torch.Generator]] = None,
+    fingerprint: str,
+    settings: dict[str, Any],
+    save_extra: Optional[Callable[[Path], None]] = None,
+    resume: Optional[Path] = None,
+    desc: str = "train",
+) -> dict:
+    """Train to ``max_train_steps`` optimizer steps (resuming when asked); returns
+    ``{"step", "history", "stopped"}``. ``history`` holds the evaluations (every ``eval_steps``
+    steps, else at the end of each epoch) and per-step training losses, kept across resumes.
+    ``stopped`` is true when ``--stop_after_steps`` ended the run early (a checkpoint was saved).
+    ``resume`` is the checkpoint from :func:`resolve_checkpoint` (``None``: start fresh)."""
+    from tqdm.auto import tqdm
+
+    step, epoch, batch_in_epoch, history = 0, 0, 0, {"eval": [], "train": []}
+    ckpt = resume
+    if ckpt is None and args.resume_from_checkpoint == "latest":
+        logger.warning(f"no checkpoint of this run in {args.output_dir}: starting fresh")
+    if ckpt is not None:
+        progress = load_checkpoint(accelerator, ckpt, model, optimizer, scheduler, generators)
+        step, epoch, batch_in_epoch, history = (progress["step"], progress["epoch"], progress["batch_in_epoch"],
+                                                progress["history"])
+        accelerator.print(f"resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
+    stop_at = min(max_train_steps, args.stop_after_steps or max_train_steps)
+    every = None if args.checkpointing_steps in (None, "epoch") else int(args.checkpointing_steps)
+    bar = tqdm(total=max_train_steps, initial=step, disable=not accelerator.is_local_main_process, desc=desc)
+    model.train()
+    running, counted = 0.0, 0
+    while step < stop_at:
+        loader = accelerator.skip_first_batches(train_dl, batch_in_epoch) if batch_in_epoch else train_dl
+        # Accelerate's loaders pass their own epoch counter to the sampler when iterated: set both.
+        for obj in (sampler, train_dl, loader):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+        for batch in loader:
+            batch_in_epoch += 1
+            if prepare_batch is not None:
+                batch = prepare_batch(batch)
+            with accelerator.accumulate(model):
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and args.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            running += loss.detach().float().item()
+            counted += 1
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            epoch_done = batch_in_epoch == len(train_dl)
+            lr = scheduler.get_last_lr()[0]
+            history["train"].append({"step": step, "loss": running / counted, "lr": lr})
+            bar.update(1)
+            bar.set_postfix(loss=f"{running / counted:.3f}", lr=f"{lr:.2e}")
+            if args.with_tracking:
+                accelerator.log({"train_loss": running / counted, "lr": lr}, step=step)
+            running, counted = 0.0, 0
+            if (eval_steps and step % eval_steps == 0) or (not eval_steps and epoch_done):
+                metrics = evaluate() | {"step": step, "epoch": epoch}
+                history["eval"].append(metrics)
+                accelerator.print(json.dumps(metrics))
+                if args.with_tracking:
+                    accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+            if (every and step % every == 0) or (args.checkpointing_steps == "epoch" and epoch_done) \
+                    or (step == stop_at < max_train_steps):
+                position = (epoch + 1, 0) if epoch_done else (epoch, batch_in_epoch)
+                save_checkpoint(
+                    accelerator, args.output_dir, step, model, optimizer, scheduler, fingerprint, settings,
+                    {"step": step, "epoch": position[0], "batch_in_epoch": position[1], "history": history},
+                    generators, save_extra,
+                )
+            if step >= stop_at:
+                break
+        else:
+            epoch, batch_in_epoch = epoch + 1, 0
+            continue
+        if batch_in_epoch == len(train_dl):
+            epoch, batch_in_epoch = epoch + 1, 0
+    bar.close()
+    return {"step": step, "history": history, "stopped": step < max_train_steps}
