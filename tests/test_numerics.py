@@ -156,3 +156,54 @@ def test_tiny_models_train_under_bf16_autocast():
         assert torch.isfinite(loss)
         for name, p in model.named_parameters():
             assert p.grad is None or torch.isfinite(p.grad).all(), name
+
+
+# ----------------------------------------------------------------------------- redraw and recompute
+
+
+@pytest.mark.parametrize("kind", ["prf", "trf"])
+def test_redraw_between_two_forwards_and_one_backward_with_recompute(kind):
+    """Gradient accumulation with a redraw in between: forward (projection P0), redraw (P1),
+    forward (P1), one backward of the summed loss. The recomputation of the first forward must
+    use P0. Reference: two copies of the module without recomputation, one holding P0 and one
+    P1, gradients summed; float64, so the only tolerance is rounding (1e-10)."""
+    import copy
+
+    torch.manual_seed(0)
+    attn = hf_kernattn.KernelizedSelfAttention(
+        _module_config(feature_map=kind, feature_redraw_interval=1, recompute_attention=True)
+    ).double().train()
+    x1 = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x2 = torch.randn(2, 7, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref0 = copy.deepcopy(attn)
+    loss = attn(x1).pow(2).sum()
+    attn.feature_map.step()  # redraw: draw 1
+    assert int(attn.feature_map.num_draws) == 1
+    ref1 = copy.deepcopy(attn)
+    loss = loss + attn(x2).pow(2).sum()
+    loss.backward()
+
+    ref0.recompute = ref1.recompute = False
+    assert not torch.equal(ref0.feature_map.projection, ref1.feature_map.projection)
+    ref_loss = ref0(x1).pow(2).sum() + ref1(x2).pow(2).sum()
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=1e-12, atol=0)
+    for (name, p), p0, p1 in zip(attn.named_parameters(), ref0.parameters(), ref1.parameters()):
+        torch.testing.assert_close(p.grad, p0.grad + p1.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_redraw_without_recompute_keeps_saved_projection_valid():
+    """Without recomputation the feature op saves the projection for its backward: a redraw
+    before the backward must not modify that tensor (autograd would refuse it, or worse)."""
+    torch.manual_seed(0)
+    attn = hf_kernattn.KernelizedSelfAttention(
+        _module_config(feature_map="prf", feature_redraw_interval=1, recompute_attention=False)
+    ).double().train()
+    x = torch.randn(2, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    before = attn.feature_map.projection
+    saved = before.clone()
+    out = attn(x)
+    attn.feature_map.step()
+    assert attn.feature_map.projection is not before and torch.equal(before, saved)
+    out.sum().backward()  # no "modified by an inplace operation" error
+    assert attn.q_proj.weight.grad is not None

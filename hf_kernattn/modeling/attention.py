@@ -77,11 +77,14 @@ class KernelizedSelfAttention(nn.Module):
         b, n, _ = x.shape
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, hidden_states: torch.Tensor, projection: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(B, N, C)`` -> query features ``(B, H, N, M)``, key features ``(B, H, N, M)``,
-        values ``(B, H, N, D)``. Features are float32 at least (float64 stays float64)."""
-        q = self.feature_map(self._split(self.q_proj(hidden_states)), is_query=True)
-        k = self.feature_map(self._split(self.k_proj(hidden_states)), is_query=False)
+        values ``(B, H, N, D)``. Features are float32 at least (float64 stays float64).
+        ``projection``: the random-feature projection to use (None: the feature map's current one)."""
+        q = self.feature_map(self._split(self.q_proj(hidden_states)), is_query=True, projection=projection)
+        k = self.feature_map(self._split(self.k_proj(hidden_states)), is_query=False, projection=projection)
         v = self._split(self.v_proj(hidden_states)).to(q.dtype)
         return q, k, v
 
@@ -99,6 +102,7 @@ class KernelizedSelfAttention(nn.Module):
         grid: Optional[Sequence[int]] = None,
         rpe_clip: Optional[int] = None,
         recompute: Optional[bool] = None,
+        projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
@@ -111,13 +115,20 @@ class KernelizedSelfAttention(nn.Module):
                 intermediates (see ``recompute_attention``). None: the module's configured
                 ``recompute_attention``; False: never (e.g. when an enclosing layer is already
                 gradient-checkpointed, so the work is not done three times); True: always.
+            projection: the random-feature projection to use; None: the feature map's current
+                buffer, read once here. The recomputation receives that tensor explicitly, and a
+                redraw installs a new tensor, so a redraw before the backward changes nothing
+                (an enclosing checkpointed layer can read the buffer outside its checkpoint and
+                pass it here for the same guarantee).
         Returns:
             ``(B, N, C)``.
         """
         if recompute is not None and not isinstance(recompute, bool):
             raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
         recompute = self.recompute if recompute is None else recompute
-        args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None)
+        if projection is None:
+            projection = self.feature_map.projection
+        args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection)
         if recompute and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
         else:
@@ -131,9 +142,10 @@ class KernelizedSelfAttention(nn.Module):
         rpe_bias: Optional[torch.Tensor],
         grid: Optional[Sequence[int]],
         rpe_clip: Optional[int],
+        projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``(B, N, C)`` -> projections, feature maps, kernel: ``(B, H, N, d)`` before ``o_proj``."""
-        q, k, v = self.project(hidden_states)
+        q, k, v = self.project(hidden_states, projection)
         if rpe_bias is not None:
             rpe_bias = rpe_bias.to(q.dtype)
         return kernelized_attention(

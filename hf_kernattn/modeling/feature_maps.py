@@ -27,6 +27,10 @@ completing the square ``w . x - |x|^2/2 <= |w|^2 / 2``, so PRF key features are 
 Projections are persistent buffers (saved with the model), drawn from ``seed`` and redrawn
 only in training mode, every ``redraw_interval`` calls of :meth:`FeatureMap.step` (0: never).
 The draw number is a buffer too, so a reloaded model continues the same sequence of draws.
+A redraw installs a new tensor rather than writing into the old one, and recomputation passes
+the projection of its own forward explicitly, so a redraw between a forward and its backward
+(gradient accumulation, two forwards before one backward) never changes that backward.
+:meth:`FeatureMap.init_features` restores the seed's first draw and zero counters in place.
 """
 
 from __future__ import annotations
@@ -244,7 +248,9 @@ class FeatureMap(nn.Module):
             return
         self.num_draws += 1
         w = self._draw(int(self.num_draws))
-        self.projection.copy_(w.to(device=self.projection.device, dtype=self.projection.dtype))
+        # A new tensor, never an in-place write: a forward whose backward is still outstanding
+        # (gradient accumulation; recomputation in the backward pass) keeps the projection it used.
+        self.projection = w.to(device=self.projection.device, dtype=self.projection.dtype)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -263,10 +269,13 @@ class FeatureMap(nn.Module):
         )
 
     @full_precision
-    def forward(self, x: torch.Tensor, is_query: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_query: bool, projection: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Args:
             x: ``(B, H, N, d)`` queries or keys.
             is_query: queries get a per-position stabilising shift (keys never do).
+            projection: the ``(m, d)`` projection to use instead of the current buffer (random
+                maps only). A recomputation in the backward pass passes the tensor its forward
+                used, so a redraw in between (which installs a new tensor) cannot change it.
         Returns:
             ``(B, H, N, M)`` features, in float32 at least (float64 stays float64).
         """
@@ -274,8 +283,15 @@ class FeatureMap(nn.Module):
             raise ValueError(f"feature map expects last dim head_dim={self.head_dim}, got shape {tuple(x.shape)}")
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         x = x.to(compute_dtype)
+        if projection is None:
+            projection = self.projection
+        elif self.is_random and tuple(projection.shape) != (self.num_random_features, self.head_dim):
+            raise ValueError(
+                f"projection must have shape (num_random_features, head_dim) = "
+                f"({self.num_random_features}, {self.head_dim}), got {tuple(projection.shape)}"
+            )
         if self.kind == "prf":
-            w = self.projection.to(device=x.device, dtype=compute_dtype)
+            w = projection.to(device=x.device, dtype=compute_dtype)
             scale = self.num_random_features ** -0.5
             return PositiveRandomFeatures.apply(x, w, self.normalize_qk, self.head_dim ** -0.25, is_query, scale)
         if self.normalize_qk:
@@ -287,7 +303,7 @@ class FeatureMap(nn.Module):
         if not self.normalize_qk:
             x = x * self.head_dim ** -0.25
         # trf
-        proj = x @ self.projection.to(device=x.device, dtype=compute_dtype).T  # (B, H, N, m)
+        proj = x @ projection.to(device=x.device, dtype=compute_dtype).T  # (B, H, N, m)
         amp = torch.exp(0.5 * (x * x).sum(dim=-1, keepdim=True)) * self.num_random_features ** -0.5
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
 
