@@ -6,7 +6,7 @@ from typing import Optional
 
 from transformers import PreTrainedConfig
 
-from .attention_config import validate_attention_fields
+from .attention_config import validate_attention_fields, validate_model_fields
 from .feature_maps import feature_size
 
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "none")
@@ -109,6 +109,15 @@ class LinearGPTConfig(PreTrainedConfig):
             raise ValueError(
                 f"position_embedding_type must be one of {list(POSITION_EMBEDDING_TYPES)}, got {position_embedding_type!r}"
             )
+        validate_model_fields(
+            hidden_act=hidden_act,
+            initializer_range=initializer_range,
+            layer_norm_eps=("layer_norm_epsilon", layer_norm_epsilon),
+            attention_eps=attention_eps,
+            feature_seed=feature_seed,
+            use_cache=use_cache,
+            output_attentions=kwargs.get("output_attentions"),
+        )
         validate_attention_fields(
             hidden_size=hidden_size,
             num_attention_heads=num_attention_heads,

@@ -12,7 +12,7 @@ from typing import Optional
 
 from transformers import PreTrainedConfig
 
-from .attention_config import validate_attention_fields
+from .attention_config import validate_attention_fields, validate_model_fields
 
 _AUTO_MAP = {
     "AutoConfig": "configuration_nprf_bert.NPRFBertConfig",
@@ -134,7 +134,6 @@ class NPRFBertConfig(PreTrainedConfig):
             ("intermediate_size", intermediate_size, 1),
             ("max_position_embeddings", max_position_embeddings, 1),
             ("type_vocab_size", type_vocab_size, 1),
-            ("feature_seed", feature_seed, 0),
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
@@ -158,12 +157,17 @@ class NPRFBertConfig(PreTrainedConfig):
             raise ValueError(f"rpe_shared_across_layers must be a bool, got {rpe_shared_across_layers!r}")
         if not isinstance(rpe_init_std, (int, float)) or rpe_init_std < 0:
             raise ValueError(f"rpe_init_std must be a number >= 0, got {rpe_init_std!r}")
-        if not isinstance(attention_eps, (int, float)) or attention_eps < 0:
-            raise ValueError(f"attention_eps must be a number >= 0, got {attention_eps!r}")
         if not isinstance(recompute_attention, bool):
             raise ValueError(f"recompute_attention must be a bool, got {recompute_attention!r}")
-        if not isinstance(layer_norm_eps, (int, float)) or layer_norm_eps <= 0:
-            raise ValueError(f"layer_norm_eps must be a number > 0, got {layer_norm_eps!r}")
+        validate_model_fields(
+            hidden_act=hidden_act,
+            initializer_range=initializer_range,
+            layer_norm_eps=("layer_norm_eps", layer_norm_eps),
+            attention_eps=attention_eps,
+            feature_seed=feature_seed,
+            use_cache=kwargs.get("use_cache"),
+            output_attentions=kwargs.get("output_attentions"),
+        )
         validate_attention_fields(
             hidden_size=hidden_size,
             num_attention_heads=num_attention_heads,

@@ -23,9 +23,8 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
@@ -34,9 +33,10 @@ from .attention import KernelizedSelfAttention
 from .backends import kernelized_attention
 from .cache import LinearAttentionState, LinearGPTCache
 from .configuration_linear_gpt import LinearGPTConfig
-from .feature_maps import feature_maps_step
+from .feature_maps import FeatureMap, feature_maps_step
 from .kernels import causal_linear_sums, mask_keys, recurrent_step, with_ones_column
 from .positional import RelativePositionBias1D
+from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -203,16 +203,20 @@ class LinearGPTBlock(GradientCheckpointingLayer):
 # ----------------------------------------------------------------------------- models
 
 
-class LinearGPTPreTrainedModel(PreTrainedModel):
-    """Weight init, config class and capabilities shared by the Linear GPT models."""
+class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
+    """Weight init, config class and capabilities shared by the Linear GPT models.
+
+    The model is stateful (``_is_stateful``): its decoding state is an RNN state that cannot
+    forget tokens, so ``generate()`` refuses assisted and prompt-lookup decoding up front.
+    ``output_attentions=True`` raises ``ValueError``: kernelized attention has no attention matrix.
+    """
 
     config_class = LinearGPTConfig
     config: LinearGPTConfig
     base_model_prefix = "transformer"
     supports_gradient_checkpointing = True
     _no_split_modules = ["LinearGPTBlock"]
-    _supports_sdpa = False
-    _supports_flash_attn = False
+    _is_stateful = True
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
@@ -227,6 +231,8 @@ class LinearGPTPreTrainedModel(PreTrainedModel):
             nn.init.zeros_(module.bias)
         elif isinstance(module, RelativePositionBias1D):
             nn.init.zeros_(module.weight)
+        elif isinstance(module, FeatureMap):
+            self._init_feature_map(module)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -234,9 +240,13 @@ class LinearGPTPreTrainedModel(PreTrainedModel):
         return False
 
 
-def _normalize_attention_mask(attention_mask: object, batch: int, n: int, past: int) -> Optional[torch.Tensor]:
-    """The HF mask -> ``(B, past + N)`` or ``(B, N)`` long tensor, or None. Dicts / 4D masks are
-    reduced to the key mask of the last query row."""
+def _normalize_attention_mask(
+    attention_mask: object, batch: int, n: int, past: int, check_values: bool = True
+) -> Optional[torch.Tensor]:
+    """The HF mask -> ``(B, past + N)`` or ``(B, N)`` long tensor of 1 (keep) / 0 (padding), or
+    None. Dicts / 4D masks are reduced to the key mask of the last query row. With
+    ``check_values`` (eager calls outside the one-token decode step) any value other than 0/1
+    is refused: a 2 or -1 would shift the position ids silently."""
     if attention_mask is None:
         return None
     if isinstance(attention_mask, dict):  # a compileable-cache mask mapping: take any entry
@@ -253,10 +263,42 @@ def _normalize_attention_mask(attention_mask: object, batch: int, n: int, past: 
             f"attention_mask must have shape (batch, past + seq) = ({batch}, {past + n}) or (batch, seq) = "
             f"({batch}, {n}) with 1 = keep and 0 = padding, got {tuple(attention_mask.shape)}"
         )
-    if attention_mask.is_floating_point():
+    if attention_mask.dtype == torch.bool:
+        return attention_mask.long()
+    if check_values:
         if bool(((attention_mask != 0) & (attention_mask != 1)).any()):
-            raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
-    return attention_mask.long()
+            raise ValueError(
+                f"attention_mask must hold only 1 (keep) and 0 (padding), got values in "
+                f"[{attention_mask.min().item()}, {attention_mask.max().item()}] (dtype {attention_mask.dtype})"
+            )
+        return attention_mask.long()
+    return (attention_mask != 0).long()
+
+
+def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> None:
+    """``ValueError`` unless ``cache`` was made by a model of this layout (layers, relative-position
+    window, heads, feature size, head size) for this batch. Shape checks only: no host sync."""
+    cfg = model.config
+    attn = model.h[0].attn
+    if len(cache.layers) != cfg.num_hidden_layers:
+        raise ValueError(f"past_key_values has {len(cache.layers)} layers, the model {cfg.num_hidden_layers}")
+    if cache.window != attn.window:
+        def describe(w: int) -> str:
+            return (f"a relative-position window of {w} keys (rpe='learned', max_relative_position={w + 1})"
+                    if w else "no relative-position window (rpe='none')")
+        raise ValueError(
+            f"past_key_values was made by a model with {describe(cache.window)}; this model has "
+            f"{describe(attn.window)}: a decoding state only continues in the model that made it"
+        )
+    if cache.batch_size is not None and cache.batch_size != batch:
+        raise ValueError(f"past_key_values holds a batch of {cache.batch_size} rows, the inputs have {batch}")
+    state = cache.layers[0].state
+    want = (attn.num_heads, attn.feature_map.num_features, attn.head_dim)
+    if state is not None and tuple(state.shape[1:]) != want:
+        raise ValueError(
+            f"past_key_values holds states of (heads, feature size, head size) = {tuple(state.shape[1:])}, this "
+            f"model needs {want}: a decoding state only continues in the model that made it"
+        )
 
 
 class LinearGPTModel(LinearGPTPreTrainedModel):
@@ -296,6 +338,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         use_cache: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        **kwargs,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Args:
             input_ids: ``(B, N)`` token ids (or ``inputs_embeds`` ``(B, N, C)``, not both).
@@ -304,10 +348,18 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             past_key_values: a :class:`LinearGPTCache` from an earlier call, or None.
             use_cache: return the updated state (default ``config.use_cache``).
             output_hidden_states: also return every layer's input and the final output.
+            output_attentions: must be False/None (there are no attention weights).
+            kwargs: what ``transformers`` passes besides (e.g. ``cache_position``); not used: the
+                state counts its own positions.
         Returns:
             :class:`BaseModelOutputWithPast` (``last_hidden_state (B, N, C)``, ``past_key_values``).
+
+        Value checks (token ids in range, mask values) run in eager mode and not on one-token
+        decoding steps from an existing state, so decoding does not sync with the device per
+        token; ``torch.export`` / ``torch.compile`` trace the model without them.
         """
         cfg = self.config
+        refuse_output_attentions("Linear GPT", output_attentions, cfg)
         return_dict = cfg.return_dict if return_dict is None else return_dict
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         use_cache = cfg.use_cache if use_cache is None else use_cache
@@ -317,35 +369,41 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             if not isinstance(input_ids, torch.Tensor) or input_ids.is_floating_point() or input_ids.dtype == torch.bool:
                 raise TypeError(f"input_ids must be an integer torch.Tensor of shape (batch, seq), got {type(input_ids).__name__}"
                                 + (f" of dtype {input_ids.dtype}" if isinstance(input_ids, torch.Tensor) else ""))
-            if input_ids.dim() != 2 or input_ids.shape[1] == 0:
-                raise ValueError(f"input_ids must have shape (batch, seq) with seq >= 1, got {tuple(input_ids.shape)}")
-            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
-                raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
-                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
-            inputs_embeds = self.wte(input_ids)
+            if input_ids.dim() != 2:
+                raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
         elif not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != cfg.hidden_size:
             raise ValueError(f"inputs_embeds must be a tensor of shape (batch, seq, hidden_size={cfg.hidden_size})")
-        batch, n = inputs_embeds.shape[:2]
+        batch, n = (input_ids if input_ids is not None else inputs_embeds).shape[:2]
+        if batch < 1 or n < 1:
+            raise ValueError(
+                f"input_ids / inputs_embeds must have batch >= 1 and seq >= 1, got batch={batch}, seq={n}"
+            )
         if past_key_values is not None and not isinstance(past_key_values, LinearGPTCache):
             raise TypeError(
                 "past_key_values must be a LinearGPTCache (the state returned by this model) or None, got "
                 f"{type(past_key_values).__name__}; Linear GPT keeps a recurrent state, not keys and values"
             )
+        if past_key_values is not None:
+            _check_cache(past_key_values, self, batch)
+        # one-token steps from an existing state skip value checks (no host sync per decoded token)
+        check_values = eager_checks() and not (past_key_values is not None and past_key_values.is_initialized and n == 1)
+        if input_ids is not None:
+            if check_values and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
+                raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
+                                 f"[{int(input_ids.min())}, {int(input_ids.max())}]")
+            inputs_embeds = self.wte(input_ids)
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
         if use_cache and past_key_values is None:
             past_key_values = LinearGPTCache(cfg.num_hidden_layers, self.h[0].attn.window)
         cache = past_key_values if use_cache or past_key_values is not None else None
-        if cache is not None and len(cache.layers) != cfg.num_hidden_layers:
-            raise ValueError(f"past_key_values has {len(cache.layers)} layers, the model {cfg.num_hidden_layers}")
-        if cache is not None and cache.batch_size is not None and cache.batch_size != batch:
-            raise ValueError(f"past_key_values holds a batch of {cache.batch_size} rows, the inputs have {batch}")
         past = cache.get_seq_length() if cache is not None else 0
 
-        mask = _normalize_attention_mask(attention_mask, batch, n, past)
+        mask = _normalize_attention_mask(attention_mask, batch, n, past, check_values=check_values)
         if mask is not None:
             mask = mask.to(inputs_embeds.device)
         mask_new = None if mask is None else mask[:, -n:]
+        given_positions = position_ids is not None
         if position_ids is None:
             if mask is not None and mask.shape[1] == past + n and (cache is None or past == 0 or cache.real_tokens is None):
                 position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
@@ -357,11 +415,19 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         elif not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != n:
             raise ValueError(f"position_ids must be a tensor of shape (batch, seq) = ({batch}, {n})")
         position_ids = position_ids.to(inputs_embeds.device).expand(batch, n)
-        key_mask = None if mask_new is None or bool(mask_new.all()) else mask_new.bool()
+        if mask_new is None:
+            key_mask = None
+        elif check_values:  # skip the masking work when nothing is padded (a host sync: not per token)
+            key_mask = None if bool(mask_new.all()) else mask_new.bool()
+        else:
+            key_mask = mask_new.bool()  # multiplying by an all-ones mask changes nothing
 
         hidden = inputs_embeds
         if self.wpe is not None:
-            if int(position_ids.max()) >= cfg.max_position_embeddings:
+            # default positions count real tokens, so they stay below past + n: read them only beyond that
+            if (given_positions or past + n > cfg.max_position_embeddings) and eager_checks() and (
+                int(position_ids.max()) >= cfg.max_position_embeddings
+            ):
                 raise ValueError(
                     f"position {int(position_ids.max())} is beyond max_position_embeddings={cfg.max_position_embeddings} "
                     "(use position_embedding_type='rotary' or 'none' for unbounded lengths)"
@@ -449,11 +515,17 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_attentions: Optional[bool] = None,
+        **kwargs,
     ) -> Union[CausalLMOutputWithPast, tuple]:
         """Args as :meth:`LinearGPTModel.forward`, plus:
             labels: ``(B, N)`` next-token targets (shifted inside; -100 ignored) for the loss.
             logits_to_keep: int ``k`` computes logits of the last ``k`` positions only (0 = all),
                 or a 1D tensor of positions to keep.
+            kwargs: loss arguments for ``self.loss_function`` (``num_items_in_batch``: the loss is
+                the sum over this batch divided by it, as the Trainer uses for gradient
+                accumulation; ``shift_labels``: targets already aligned with the logits), and what
+                ``generate()`` passes besides (``cache_position``, ``tokenizer``), not used.
         Returns:
             :class:`CausalLMOutputWithPast` with ``logits (B, N_kept, vocab)``, ``loss`` and ``past_key_values``.
         """
@@ -471,6 +543,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
             use_cache=use_cache,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            output_attentions=output_attentions,
         )
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -480,9 +553,12 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
             if labels.shape != hidden.shape[:2]:
                 raise ValueError(f"labels must have shape (batch, seq) = {tuple(hidden.shape[:2])}, got {tuple(labels.shape)}")
             full = logits if logits.shape[1] == hidden.shape[1] else self.lm_head(hidden)
-            loss = F.cross_entropy(
-                full[:, :-1].reshape(-1, full.shape[-1]).float(), labels[:, 1:].reshape(-1).to(full.device), ignore_index=-100
-            )
+            shift_labels = kwargs.get("shift_labels")
+            if shift_labels is not None and tuple(shift_labels.shape) != tuple(labels.shape):
+                raise ValueError(
+                    f"shift_labels must have the shape of labels {tuple(labels.shape)}, got {tuple(shift_labels.shape)}"
+                )
+            loss = self.loss_function(full, labels, vocab_size=self.config.vocab_size, **kwargs)
         if not return_dict:
             rest = tuple(x for x in (out.past_key_values, out.hidden_states) if x is not None)
             return ((loss,) if loss is not None else ()) + (logits,) + rest

@@ -18,10 +18,9 @@ from typing import Optional, Union
 
 import torch
 from torch import nn
-from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
-from transformers import PreTrainedModel
 from transformers import initialization as init
 from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
     MaskedLMOutput,
@@ -33,8 +32,9 @@ from transformers.modeling_outputs import (
 from .attention import KernelizedSelfAttention
 from .backends import check_attention_mask
 from .configuration_nprf_bert import NPRFBertConfig
-from .feature_maps import feature_maps_step
+from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D
+from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
 
 
 class NPRFBertEmbeddings(nn.Module):
@@ -82,9 +82,15 @@ class NPRFBertEmbeddings(nn.Module):
         return self.dropout(self.LayerNorm(emb))
 
 
-class NPRFBertLayer(nn.Module):
+class NPRFBertLayer(GradientCheckpointingLayer):
     """One post-norm encoder block: kernelized self-attention + feed-forward, each with residual,
-    dropout and LayerNorm (as BERT). ``(B, N, C) -> (B, N, C)``."""
+    dropout and LayerNorm (as BERT). ``(B, N, C) -> (B, N, C)``.
+
+    Supports ``transformers``' gradient checkpointing (``model.gradient_checkpointing_enable()``):
+    the whole block is then recomputed in the backward pass, and the attention's own
+    recomputation (``recompute_attention``) is switched off inside it, so the attention's
+    projections run twice per step, not three times.
+    """
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
@@ -118,8 +124,14 @@ class NPRFBertLayer(nn.Module):
         """
         if self.rpe is not None:
             rpe_bias = self.rpe(hidden_states.shape[1])
-        clip = self.max_relative_position if rpe_bias is not None else None
-        attn = self.attention(hidden_states, attention_mask=attention_mask, rpe_bias=rpe_bias, rpe_clip=clip)
+        # (the core verifies a declared clip by reading the bias: a data-dependent check that
+        # torch.export / torch.compile cannot trace, so the clip is declared in eager mode only)
+        clip = self.max_relative_position if rpe_bias is not None and eager_checks() else None
+        # inside a checkpointed layer the backward recomputes the block already
+        recompute = False if self.gradient_checkpointing and self.training else None
+        attn = self.attention(
+            hidden_states, attention_mask=attention_mask, rpe_bias=rpe_bias, rpe_clip=clip, recompute=recompute
+        )
         hidden_states = self.attention_norm(hidden_states + self.attention_dropout(attn))
         ff = self.output(self.act(self.intermediate(hidden_states)))
         return self.output_norm(hidden_states + self.output_dropout(ff))
@@ -152,14 +164,49 @@ class NPRFBertLMHead(nn.Module):
         return self.decoder(self.LayerNorm(self.act(self.dense(hidden_states))))
 
 
+MASK_FORMS = (
+    "attention_mask must be (batch, seq) with 1 = keep and 0 = padding, or a 4D padding mask of shape "
+    "(batch, 1, 1, seq) or (batch, 1, seq, seq), bool (True = keep) or additive float (0 = keep, a large "
+    "negative value such as torch.finfo(dtype).min or -inf = padding), with the same keys masked for every query"
+)
+
+
+def _key_mask_from_4d(attention_mask: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """A BERT-style extended mask ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` -> the ``(B, N)`` bool key
+    mask (True = keep). Refuses a mask that is not a padding mask (one that differs between
+    query rows, or holds additive values other than 0 and large negatives)."""
+    if attention_mask.shape[0] != b or attention_mask.shape[1] != 1 or attention_mask.shape[2] not in (1, n) or (
+        attention_mask.shape[3] != n
+    ):
+        raise ValueError(f"{MASK_FORMS}; batch={b}, seq={n}, got shape {tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool:
+        keep = attention_mask
+    elif attention_mask.is_floating_point():
+        # additive: 0 keeps a key; BERT uses finfo.min (older code -10000)
+        keep = attention_mask == 0
+        if eager_checks() and bool(((attention_mask != 0) & (attention_mask > -1e4)).any()):
+            raise ValueError(f"{MASK_FORMS}; this float mask holds values other than 0 and large negatives "
+                             "(a soft bias is not a padding mask)")
+    else:
+        keep = attention_mask != 0
+        if eager_checks() and bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise ValueError(f"{MASK_FORMS}; this integer mask holds values other than 0 and 1")
+    keep = keep[:, 0]  # (B, Q, N)
+    if eager_checks() and keep.shape[1] > 1 and not bool((keep == keep[:, :1]).all()):
+        raise ValueError(f"{MASK_FORMS}; this mask differs between query rows (not a padding mask)")
+    return keep[:, 0]
+
+
 def _check_inputs(
     config,
     input_ids: Optional[torch.Tensor],
     inputs_embeds: Optional[torch.Tensor],
     attention_mask: Optional[torch.Tensor],
     token_type_ids: Optional[torch.Tensor],
-) -> tuple[int, int]:
-    """Validate the encoder inputs; returns ``(B, N)``. ``ValueError``/``TypeError`` name the argument."""
+) -> Optional[torch.Tensor]:
+    """Validate the encoder inputs; returns the ``(B, N)`` attention mask (a 4D padding mask is
+    reduced to it). ``ValueError``/``TypeError`` name the argument. Checks that read tensor values
+    run in eager mode only (not while ``torch.compile``/``torch.export`` trace the model)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids (B, N) or inputs_embeds (B, N, hidden_size)")
     if input_ids is not None:
@@ -169,8 +216,6 @@ def _check_inputs(
             raise ValueError(f"input_ids must have shape (batch, seq), got {tuple(input_ids.shape)}")
         if input_ids.dtype not in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
             raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
-        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size):
-            raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size})")
         b, n = input_ids.shape
     else:
         if not isinstance(inputs_embeds, torch.Tensor) or inputs_embeds.dim() != 3:
@@ -180,31 +225,43 @@ def _check_inputs(
                 f"inputs_embeds must have last dim hidden_size={config.hidden_size}, got {tuple(inputs_embeds.shape)}"
             )
         b, n = inputs_embeds.shape[:2]
-    if n < 1:
-        raise ValueError("input_ids / inputs_embeds must have at least one position")
+    if b < 1 or n < 1:
+        raise ValueError(
+            f"input_ids / inputs_embeds must have at least one sequence and one position, got batch={b}, seq={n}"
+        )
+    if input_ids is not None and eager_checks() and (
+        int(input_ids.min()) < 0 or int(input_ids.max()) >= config.vocab_size
+    ):
+        raise ValueError(f"input_ids must lie in [0, vocab_size={config.vocab_size})")
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        attention_mask = _key_mask_from_4d(attention_mask, b, n)
+    elif isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
+        raise ValueError(f"{MASK_FORMS}; got shape {tuple(attention_mask.shape)}")
     check_attention_mask(attention_mask, b, n)
     if token_type_ids is not None:
         if not isinstance(token_type_ids, torch.Tensor) or tuple(token_type_ids.shape) != (b, n):
             raise ValueError(f"token_type_ids must be a tensor of shape (batch, seq) = ({b}, {n})")
-        if token_type_ids.numel() and (
-            int(token_type_ids.min()) < 0 or int(token_type_ids.max()) >= config.type_vocab_size
-        ):
+        if eager_checks() and (int(token_type_ids.min()) < 0 or int(token_type_ids.max()) >= config.type_vocab_size):
             raise ValueError(f"token_type_ids must lie in [0, type_vocab_size={config.type_vocab_size})")
-    return b, n
+    return attention_mask
 
 
-class NPRFBertPreTrainedModel(PreTrainedModel):
+class NPRFBertPreTrainedModel(KernelizedPreTrainedModel):
     """Weight init and loading for every NPRF-BERT class (BERT's normal init; biases and the
-    relative-position table start at zero unless ``rpe_init_std > 0``)."""
+    relative-position table start at zero unless ``rpe_init_std > 0``; the random-feature
+    projections are draw 0 of ``feature_seed``).
+
+    Losses go through ``self.loss_function`` and honour ``num_items_in_batch``, so the Trainer
+    passes it and does not rescale the loss for gradient accumulation itself.
+    ``output_attentions=True`` raises ``ValueError``: kernelized attention has no attention matrix.
+    """
 
     config_class = NPRFBertConfig
     config: NPRFBertConfig
     base_model_prefix = "nprf_bert"
-    supports_gradient_checkpointing = False
+    supports_gradient_checkpointing = True
     _no_split_modules = ["NPRFBertLayer"]
     _keys_to_ignore_on_load_unexpected = [r"position_ids"]
-    # Losses are means over the batch; the Trainer must scale them for gradient accumulation itself.
-    accepts_loss_kwargs = False
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -225,6 +282,8 @@ class NPRFBertPreTrainedModel(PreTrainedModel):
                 init.normal_(module.weight, mean=0.0, std=self.config.rpe_init_std)
             else:
                 init.zeros_(module.weight)
+        elif isinstance(module, FeatureMap):
+            self._init_feature_map(module)
 
 
 class NPRFBertModel(NPRFBertPreTrainedModel):
@@ -258,19 +317,23 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         inputs_embeds: Optional[torch.Tensor] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPooling, tuple]:
         """Args:
             input_ids: ``(B, N)`` token ids (or ``inputs_embeds (B, N, C)``).
-            attention_mask: ``(B, N)`` 1 keep / 0 padding.
+            attention_mask: ``(B, N)`` 1 keep / 0 padding, or BERT's extended padding mask
+                ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` (bool True keep, or additive float 0 keep).
             token_type_ids: ``(B, N)`` segment ids.
             position_ids: ``(B, N)`` or ``(1, N)`` absolute positions (default ``0..N-1``).
             output_hidden_states: also return the ``L + 1`` hidden states ``(B, N, C)``.
+            output_attentions: must be False/None (there are no attention weights).
         Returns:
             ``BaseModelOutputWithPooling`` with ``last_hidden_state (B, N, C)`` and
             ``pooler_output (B, C)`` or None.
         """
-        _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, token_type_ids)
+        refuse_output_attentions("NPRF-BERT", output_attentions, self.config)
+        attention_mask = _check_inputs(self.config, input_ids, inputs_embeds, attention_mask, token_type_ids)
         feature_maps_step(self)
         output_hidden_states = (
             output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
@@ -281,7 +344,8 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         rpe_bias = self.rpe(n) if self.rpe is not None else None
         all_hidden = (hidden,) if output_hidden_states else None
         for layer in self.layers:
-            hidden = layer(hidden, attention_mask=attention_mask, rpe_bias=rpe_bias)
+            # positional: gradient checkpointing tracks positional tensors (rpe_bias has a gradient)
+            hidden = layer(hidden, attention_mask, rpe_bias)
             if output_hidden_states:
                 all_hidden = all_hidden + (hidden,)
         pooled = self.pooler(hidden) if self.pooler is not None else None
@@ -318,20 +382,24 @@ class NPRFBertForMaskedLM(NPRFBertPreTrainedModel):
         labels: Optional[torch.Tensor] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> Union[MaskedLMOutput, tuple]:
-        """``labels``: ``(B, N)`` token ids, -100 where no loss is taken."""
+        """``labels``: ``(B, N)`` token ids, -100 where no loss is taken. Loss keyword arguments
+        (``num_items_in_batch``: the loss is then the sum over this batch divided by it, as the
+        Trainer uses for gradient accumulation) go to ``self.loss_function``."""
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         out = self.nprf_bert(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+            output_attentions=output_attentions,
         )
         logits = self.lm_head(out.last_hidden_state)
         loss = None
         if labels is not None:
             if tuple(labels.shape) != tuple(logits.shape[:2]):
                 raise ValueError(f"labels must have shape (batch, seq) = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.reshape(-1).to(logits.device))
+            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
         if not return_dict:
             rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
             return ((loss,) + rest) if loss is not None else rest
@@ -366,6 +434,7 @@ class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel):
         labels: Optional[torch.Tensor] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> Union[SequenceClassifierOutput, tuple]:
         """``labels``: ``(B,)`` class ids, ``(B,)``/``(B, 1)`` floats (regression) or
@@ -374,40 +443,55 @@ class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel):
         out = self.nprf_bert(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+            output_attentions=output_attentions,
         )
         logits = self.classifier(self.dropout(out.pooler_output))
         loss = None
         if labels is not None:
-            labels = labels.to(logits.device)
-            if self.config.problem_type is None:
-                if self.num_labels == 1:
-                    self.config.problem_type = "regression"
-                elif labels.dtype in (torch.long, torch.int):
-                    self.config.problem_type = "single_label_classification"
-                else:
-                    self.config.problem_type = "multi_label_classification"
-            if self.config.problem_type == "regression":
-                if self.num_labels == 1:
-                    loss = MSELoss()(logits.squeeze(-1), labels.squeeze(-1).to(logits.dtype))
-                else:
-                    loss = MSELoss()(logits, labels.to(logits.dtype))
-            elif self.config.problem_type == "single_label_classification":
-                loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
-            elif self.config.problem_type == "multi_label_classification":
-                if tuple(labels.shape) != tuple(logits.shape):
-                    raise ValueError(
-                        f"labels for multi_label_classification must have shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
-                    )
-                loss = BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
-            else:
-                raise ValueError(
-                    "problem_type must be 'regression', 'single_label_classification' or "
-                    f"'multi_label_classification', got {self.config.problem_type!r}"
-                )
+            loss = self._classification_loss(logits, labels, **kwargs)
         if not return_dict:
             rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
             return ((loss,) + rest) if loss is not None else rest
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+    def _classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``self.loss_function`` (``problem_type`` inferred as BERT does when unset). With
+        ``num_items_in_batch`` every problem type gives the sum of its per-item losses over this
+        batch divided by it (transformers' regression and multi-label losses are means: they are
+        rescaled here), so gradient accumulation over micro-batches equals the full batch."""
+        labels = labels.to(logits.device)
+        problem = self.config.problem_type
+        if problem is None:
+            if self.num_labels == 1:
+                problem = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                problem = "single_label_classification"
+            else:
+                problem = "multi_label_classification"
+            self.config.problem_type = problem
+        if problem not in ("regression", "single_label_classification", "multi_label_classification"):
+            raise ValueError(
+                "problem_type must be 'regression', 'single_label_classification' or "
+                f"'multi_label_classification', got {problem!r}"
+            )
+        if problem == "multi_label_classification" and tuple(labels.shape) != tuple(logits.shape):
+            raise ValueError(
+                f"labels for multi_label_classification must have shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
+            )
+        if problem == "single_label_classification":
+            return self.loss_function(labels, logits, self.config, **kwargs)
+        labels = labels.to(logits.dtype)
+        if problem == "regression" and self.num_labels == 1:
+            labels = labels.reshape(logits.shape[:1])
+            logits = logits.reshape(logits.shape[:1])
+        loss = self.loss_function(labels, logits, self.config)  # a mean over labels.numel() items
+        num_items = kwargs.get("num_items_in_batch")
+        if num_items is not None:
+            if torch.is_tensor(num_items):
+                num_items = num_items.to(loss.device)
+            loss = loss * labels.numel() / num_items
+        return loss
 
 
 class NPRFBertForTokenClassification(NPRFBertPreTrainedModel):
@@ -432,17 +516,19 @@ class NPRFBertForTokenClassification(NPRFBertPreTrainedModel):
         labels: Optional[torch.Tensor] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> Union[TokenClassifierOutput, tuple]:
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         out = self.nprf_bert(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+            output_attentions=output_attentions,
         )
         logits = self.classifier(self.dropout(out.last_hidden_state))
         loss = None
         if labels is not None:
-            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.to(logits.device).view(-1))
+            loss = self.loss_function(logits, labels, self.config, **kwargs)
         if not return_dict:
             rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
             return ((loss,) + rest) if loss is not None else rest
@@ -474,24 +560,20 @@ class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel):
         end_positions: Optional[torch.Tensor] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> Union[QuestionAnsweringModelOutput, tuple]:
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         out = self.nprf_bert(
             input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
             inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+            output_attentions=output_attentions,
         )
         logits = self.qa_outputs(out.last_hidden_state)
         start_logits, end_logits = (x.squeeze(-1).contiguous() for x in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
-            start_positions = start_positions.reshape(-1).to(logits.device)
-            end_positions = end_positions.reshape(-1).to(logits.device)
-            ignored = start_logits.size(1)
-            start_positions = start_positions.clamp(0, ignored)
-            end_positions = end_positions.clamp(0, ignored)
-            fct = CrossEntropyLoss(ignore_index=ignored)
-            loss = (fct(start_logits, start_positions) + fct(end_logits, end_positions)) / 2
+            loss = self.loss_function(start_logits, end_logits, start_positions.reshape(-1), end_positions.reshape(-1), **kwargs)
         if not return_dict:
             rest = (start_logits, end_logits) + ((out.hidden_states,) if out.hidden_states is not None else ())
             return ((loss,) + rest) if loss is not None else rest

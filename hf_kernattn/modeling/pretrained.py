@@ -1,0 +1,105 @@
+"""What every hf-kernattn model family shares as a ``transformers`` model.
+
+* Initialisation of the random-feature state: :class:`FeatureMap` holds its projection and
+  redraw counters as buffers, and ``_init_weights`` must set buffers as well as parameters
+  (``from_pretrained`` with missing keys or ``ignore_mismatched_sizes``, and ``init_weights()``
+  after building on the meta device, otherwise leave uninitialised memory there). Missing
+  buffers are drawn from the feature seed, buffers that were loaded are kept, and
+  ``from_pretrained`` warns when a checkpoint lacked them.
+* No attention weights: kernelized attention never forms the ``N x N`` attention matrix, so
+  ``output_attentions=True`` is refused with a ``ValueError`` (in the config and in ``forward``),
+  as ``transformers`` refuses it for attention implementations that cannot return weights.
+* Input checks that read tensor values (``int(x.min())``, ``bool(mask.any())``) force a host
+  sync and break ``torch.export`` / ``torch.compile`` (data-dependent guards); they run in eager
+  mode only (:func:`eager_checks`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers import PreTrainedModel
+from transformers.utils import logging
+
+from .feature_maps import FeatureMap
+
+logger = logging.get_logger(__name__)
+
+FEATURE_BUFFERS = ("projection", "num_draws", "num_steps")
+
+NO_ATTENTION_WEIGHTS = (
+    "{name} has no attention weights to return: kernelized attention never forms the N x N attention "
+    "matrix, so output_attentions=True is not supported (output_hidden_states=True is)"
+)
+
+
+def eager_checks() -> bool:
+    """True when value checks on tensors may run: not while ``torch.compile`` / ``torch.export``
+    trace the model (reading a value there is a data-dependent guard)."""
+    return not torch.compiler.is_compiling()
+
+
+def refuse_output_attentions(name: str, output_attentions: Optional[bool], config) -> None:
+    """``ValueError`` when attention weights are asked for (argument or ``config.output_attentions``)."""
+    if output_attentions is None:
+        output_attentions = getattr(config, "output_attentions", False)
+    if output_attentions:
+        raise ValueError(NO_ATTENTION_WEIGHTS.format(name=name))
+
+
+class KernelizedPreTrainedModel(PreTrainedModel):
+    """Base of every family's ``PreTrainedModel``: feature-map initialisation, the warning for
+    checkpoints without random-feature buffers, and the refusal of ``output_attentions``."""
+
+    # Kernelized attention is its own attention: no eager/SDPA/flash switch, no attention weights.
+    _supports_attention_backend = False
+    _supports_sdpa = False
+    _supports_flash_attn = False
+    _supports_flex_attn = False
+
+    @torch.no_grad()
+    def _init_feature_map(self, module: FeatureMap) -> None:
+        """Set the random-feature state of ``module``: draw 0 of its seed and zero counters for
+        every buffer that was not loaded from a checkpoint (loaded ones are kept)."""
+        loaded = {
+            name: buf.clone()
+            for name in FEATURE_BUFFERS
+            if (buf := getattr(module, name, None)) is not None and getattr(buf, "_is_hf_initialized", False)
+        }
+        module.init_features()
+        for name, value in loaded.items():
+            buf = getattr(module, name)
+            if buf.shape == value.shape:
+                buf.copy_(value)
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, plus a warning when the checkpoint lacked the
+        random-feature buffers (they are then drawn from ``feature_seed``, which reproduces the
+        saved model only if it used the same seed and never redrew its features)."""
+        want_info = bool(kwargs.get("output_loading_info", False))
+        kwargs["output_loading_info"] = True
+        model, info = super().from_pretrained(*args, **kwargs)
+        missing = sorted(
+            key for key in info.get("missing_keys", ()) if key.rsplit(".", 1)[-1] in FEATURE_BUFFERS and ".feature_map." in key
+        )
+        mismatched = sorted(
+            key for key, *_ in info.get("mismatched_keys", ()) if key.rsplit(".", 1)[-1] == "projection"
+        )
+        if missing:
+            shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            logger.warning(
+                f"The checkpoint has no random-feature buffers for {len(missing)} key(s) ({shown}). They were "
+                f"initialised from feature_seed={getattr(model.config, 'feature_seed', None)} (draw 0, counters at 0): "
+                "outputs match the saved model only if it was built with the same seed and never redrew its features."
+            )
+        if mismatched:
+            logger.warning(
+                f"{len(mismatched)} random-feature projection(s) of the checkpoint have another shape and were "
+                f"drawn anew from feature_seed={getattr(model.config, 'feature_seed', None)}."
+            )
+        return (model, info) if want_info else model
+
+
+__all__ = ["KernelizedPreTrainedModel", "eager_checks", "refuse_output_attentions", "NO_ATTENTION_WEIGHTS"]
