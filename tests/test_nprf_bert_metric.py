@@ -83,3 +83,35 @@ def test_bad_task_and_lengths():
         load("squad")
     with pytest.raises(ValueError):
         load("sst2").compute(predictions=[1, 0], references=[1])
+
+
+def test_metrics_come_from_sklearn_and_scipy(monkeypatch):
+    """Each number is computed by the library function (spied on), not re-implemented."""
+    import numpy as np
+    import scipy.stats
+    import sklearn.metrics
+
+    calls = []
+
+    def spy(module, name):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+    for name in ("accuracy_score", "f1_score", "matthews_corrcoef"):
+        spy(sklearn.metrics, name)
+    for name in ("pearsonr", "spearmanr"):
+        spy(scipy.stats, name)
+    load("mrpc").compute(predictions=PRED, references=REF)
+    load("cola").compute(predictions=PRED, references=REF)
+    load("stsb").compute(predictions=np.arange(5.0), references=np.array([0.0, 2.0, 1.0, 4.0, 3.0]))
+    assert sorted(set(calls)) == ["accuracy_score", "f1_score", "matthews_corrcoef", "pearsonr", "spearmanr"]
+
+
+def test_constant_side_gives_nan_correlations():
+    out = load("stsb").compute(predictions=[1.0, 1.0, 1.0], references=[0.0, 1.0, 2.0])
+    assert math.isnan(out["pearson"]) and math.isnan(out["spearmanr"])

@@ -17,7 +17,8 @@ Per task (config name):
 * ``mrpc``, ``qqp``: ``accuracy`` and binary ``f1`` (positive class 1).
 * ``stsb``: ``pearson`` and ``spearmanr`` (float predictions and references).
 
-Only numpy is needed (Spearman is Pearson of average ranks, ties averaged).
+The numbers come from scikit-learn (accuracy, F1, Matthews) and SciPy (Pearson, Spearman), as in
+``evaluate``'s own GLUE metric.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 import datasets
 import evaluate
 import numpy as np
+from scipy import stats
+from sklearn import metrics as skm
 
 TASKS = (
     "cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "mnli_mismatched", "mnli_matched", "qnli", "rte", "wnli", "hans",
@@ -47,56 +50,39 @@ Returns: see the module docstring (one float per metric name).
 
 
 def accuracy(predictions: np.ndarray, references: np.ndarray) -> float:
-    """Fraction of exact matches."""
-    return float((predictions == references).mean())
+    """Fraction of exact matches (``sklearn.metrics.accuracy_score``)."""
+    return float(skm.accuracy_score(references, predictions))
 
 
 def binary_f1(predictions: np.ndarray, references: np.ndarray) -> float:
-    """F1 of the positive class 1 (0 when there are no true positives)."""
-    tp = float(((predictions == 1) & (references == 1)).sum())
-    fp = float(((predictions == 1) & (references != 1)).sum())
-    fn = float(((predictions != 1) & (references == 1)).sum())
-    return 0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn)
+    """F1 of the positive class 1 (``sklearn.metrics.f1_score``; 0 when there are no true positives)."""
+    return float(skm.f1_score(references, predictions, pos_label=1, average="binary", zero_division=0.0))
 
 
 def matthews(predictions: np.ndarray, references: np.ndarray) -> float:
-    """Matthews correlation coefficient (multiclass form; 0 when undefined)."""
-    labels = np.unique(np.concatenate([predictions, references]))
-    index = {v: i for i, v in enumerate(labels.tolist())}
-    conf = np.zeros((len(labels), len(labels)), dtype=np.float64)
-    for p, r in zip(predictions.tolist(), references.tolist()):
-        conf[index[r], index[p]] += 1
-    t, p = conf.sum(axis=1), conf.sum(axis=0)
-    c, s = np.trace(conf), conf.sum()
-    den = np.sqrt((s * s - (p * p).sum()) * (s * s - (t * t).sum()))
-    return 0.0 if den == 0 else float((c * s - (t * p).sum()) / den)
+    """Matthews correlation coefficient (``sklearn.metrics.matthews_corrcoef``, multiclass; 0 when undefined)."""
+    return float(skm.matthews_corrcoef(references, predictions))
+
+
+def _constant(x: np.ndarray) -> bool:
+    return bool(np.all(x == x[0]))
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson correlation (nan when either side is constant)."""
-    x, y = x.astype(np.float64), y.astype(np.float64)
-    xc, yc = x - x.mean(), y - y.mean()
-    den = np.sqrt((xc * xc).sum() * (yc * yc).sum())
-    return float("nan") if den == 0 else float((xc * yc).sum() / den)
-
-
-def _ranks(x: np.ndarray) -> np.ndarray:
-    order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(len(x), dtype=np.float64)
-    sorted_x = x[order]
-    i = 0
-    while i < len(x):
-        j = i
-        while j + 1 < len(x) and sorted_x[j + 1] == sorted_x[i]:
-            j += 1
-        ranks[order[i : j + 1]] = (i + j) / 2.0 + 1.0
-        i = j + 1
-    return ranks
+    """Pearson correlation (``scipy.stats.pearsonr``; nan when either side is constant)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < 2 or _constant(x) or _constant(y):
+        return float("nan")
+    return float(stats.pearsonr(x, y)[0])
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Spearman rank correlation (ties get average ranks)."""
-    return pearson(_ranks(np.asarray(x, dtype=np.float64)), _ranks(np.asarray(y, dtype=np.float64)))
+    """Spearman rank correlation (``scipy.stats.spearmanr``; ties get average ranks; nan when
+    either side is constant)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if len(x) < 2 or _constant(x) or _constant(y):
+        return float("nan")
+    return float(stats.spearmanr(x, y)[0])
 
 
 class Glue(evaluate.Metric):
