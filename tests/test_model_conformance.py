@@ -1,0 +1,660 @@
+"""Both families against what transformers' own common tests expect of an in-tree model
+(``ModelTesterMixin`` in tests/test_modeling_common.py and ``GenerationTesterMixin`` in
+tests/generation/test_utils.py of huggingface/transformers), item by item, on tiny configs.
+
+Covered elsewhere (not repeated here): padding / batching equivalence (test_nprf_bert_model.py),
+generate with and without the state for greedy, beam search and sampling, left padding,
+continuing from a returned state, remote-code loading (test_linear_gpt_generate.py).
+
+What cannot apply, and how each family declares it:
+* attention outputs (``has_attentions``): kernelized attention never forms the N x N attention
+  matrix. ``output_attentions=True`` raises ``ValueError`` in the config, in every ``forward``
+  and therefore in ``generate``; there is no attention backend switch
+  (``_supports_attention_backend = False``, no sdpa/flash/flex).
+* assisted / prompt-lookup / speculative decoding and cropping the cache: the decoding state is
+  an RNN state that cannot forget tokens; Linear GPT is ``_is_stateful`` and ``generate`` refuses.
+* static / compiled caches (``test_generate_compile_*``): the state is not compileable
+  (``is_compileable = False``); the base models export with ``torch.export`` without a cache.
+* NPRF-BERT is an encoder: GenerationTesterMixin does not apply to it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+from hf_kernattn import (
+    LinearGPTCache,
+    LinearGPTConfig,
+    LinearGPTForCausalLM,
+    LinearGPTModel,
+    NPRFBertConfig,
+    NPRFBertForMaskedLM,
+    NPRFBertForQuestionAnswering,
+    NPRFBertForSequenceClassification,
+    NPRFBertForTokenClassification,
+    NPRFBertModel,
+)
+from hf_kernattn.modeling.feature_maps import FeatureMap
+
+V_BERT, V_GPT = 40, 53
+
+
+def bert_config(**kw) -> NPRFBertConfig:
+    base = dict(
+        vocab_size=V_BERT, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, num_random_features=16, max_relative_position=8, rpe_init_std=0.5,
+    )
+    base.update(kw)
+    return NPRFBertConfig(**base)
+
+
+def gpt_config(**kw) -> LinearGPTConfig:
+    base = dict(
+        vocab_size=V_GPT, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, initializer_range=0.3,
+    )
+    base.update(kw)
+    return LinearGPTConfig(**base)
+
+
+# both families with random features (the buffers under test), Linear GPT also with RPE
+FAMILIES = {
+    "nprf_bert": (NPRFBertModel, lambda **kw: bert_config(**kw)),
+    "linear_gpt": (LinearGPTModel, lambda **kw: gpt_config(**{"feature_map": "prf", "num_random_features": 16, **kw})),
+}
+
+
+def ids_for(family: str, batch=2, n=9, seed=0) -> torch.Tensor:
+    vocab = V_BERT if family == "nprf_bert" else V_GPT
+    return torch.randint(1, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def hidden(model, ids, **kw) -> torch.Tensor:
+    kw = dict(kw, use_cache=False) if isinstance(model, LinearGPTModel) else kw
+    with torch.no_grad():
+        return model(ids, **kw).last_hidden_state
+
+
+def feature_maps(model) -> list[FeatureMap]:
+    return [m for m in model.modules() if isinstance(m, FeatureMap)]
+
+
+# ----------------------------------------------------------------------------- initialisation
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_checkpoint_without_feature_buffers_loads_seeded_projections_and_warns(family, tmp_path):
+    cls, make = FAMILIES[family]
+    torch.manual_seed(0)
+    model = cls(make()).eval()
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = load_file(path)
+    dropped = [k for k in state if ".feature_map." in k]
+    assert dropped
+    save_file({k: v for k, v in state.items() if k not in dropped}, path, metadata={"format": "pt"})
+
+    logger = logging.get_logger("hf_kernattn.modeling.pretrained")
+    with CaptureLogger(logger) as captured:
+        loaded = cls.from_pretrained(tmp_path).eval()
+    assert "no random-feature buffers" in captured.out and "feature_seed=0" in captured.out
+    for fresh, got in zip(feature_maps(model), feature_maps(loaded)):
+        assert torch.equal(got.projection, fresh.projection)  # draw 0 of the seed, as built
+        assert int(got.num_draws) == 0 and int(got.num_steps) == 0
+    ids = ids_for(family)
+    torch.testing.assert_close(hidden(loaded, ids), hidden(model, ids), rtol=0, atol=0)
+
+    # a complete checkpoint loads without the warning
+    model.save_pretrained(tmp_path)
+    with CaptureLogger(logger) as captured:
+        cls.from_pretrained(tmp_path)
+    assert "random-feature" not in captured.out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_loaded_feature_buffers_are_kept_when_others_are_missing(family, tmp_path):
+    cls, make = FAMILIES[family]
+    torch.manual_seed(0)
+    model = cls(make()).eval()
+    for fmap in feature_maps(model):
+        fmap.redraw()  # a projection no fresh model has
+    model.save_pretrained(tmp_path)
+    path = os.path.join(tmp_path, "model.safetensors")
+    state = load_file(path)
+    save_file({k: v for k, v in state.items() if not k.endswith("num_steps")}, path, metadata={"format": "pt"})
+    loaded = cls.from_pretrained(tmp_path)
+    for want, got in zip(feature_maps(model), feature_maps(loaded)):
+        assert torch.equal(got.projection, want.projection)
+        assert int(got.num_draws) == 1 and int(got.num_steps) == 0
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_mismatched_num_random_features_draws_from_the_seed(family, tmp_path):
+    cls, make = FAMILIES[family]
+    torch.manual_seed(0)
+    cls(make()).save_pretrained(tmp_path)
+    loaded, info = cls.from_pretrained(
+        tmp_path, num_random_features=32, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    assert any(k.endswith("projection") for k, *_ in info["mismatched_keys"])
+    fresh = cls(make(num_random_features=32))
+    for want, got in zip(feature_maps(fresh), feature_maps(loaded)):
+        assert got.projection.shape == (32, got.head_dim)
+        assert torch.equal(got.projection, want.projection)
+    assert torch.isfinite(hidden(loaded.eval(), ids_for(family))).all()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_meta_device_build_then_init_weights_sets_every_buffer(family):
+    cls, make = FAMILIES[family]
+    reference = cls(make())
+    with torch.device("meta"):
+        model = cls(make())
+    model.to_empty(device="cpu")
+    with torch.no_grad():  # what uninitialised memory may hold
+        for t in list(model.parameters()) + list(model.buffers()):
+            t.fill_(float("nan") if t.is_floating_point() else 7)
+    model.init_weights()
+    for want, got in zip(feature_maps(reference), feature_maps(model)):
+        assert torch.equal(got.projection, want.projection)
+        assert int(got.num_draws) == 0 and int(got.num_steps) == 0
+    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not torch.isfinite(t.float()).all()]
+    assert not bad, bad
+    assert torch.isfinite(hidden(model.eval(), ids_for(family))).all()
+
+
+# ----------------------------------------------------------------------------- gradient checkpointing
+
+
+def _count_projection_calls(model) -> list[int]:
+    calls = [0]
+
+    def hook(*_):
+        calls[0] += 1
+
+    for module in model.modules():
+        if hasattr(module, "q_proj") and isinstance(module.q_proj, torch.nn.Linear):
+            module.q_proj.register_forward_hook(hook)
+    return calls
+
+
+@pytest.mark.parametrize("recompute_attention", [True, False])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recompute_attention, use_reentrant):
+    torch.manual_seed(0)
+    cfg = bert_config(recompute_attention=recompute_attention, hidden_dropout_prob=0.1, num_labels=3)
+    model = NPRFBertForSequenceClassification(cfg).double().train()
+    ids = ids_for("nprf_bert")
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    labels = torch.tensor([0, 2])
+
+    def grads():
+        model.zero_grad()
+        torch.manual_seed(1)  # the same dropout masks in both runs (checkpointing restores the RNG)
+        model(ids, attention_mask=mask, labels=labels).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    calls = _count_projection_calls(model)
+    plain = grads()
+    layers = cfg.num_hidden_layers
+    assert calls[0] == layers * (2 if recompute_attention else 1)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert all(layer.gradient_checkpointing for layer in model.nprf_bert.layers)
+    calls[0] = 0
+    checkpointed = grads()
+    # the layer's recomputation replaces the attention's own: twice per layer, never three times
+    assert calls[0] == 2 * layers
+    assert plain.keys() == checkpointed.keys() and "nprf_bert.rpe.weight" in plain
+    for name, g in plain.items():
+        # float64, the same operations in the same order: differences are summation-order ulps
+        torch.testing.assert_close(checkpointed[name], g, rtol=1e-12, atol=1e-14, msg=name)
+    model.gradient_checkpointing_disable()
+    assert not any(layer.gradient_checkpointing for layer in model.nprf_bert.layers)
+
+
+def test_training_arguments_gradient_checkpointing_trains_nprf_bert(tmp_path):
+    torch.manual_seed(0)
+    model = NPRFBertForMaskedLM(bert_config())
+    ids = ids_for("nprf_bert", batch=4, n=8)
+    data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(4)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), gradient_checkpointing=True, max_steps=1, per_device_train_batch_size=4,
+        report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+    )
+    before = model.nprf_bert.layers[0].attention.q_proj.weight.detach().clone()
+    Trainer(model=model, args=args, train_dataset=data).train()
+    assert model.nprf_bert.layers[0].gradient_checkpointing
+    assert not torch.equal(before, model.nprf_bert.layers[0].attention.q_proj.weight)
+
+
+# ----------------------------------------------------------------------------- loss arguments
+
+
+def _masked_labels(ids: torch.Tensor, seed: int) -> torch.Tensor:
+    keep = torch.rand(ids.shape, generator=torch.Generator().manual_seed(seed)) < 0.4
+    keep[:, 0] = True
+    return torch.where(keep, ids, torch.full_like(ids, -100))
+
+
+def test_nprf_bert_losses_honour_num_items_in_batch():
+    torch.manual_seed(0)
+    ids = ids_for("nprf_bert", batch=3, n=7)
+    num = torch.tensor(23)
+    # each head: its loss with num_items_in_batch is sum(per-item losses) / num_items_in_batch;
+    # float32 sums of ~20 terms: rtol 1e-6
+    mlm = NPRFBertForMaskedLM(bert_config()).eval()
+    labels = _masked_labels(ids, 1)
+    out = mlm(ids, labels=labels, num_items_in_batch=num)
+    want = F.cross_entropy(out.logits.reshape(-1, V_BERT), labels.reshape(-1), reduction="sum") / num
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(mlm(ids, labels=labels).loss, want * num / (labels != -100).sum(), rtol=1e-6, atol=0)
+
+    tok = NPRFBertForTokenClassification(bert_config(num_labels=4)).eval()
+    labels = _masked_labels(torch.randint(0, 4, ids.shape, generator=torch.Generator().manual_seed(2)), 3)
+    out = tok(ids, labels=labels, num_items_in_batch=num)
+    want = F.cross_entropy(out.logits.reshape(-1, 4), labels.reshape(-1), reduction="sum") / num
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=0)
+
+    cases = {
+        "single_label_classification": (3, torch.tensor([0, 2, 1]), lambda lg, y: F.cross_entropy(lg, y, reduction="sum")),
+        "regression": (1, torch.tensor([0.5, -1.0, 2.0]), lambda lg, y: F.mse_loss(lg[:, 0], y, reduction="sum")),
+        "multi_label_classification": (
+            3,
+            torch.tensor([[1.0, 0, 1], [0, 0, 1], [1, 1, 0]]),
+            lambda lg, y: F.binary_cross_entropy_with_logits(lg, y, reduction="sum"),
+        ),
+    }
+    for problem, (num_labels, labels, summed) in cases.items():
+        cls = NPRFBertForSequenceClassification(bert_config(num_labels=num_labels)).eval()
+        out = cls(ids, labels=labels, num_items_in_batch=torch.tensor(5))
+        assert cls.config.problem_type == problem
+        torch.testing.assert_close(out.loss, summed(out.logits, labels) / 5, rtol=1e-6, atol=0, msg=problem)
+        mean = summed(out.logits, labels) / labels.numel()
+        torch.testing.assert_close(cls(ids, labels=labels).loss, mean, rtol=1e-6, atol=0, msg=problem)
+
+    qa = NPRFBertForQuestionAnswering(bert_config(num_labels=2)).eval()
+    start, end = torch.tensor([1, 3, 9]), torch.tensor([2, 5, 4])  # 9 is outside the input: ignored
+    out = qa(ids, start_positions=start, end_positions=end)
+    want = (F.cross_entropy(out.start_logits, start.clamp(0, 7), ignore_index=7)
+            + F.cross_entropy(out.end_logits, end, ignore_index=7)) / 2
+    torch.testing.assert_close(out.loss, want, rtol=1e-6, atol=0)
+
+
+def test_linear_gpt_loss_honours_num_items_in_batch_and_shift_labels():
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = ids_for("linear_gpt", batch=2, n=8)
+    labels = _masked_labels(ids, 4)
+    out = model(ids, labels=labels, num_items_in_batch=torch.tensor(11))
+    targets = labels[:, 1:].reshape(-1)
+    summed = F.cross_entropy(out.logits[:, :-1].reshape(-1, V_GPT), targets, reduction="sum")
+    torch.testing.assert_close(out.loss, summed / 11, rtol=1e-6, atol=0)
+    torch.testing.assert_close(model(ids, labels=labels).loss, summed / (targets != -100).sum(), rtol=1e-6, atol=0)
+    # shift_labels: targets already aligned with the logits (as context parallelism passes them);
+    # aligned with labels[:, 1:] they give the same loss, other targets another one
+    shifted = F.pad(labels[:, 1:], (0, 1), value=-100)
+    torch.testing.assert_close(model(ids, labels=labels, shift_labels=shifted).loss, out.loss * 11 / (targets != -100).sum())
+    other = model(ids, labels=labels, shift_labels=labels).loss
+    want = F.cross_entropy(out.logits.reshape(-1, V_GPT), labels.reshape(-1))
+    torch.testing.assert_close(other, want, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="shift_labels"):
+        model(ids, labels=labels, shift_labels=labels[:, 1:])
+
+
+def test_trainer_gradient_accumulation_equals_one_big_batch(tmp_path):
+    """With ``num_items_in_batch`` reaching the loss, two micro-batches with different numbers of
+    labelled tokens give the gradient of the whole batch (the Trainer no longer divides by the
+    accumulation steps itself)."""
+    ids = ids_for("nprf_bert", batch=4, n=8, seed=5)
+    labels = ids.clone()
+    labels[:2, 1:] = -100  # micro-batch 1: 2 labelled tokens, micro-batch 2: 16
+    data = [{"input_ids": ids[i], "labels": labels[i]} for i in range(4)]
+    weights = []
+    for batch, accumulation in ((4, 1), (2, 2)):
+        torch.manual_seed(0)
+        model = NPRFBertForMaskedLM(bert_config(hidden_dropout_prob=0.0))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"b{batch}"), max_steps=1, per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+            weight_decay=0.0, max_grad_norm=0.0, report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+        )
+        trainer = Trainer(model=model, args=args, train_dataset=data)
+        assert trainer.model_accepts_loss_kwargs
+        trainer.train()
+        weights.append(model.nprf_bert.layers[0].attention.q_proj.weight.detach().clone())
+    # float32 sums of 18 token losses, regrouped: rtol 1e-5
+    torch.testing.assert_close(weights[1], weights[0], rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- output flags
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_output_attentions_is_refused_the_same_way_in_both_families(family):
+    cls, make = FAMILIES[family]
+    model = cls(make())
+    ids = ids_for(family)
+    with pytest.raises(ValueError, match="no attention weights"):
+        model(ids, output_attentions=True)
+    with pytest.raises(ValueError, match="output_attentions"):
+        make(output_attentions=True)
+    model.config.output_attentions = True  # set after building: forward refuses too
+    with pytest.raises(ValueError, match="no attention weights"):
+        model(ids)
+    assert not cls._supports_attention_backend
+
+
+def test_output_attentions_in_generate_raises_before_decoding():
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = ids_for("linear_gpt")
+    with pytest.raises(ValueError, match="no attention weights"):
+        model.generate(ids, max_new_tokens=3, output_attentions=True, return_dict_in_generate=True)
+    for head in (NPRFBertForMaskedLM(bert_config()), NPRFBertForSequenceClassification(bert_config())):
+        with pytest.raises(ValueError, match="no attention weights"):
+            head(ids_for("nprf_bert"), output_attentions=True)
+
+
+def test_generate_dict_outputs_scores_and_hidden_states():
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = ids_for("linear_gpt", n=5)
+    out = model.generate(
+        ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_scores=True,
+        output_logits=True, output_hidden_states=True,
+    )
+    assert out.sequences.shape == (2, 9) and out.attentions is None
+    assert len(out.scores) == len(out.logits) == len(out.hidden_states) == 4
+    assert out.hidden_states[0][0].shape == (2, 5, 32) and out.hidden_states[1][0].shape == (2, 1, 32)
+    assert all(len(step) == model.config.num_hidden_layers + 1 for step in out.hidden_states)
+    assert isinstance(out.past_key_values, LinearGPTCache)
+    assert out.past_key_values.get_seq_length() == 8  # the last token is not fed back
+    # greedy: each new token is the arg max of its step's logits
+    assert torch.equal(torch.stack([s.argmax(-1) for s in out.logits], 1), out.sequences[:, 5:])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_hidden_states_and_return_dict_false_tuples(family):
+    cls, make = FAMILIES[family]
+    torch.manual_seed(0)
+    model = cls(make()).eval()
+    ids = ids_for(family)
+    extra = dict(use_cache=False) if family == "linear_gpt" else {}
+    with torch.no_grad():
+        as_dict = model(ids, output_hidden_states=True, **extra)
+        as_tuple = model(ids, output_hidden_states=True, return_dict=False, **extra)
+    assert len(as_dict.hidden_states) == model.config.num_hidden_layers + 1
+    assert isinstance(as_tuple, tuple)
+    want = [v for v in as_dict.to_tuple()]
+    assert len(as_tuple) == len(want)
+    for got, ref in zip(as_tuple, want):
+        if isinstance(ref, tuple):
+            assert all(torch.equal(a, b) for a, b in zip(got, ref))
+        else:
+            assert torch.equal(got, ref)
+    # inputs_embeds give the same outputs as input_ids
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(ids)
+        torch.testing.assert_close(model(inputs_embeds=embeds, **extra).last_hidden_state, as_dict.last_hidden_state)
+
+
+# ----------------------------------------------------------------------------- generation options
+
+
+def _char_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = "abcdefghijklmnopqrstuvwxyz.,!? "
+    vocab = {"<pad>": 0, "<unk>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>")
+
+
+def test_generate_with_stop_strings_and_a_tokenizer():
+    torch.manual_seed(0)
+    tok = _char_tokenizer()
+    model = LinearGPTForCausalLM(gpt_config(vocab_size=len(tok), eos_token_id=None)).eval()
+    ids = tok(["the cat"], return_tensors="pt").input_ids
+    free = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:]
+    # stop at the first occurrence of the 4th generated character
+    stop_id = int(free[3])
+    first = int((free == stop_id).nonzero()[0])
+    stop = tok.convert_ids_to_tokens(stop_id)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, stop_strings=[stop], tokenizer=tok)
+    assert torch.equal(out[0, ids.shape[1]:], free[: first + 1])
+
+
+def test_generate_accepts_cache_position_and_inputs_embeds():
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = ids_for("linear_gpt", n=5)
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        got = model(ids, cache_position=torch.arange(5), use_cache=False).logits
+    assert torch.equal(got, full)
+    want = model.generate(ids, max_new_tokens=4, do_sample=False)[:, 5:]
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(ids), max_new_tokens=4, do_sample=False)
+    assert torch.equal(from_embeds, want)
+
+
+def test_stateful_model_refuses_assisted_and_prompt_lookup_decoding():
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    assistant = LinearGPTForCausalLM(gpt_config(num_hidden_layers=1)).eval()
+    ids = ids_for("linear_gpt", batch=1)
+    assert model._is_stateful
+    with pytest.raises(ValueError, match="not supported with stateful models"):
+        model.generate(ids, assistant_model=assistant, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match="not supported with stateful models"):
+        model.generate(ids, prompt_lookup_num_tokens=2, max_new_tokens=3, do_sample=False)
+
+
+# ----------------------------------------------------------------------------- embeddings, mismatched heads
+
+
+@pytest.mark.parametrize("family", ["nprf_bert", "linear_gpt"])
+def test_resize_token_embeddings_keeps_the_tie(family):
+    torch.manual_seed(0)
+    model = NPRFBertForMaskedLM(bert_config()) if family == "nprf_bert" else LinearGPTForCausalLM(gpt_config())
+    vocab = model.config.vocab_size
+    model.resize_token_embeddings(vocab + 6)
+    assert model.config.vocab_size == vocab + 6
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    ids = ids_for(family)
+    ids[0, 0] = vocab + 5  # a new id
+    out = model(ids)
+    assert out.logits.shape[-1] == vocab + 6 and torch.isfinite(out.logits).all()
+
+
+def test_sequence_classification_head_with_another_num_labels(tmp_path):
+    torch.manual_seed(0)
+    NPRFBertForSequenceClassification(bert_config(num_labels=2)).save_pretrained(tmp_path)
+    with pytest.raises(RuntimeError, match="size mismatch|mismatch"):
+        NPRFBertForSequenceClassification.from_pretrained(tmp_path, num_labels=5)
+    model = NPRFBertForSequenceClassification.from_pretrained(tmp_path, num_labels=5, ignore_mismatched_sizes=True)
+    assert model(ids_for("nprf_bert")).logits.shape == (2, 5)
+
+
+# ----------------------------------------------------------------------------- 4D masks (NPRF-BERT)
+
+
+def test_nprf_bert_accepts_extended_padding_masks():
+    torch.manual_seed(0)
+    model = NPRFBertModel(bert_config()).eval()
+    ids = ids_for("nprf_bert", n=9)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    want = hidden(model, ids, attention_mask=mask)
+    keep = mask.bool()
+    big_negative = torch.finfo(torch.float32).min
+    forms = {
+        "bool (B,1,1,N)": keep[:, None, None, :],
+        "bool (B,1,N,N)": keep[:, None, None, :].expand(2, 1, 9, 9),
+        "additive (B,1,1,N)": (1.0 - mask[:, None, None, :].float()) * big_negative,
+        "additive (B,1,N,N)": ((1.0 - mask[:, None, None, :].float()) * big_negative).expand(2, 1, 9, 9),
+        "additive -inf": torch.zeros(2, 1, 1, 9).masked_fill(~keep[:, None, None, :], float("-inf")),
+        "BERT's -10000": (1.0 - mask[:, None, None, :].float()) * -10000.0,
+    }
+    for name, extended in forms.items():
+        torch.testing.assert_close(hidden(model, ids, attention_mask=extended), want, rtol=0, atol=0, msg=name)
+
+
+def test_nprf_bert_refuses_4d_masks_that_are_not_padding_masks():
+    model = NPRFBertModel(bert_config()).eval()
+    ids = ids_for("nprf_bert", n=6)
+    causal = torch.ones(6, 6).tril().bool()[None, None].expand(2, 1, 6, 6)
+    with pytest.raises(ValueError, match="same keys masked for every query"):
+        model(ids, attention_mask=causal)
+    with pytest.raises(ValueError, match="soft bias"):
+        model(ids, attention_mask=torch.full((2, 1, 1, 6), -0.5))
+    with pytest.raises(ValueError, match=r"\(batch, 1, 1, seq\)"):
+        model(ids, attention_mask=torch.ones(2, 4, 6, 6, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(ids, attention_mask=torch.ones(2, 1, 6))
+
+
+# ----------------------------------------------------------------------------- torch.export
+
+
+@pytest.mark.parametrize(
+    "family,kw",
+    [
+        ("nprf_bert", {}),
+        ("linear_gpt", {}),
+        ("linear_gpt", dict(position_embedding_type="rotary")),
+        ("linear_gpt", dict(rpe="learned", max_relative_position=4, position_embedding_type="none")),
+    ],
+)
+def test_torch_export_matches_eager(family, kw):
+    cls, make = FAMILIES[family]
+    torch.manual_seed(0)
+    model = cls(make(**kw)).eval()
+    ids = ids_for(family, n=10)
+    extra = dict(return_dict=False) | (dict(use_cache=False) if family == "linear_gpt" else {})
+    with torch.no_grad():
+        program = torch.export.export(model, (ids,), kwargs=extra)
+        got = program.module()(ids, **extra)[0]
+        want = model(ids, **extra)[0]
+    # the same graph of operations: float32 results agree to a few ulps
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_export_linear_gpt_with_padding_mask_matches_eager():
+    torch.manual_seed(0)
+    model = LinearGPTModel(gpt_config()).eval()
+    ids = ids_for("linear_gpt", n=10)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    extra = dict(use_cache=False, return_dict=False)
+    with torch.no_grad():
+        program = torch.export.export(model, (ids,), kwargs=dict(extra, attention_mask=mask))
+        got = program.module()(ids, attention_mask=mask, **extra)[0]
+        want = model(ids, attention_mask=mask, **extra)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- bad inputs and states
+
+
+def test_linear_gpt_refuses_mask_values_other_than_0_and_1():
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = ids_for("linear_gpt", n=5)
+    for bad in (2, -1):
+        mask = torch.ones_like(ids)
+        mask[0, 0] = bad
+        with pytest.raises(ValueError, match="attention_mask must hold only 1"):
+            model(ids, attention_mask=mask)
+        with pytest.raises(ValueError, match="attention_mask must hold only 1"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_empty_inputs_raise_a_clear_error(family):
+    cls, make = FAMILIES[family]
+    model = cls(make())
+    for shape in ((0, 5), (2, 0)):
+        with pytest.raises(ValueError, match="batch"):
+            model(torch.zeros(shape, dtype=torch.long))
+        with pytest.raises(ValueError, match="batch"):
+            model(inputs_embeds=torch.zeros(*shape, 32))
+
+
+@pytest.mark.parametrize(
+    "field,value,error",
+    [
+        ("attention_eps", float("nan"), ValueError),
+        ("attention_eps", -1e-6, ValueError),
+        ("initializer_range", -0.02, ValueError),
+        ("initializer_range", float("inf"), ValueError),
+        ("hidden_act", "no_such_activation", ValueError),
+        ("feature_seed", 1.5, TypeError),
+        ("feature_seed", -1, ValueError),
+        ("use_cache", "yes", TypeError),
+        ("LAYER_NORM", -1e-5, ValueError),
+        ("LAYER_NORM", float("nan"), ValueError),
+    ],
+)
+@pytest.mark.parametrize("family", ["nprf_bert", "linear_gpt"])
+def test_configs_refuse_bad_shared_fields(family, field, value, error):
+    if field == "LAYER_NORM":
+        field = "layer_norm_eps" if family == "nprf_bert" else "layer_norm_epsilon"
+    make = bert_config if family == "nprf_bert" else gpt_config
+    with pytest.raises(error, match=field):
+        make(**{field: value})
+
+
+def test_decoding_state_of_another_model_is_refused():
+    ids = ids_for("linear_gpt", n=4)
+    plain = LinearGPTForCausalLM(gpt_config()).eval()
+    windowed = LinearGPTForCausalLM(gpt_config(rpe="learned", max_relative_position=4)).eval()
+    state_plain = plain(ids).past_key_values
+    state_windowed = windowed(ids).past_key_values
+    nxt = ids[:, :1]
+    with pytest.raises(ValueError, match="relative-position window of 3 keys.*this model has no relative-position"):
+        plain(nxt, past_key_values=state_windowed)
+    with pytest.raises(ValueError, match="no relative-position window.*this model has a relative-position window"):
+        windowed(nxt, past_key_values=state_plain)
+    wider = LinearGPTForCausalLM(gpt_config(num_attention_heads=4)).eval()
+    with pytest.raises(ValueError, match=r"\(heads, feature size, head size\) = \(2, 16, 16\).*\(4, 8, 8\)"):
+        wider(nxt, past_key_values=state_plain)
+    deeper = LinearGPTForCausalLM(gpt_config(num_hidden_layers=3)).eval()
+    with pytest.raises(ValueError, match="past_key_values has 2 layers, the model 3"):
+        deeper(nxt, past_key_values=state_plain)
+    with pytest.raises(ValueError, match="window"):
+        plain.generate(ids, past_key_values=LinearGPTCache(2, window=3), max_new_tokens=2)
+    # the state's own model continues from it
+    assert plain(nxt, past_key_values=state_plain).logits.shape == (2, 1, V_GPT)
+
+
+def test_one_token_decode_steps_do_not_read_tensor_values(monkeypatch):
+    """Per-token decoding does not sync with the device for validation: no ``.item()`` /
+    ``int()`` / ``bool()`` of a tensor in the model's forward once a state exists."""
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = ids_for("linear_gpt", n=4)
+    mask = torch.ones(2, 5, dtype=torch.long)
+    with torch.no_grad():
+        state = model(ids, attention_mask=mask[:, :4]).past_key_values
+        reads = []
+        for name in ("__bool__", "__int__", "item"):
+            original = getattr(torch.Tensor, name)
+
+            def spy(self, *a, _original=original, _name=name, **k):
+                reads.append(_name)
+                return _original(self, *a, **k)
+
+            monkeypatch.setattr(torch.Tensor, name, spy)
+        out = model(ids[:, :1], attention_mask=mask, past_key_values=state)
+    monkeypatch.undo()
+    assert reads == []
+    assert math.isfinite(float(out.logits.abs().max()))
