@@ -10,9 +10,24 @@ local CSV or JSON files instead (text in ``sentence1`` [+ ``sentence2``] or ``se
 Model: ``--model_name_or_path`` is an NPRF-BERT checkpoint, or a BERT/RoBERTa checkpoint that is
 converted on the fly (``hf_kernattn.convert``: weights copied, relative-position bias zero).
 
-Also: dynamic padding, bf16/fp16 picked automatically on GPUs that have it (``--auto_precision``),
-early stopping on the task's main metric, and the best checkpoint saved Hub-ready (weights,
-modeling code for ``trust_remote_code``, tokenizer, model card, results) in ``--output_dir``.
+Defaults you can switch off (all said again in ``--help``):
+
+* ``--mixed_precision auto``: bf16 on CUDA GPUs that support it, else fp16 on CUDA, none on CPU
+  (``--mixed_precision no`` switches it off; ``--fp16`` / ``--bf16`` choose one yourself).
+* Best-model loading: when ``--eval_strategy`` equals ``--save_strategy``, the checkpoint with the
+  best ``--metric_for_best_model`` (default: the task's main metric) is loaded at the end and saved
+  (``--no_load_best_model_at_end`` switches it off).
+* Early stopping after ``--early_stopping_patience 3`` evaluations without improvement, with
+  best-model loading (``--early_stopping_patience 0`` switches it off).
+
+Also: dynamic padding; the data files are checked before anything runs (a clear error names the
+file, row and problem); ``--cpu`` is ``--use_cpu``; weight decay follows the rule shared by every
+example script (none for biases, normalisation weights and the relative-position bias table);
+checkpoints carry a fingerprint of the run, and ``--resume_from_checkpoint latest`` resumes the
+newest complete checkpoint of the same run exactly (the Trainer restores data position, random
+states, optimizer and scheduler; a half-written checkpoint is skipped, another run's refused). The
+best checkpoint is saved Hub-ready (weights, modeling code for ``trust_remote_code``, tokenizer,
+model card, results) in ``--output_dir``.
 
 Examples::
 
@@ -28,11 +43,14 @@ Examples::
 
 from __future__ import annotations
 
+import argparse
+import csv
+import io
 import json
 import logging
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -49,14 +67,17 @@ from transformers import (
     EvalPrediction,
     HfArgumentParser,
     Trainer,
+    TrainerCallback,
     TrainingArguments,
     set_seed,
 )
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import evaluate
 import hf_kernattn  # noqa: F401  (registers NPRF-BERT with the Auto classes)
 from hf_kernattn.convert import convert_to_nprf_bert
 from hf_kernattn.metrics import GLUE_METRIC_PATH
+from hf_kernattn.training import decay_parameter_names, resolve_checkpoint, run_fingerprint, write_state_file
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +92,7 @@ TASK_TO_KEYS = {
     "stsb": ("sentence1", "sentence2"),
     "wnli": ("sentence1", "sentence2"),
 }
+RUN_STATE_FILE = "hf_kernattn_run.json"  # in each checkpoint-N: complete, and of which run
 MAIN_METRIC = {"cola": "matthews_correlation", "stsb": "pearson", "mrpc": "f1", "qqp": "f1"}
 
 
@@ -82,12 +104,40 @@ class ModelArguments:
     tokenizer_name: Optional[str] = field(default=None, metadata={"help": "tokenizer if not the model's"})
     num_random_features: Optional[int] = field(default=None, metadata={"help": "override when converting"})
     attn_backend: Optional[str] = field(default=None, metadata={"help": "override the attention backend"})
-    auto_precision: bool = field(
-        default=True, metadata={"help": "on CUDA without --fp16/--bf16: use bf16 if supported, else fp16"}
+
+
+@dataclass
+class RunArguments:
+    """Defaults of this script that change what the Trainer does, each of which can be switched off."""
+
+    mixed_precision: str = field(
+        default="auto",
+        metadata={"help": "auto (default): bf16 on CUDA GPUs that support it, else fp16 on CUDA, none on CPU; "
+                          "'no' switches mixed precision off; fp16 / bf16 force one",
+                  "choices": ["auto", "no", "fp16", "bf16"]},
+    )
+    no_load_best_model_at_end: bool = field(
+        default=False,
+        metadata={"help": "by default, when --eval_strategy equals --save_strategy, the checkpoint with the best "
+                          "--metric_for_best_model (default: the task's main metric) is loaded at the end and saved; "
+                          "this flag switches that off (and early stopping with it)"},
     )
     early_stopping_patience: int = field(
-        default=3, metadata={"help": "evaluations without improvement before stopping (0 disables)"}
+        default=3, metadata={"help": "with best-model loading: stop after this many evaluations without "
+                                     "improvement (default 3; 0 switches early stopping off)"}
     )
+    cpu: bool = field(default=False, metadata={"help": "run on CPU (the same as --use_cpu)"})
+    stop_after_steps: Optional[int] = field(
+        default=None,
+        metadata={"help": "end this invocation after N optimizer steps in all, with a checkpoint, as a job with a "
+                          "time limit would; continue with --resume_from_checkpoint latest"},
+    )
+
+    def __post_init__(self) -> None:
+        if self.early_stopping_patience < 0:
+            raise ValueError(f"--early_stopping_patience must be >= 0, got {self.early_stopping_patience}")
+        if self.stop_after_steps is not None and self.stop_after_steps < 1:
+            raise ValueError(f"--stop_after_steps must be >= 1, got {self.stop_after_steps}")
 
 
 @dataclass
@@ -122,13 +172,132 @@ class DataArguments:
             raise ValueError(f"--max_seq_length must be >= 2, got {self.max_seq_length}")
 
 
+def _read_records(path: str) -> tuple[list[str], list[tuple[int, dict]]]:
+    """Columns and ``(line, row)`` pairs of a CSV or JSON / JSON-lines file; ``ValueError`` naming
+    the file and line for a missing, empty, header-only or malformed file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such file")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    if not text.strip():
+        raise ValueError(f"{path}: the file is empty")
+    records: list[tuple[int, dict]] = []
+    if p.suffix == ".csv":
+        reader = csv.reader(io.StringIO(text, newline=""))
+        try:
+            header = next(reader)
+            columns = [c.strip() for c in header]
+            if any(not c for c in columns) or len(set(columns)) != len(columns):
+                raise ValueError(f"{path}, line 1: the header needs distinct, non-empty column names, got {header}")
+            for row in reader:
+                if not row:
+                    continue
+                if len(row) != len(columns):
+                    raise ValueError(f"{path}, line {reader.line_num}: {len(row)} fields, but the header has "
+                                     f"{len(columns)} ({columns})")
+                records.append((reader.line_num, dict(zip(columns, row))))
+        except csv.Error as err:
+            raise ValueError(f"{path}, line {reader.line_num}: malformed CSV ({err})") from None
+        if not records:
+            raise ValueError(f"{path}: only a header, no data rows")
+        return columns, records
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:
+        whole = None
+    if isinstance(whole, list):
+        items = [(i + 1, r) for i, r in enumerate(whole)]
+        where = "item"
+    elif isinstance(whole, dict) and len(text.strip().splitlines()) > 1:
+        raise ValueError(f"{path}: expected JSON lines (one object per line) or a list of objects, got one object")
+    else:
+        items, where = [], "line"
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                items.append((i, json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}, line {i}: not valid JSON ({err.msg})") from None
+    if not items:
+        raise ValueError(f"{path}: no rows")
+    columns = None
+    for i, row in items:
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}, {where} {i}: expected an object with named fields, got {type(row).__name__}")
+        if columns is None:
+            columns = list(row)
+        elif set(row) != set(columns):
+            raise ValueError(f"{path}, {where} {i}: fields {sorted(row)} differ from the first row's {sorted(columns)}")
+        records.append((i, row))
+    return columns, records
+
+
+def _is_no_label(value) -> bool:
+    """GLUE's test files mark "no label" with -1."""
+    return str(value).strip() in ("-1", "-1.0")
+
+
+def check_data_files(data: DataArguments) -> dict[str, list[str]]:
+    """Check the local files before anything runs; returns each split's columns.
+
+    Errors name the file, the line and the problem: empty, header-only or malformed files, files
+    whose columns differ, missing or empty text, missing or empty labels in the training and
+    validation files, and the "no label" value -1 there. In the test file labels are not needed:
+    -1 or an empty cell means unlabeled.
+    """
+    files = {k: v for k, v in (("train", data.train_file), ("validation", data.validation_file),
+                               ("test", data.test_file)) if v is not None}
+    if len({Path(v).suffix == ".csv" for v in files.values()}) > 1:
+        raise ValueError(f"the data files must all be CSV or all JSON, got {sorted(files.values())}")
+    read = {split: _read_records(path) for split, path in files.items()}
+    ref_split = "train" if "train" in read else "validation" if "validation" in read else "test"
+    ref = [c for c in read[ref_split][0] if c != "label"]
+    for split, (columns, _) in read.items():
+        if sorted(c for c in columns if c != "label") != sorted(ref):
+            raise ValueError(f"{files[split]} has the columns {columns}, but {files[ref_split]} has "
+                             f"{read[ref_split][0]}: every file needs the same text columns")
+    key1, key2 = text_keys(data, read[ref_split][0])
+    for split, (columns, records) in read.items():
+        path = files[split]
+        if split != "test" and "label" not in columns:
+            raise ValueError(f"{path}: no 'label' column (needed in the {split} file)")
+        for line, row in records:
+            for key in (key1, key2):
+                if key is not None and (not isinstance(row.get(key), str) or not row[key].strip()):
+                    raise ValueError(f"{path}, line {line}: empty text in column {key!r}")
+            if split == "test" or "label" not in columns:
+                continue
+            label = row["label"]
+            if label is None or (isinstance(label, str) and not label.strip()):
+                raise ValueError(f"{path}, line {line}: empty label (every {split} row needs one; empty cells would "
+                                 "otherwise turn the task into regression)")
+            if _is_no_label(label):
+                raise ValueError(f"{path}, line {line}: label -1 means 'no label' in GLUE files; the {split} file "
+                                 "needs real labels")
+    return {split: columns for split, (columns, _) in read.items()}
+
+
 def load_raw(data: DataArguments, cache_dir: Optional[str]):
     if data.task_name is not None and data.train_file is None and data.validation_file is None:
         return load_dataset("nyu-mll/glue", data.task_name, cache_dir=cache_dir)
+    check_data_files(data)
     files = {k: v for k, v in (("train", data.train_file), ("validation", data.validation_file),
                                ("test", data.test_file)) if v is not None}
     kind = "csv" if next(iter(files.values())).endswith(".csv") else "json"
-    return load_dataset(kind, data_files=files, cache_dir=cache_dir)
+    # The test file is read on its own: its labels (if any, -1 = none) must not shape the others.
+    raw = load_dataset(kind, data_files={k: v for k, v in files.items() if k != "test"}, cache_dir=cache_dir) \
+        if set(files) - {"test"} else None
+    if "test" in files:
+        test = load_dataset(kind, data_files={"test": files["test"]}, cache_dir=cache_dir)
+        if raw is None:
+            raw = test
+        else:
+            raw["test"] = test["test"]
+    return raw
 
 
 def text_keys(data: DataArguments, columns: list[str]) -> tuple[str, Optional[str]]:
@@ -169,28 +338,75 @@ def build_model(args: ModelArguments, num_labels: int, is_regression: bool, labe
     )
 
 
+class NPRFBertTrainer(Trainer):
+    """The Trainer with the weight-decay rule of every example script
+    (:func:`hf_kernattn.training.decay_parameter_names`)."""
+
+    def get_decay_parameter_names(self, model) -> list[str]:
+        return decay_parameter_names(model)
+
+
+class RunStateCallback(TrainerCallback):
+    """Marks each saved checkpoint as complete and of this run (``RUN_STATE_FILE``, written after
+    the Trainer has written everything else), and ends the run early for ``--stop_after_steps``."""
+
+    def __init__(self, fingerprint: str, settings: dict, stop_after_steps: Optional[int]):
+        self.fingerprint, self.settings, self.stop_after_steps = fingerprint, settings, stop_after_steps
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop_after_steps is not None and state.global_step >= self.stop_after_steps:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+            write_state_file(folder, self.fingerprint, self.settings, RUN_STATE_FILE, step=state.global_step)
+        return control
+
+
+# TrainingArguments that change what a run computes: they make up the run's fingerprint.
+TRAJECTORY_ARGS = (
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "max_grad_norm", "num_train_epochs",
+    "max_steps", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "seed", "data_seed",
+    "per_device_train_batch_size", "gradient_accumulation_steps", "fp16", "bf16", "optim", "label_smoothing_factor",
+    "eval_strategy", "eval_steps", "save_strategy", "save_steps", "metric_for_best_model", "load_best_model_at_end",
+    "gradient_checkpointing",
+)
+
+
 def main(argv: Optional[list[str]] = None) -> dict:
-    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    parser = HfArgumentParser((ModelArguments, DataArguments, RunArguments, TrainingArguments),
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     if argv is None and len(sys.argv) == 2 and sys.argv[1].endswith(".json"):
-        model_args, data_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
+        model_args, data_args, run_args, training_args = parser.parse_json_file(os.path.abspath(sys.argv[1]))
     else:
-        model_args, data_args, training_args = parser.parse_args_into_dataclasses(args=argv)
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if "--cpu" in argv and "--use_cpu" not in argv:
+            argv.append("--use_cpu")  # --cpu, the flag of the Accelerate scripts, is the Trainer's --use_cpu
+        model_args, data_args, run_args, training_args = parser.parse_args_into_dataclasses(args=argv)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
                         if training_args.process_index == 0 else logging.WARNING, handlers=[logging.StreamHandler()])
     transformers.utils.logging.set_verbosity_warning()
 
-    if model_args.auto_precision and torch.cuda.is_available() and not (training_args.fp16 or training_args.bf16) \
-            and not training_args.use_cpu:
+    if run_args.mixed_precision == "no":
+        if training_args.fp16 or training_args.bf16:
+            raise ValueError("--mixed_precision no contradicts --fp16/--bf16")
+    elif run_args.mixed_precision in ("fp16", "bf16"):
+        setattr(training_args, run_args.mixed_precision, True)
+    elif torch.cuda.is_available() and not (training_args.fp16 or training_args.bf16 or training_args.use_cpu):
         if torch.cuda.is_bf16_supported():
             training_args.bf16 = True
         else:
             training_args.fp16 = True
-        logger.info("mixed precision: %s", "bf16" if training_args.bf16 else "fp16")
+    logger.info("mixed precision: %s", "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no")
     set_seed(training_args.seed)
 
     raw = load_raw(data_args, cache_dir=None)
-    split0 = raw["train"] if "train" in raw else raw["validation"]
-    label_feature = split0.features.get("label")
+    labelled = [raw[k] for k in raw if k != "test" and "label" in raw[k].column_names]
+    split0 = raw["train"] if "train" in raw else raw["validation"] if "validation" in raw else raw["test"]
+    label_feature = labelled[0].features.get("label") if labelled else None
     is_regression = (data_args.task_name == "stsb") or (
         data_args.task_name is None and str(getattr(label_feature, "dtype", "")).startswith("float"))
     label2id = None
@@ -200,11 +416,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         num_labels = len(label_feature.names)
         label2id = {n: i for i, n in enumerate(label_feature.names)}
     else:
-        labels = sorted({x for s in raw.values() if "label" in s.column_names for x in s["label"] if x is not None})
+        labels = sorted({x for s in labelled for x in s["label"] if x is not None and not _is_no_label(x)})
         num_labels = len(labels)
         label2id = {str(l): i for i, l in enumerate(labels)}
     if not is_regression and num_labels < 2:
-        raise ValueError(f"classification needs at least 2 distinct labels, found {num_labels}")
+        raise ValueError(f"classification needs at least 2 distinct labels in the training/validation data, "
+                         f"found {num_labels}")
 
     tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path)
     model = build_model(model_args, num_labels, is_regression, label2id)
@@ -212,10 +429,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     max_len = min(data_args.max_seq_length, getattr(model.config, "max_position_embeddings", 10**9)
                   if model.config.position_embedding_type == "absolute" else 10**9)
 
-    def preprocess(batch):
+    def preprocess(batch, with_labels: bool):
         texts = (batch[key1],) if key2 is None else (batch[key1], batch[key2])
         out = tokenizer(*texts, truncation=True, max_length=max_len)
-        if "label" in batch and all(x is not None and x != -1 for x in batch["label"]):  # test splits: no labels
+        if with_labels and "label" in batch:
             if is_regression:
                 out["labels"] = [float(x) for x in batch["label"]]
             elif label2id is not None and not hasattr(label_feature, "names"):
@@ -225,11 +442,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return out
 
     with training_args.main_process_first(desc="tokenizing"):
-        processed = {name: split.map(preprocess, batched=True, remove_columns=split.column_names)
+        # Test splits are predicted, never scored: their labels (GLUE's -1 = none) are dropped.
+        processed = {name: split.map(preprocess, batched=True, remove_columns=split.column_names,
+                                     fn_kwargs={"with_labels": not name.startswith("test")})
                      for name, split in raw.items()}
     train_ds = processed["train"] if training_args.do_train else None
     eval_name = "validation_matched" if data_args.task_name == "mnli" else "validation"
-    eval_ds = processed[eval_name] if (training_args.do_eval or training_args.eval_strategy != "no") else None
+    needs_eval = training_args.do_eval or training_args.eval_strategy != "no"
+    if needs_eval and eval_name not in processed:
+        raise ValueError("evaluation (--do_eval or --eval_strategy) needs --validation_file")
+    if training_args.do_train and train_ds is None:
+        raise ValueError("--do_train needs --train_file (or --task_name)")
+    eval_ds = processed[eval_name] if needs_eval else None
     if train_ds is not None and data_args.max_train_samples:
         train_ds = train_ds.select(range(min(len(train_ds), data_args.max_train_samples)))
     if eval_ds is not None and data_args.max_eval_samples:
@@ -248,30 +472,52 @@ def main(argv: Optional[list[str]] = None) -> dict:
         return result
 
     callbacks = []
-    if training_args.eval_strategy != "no" and training_args.do_train:
+    if training_args.eval_strategy != "no" and training_args.do_train and not run_args.no_load_best_model_at_end:
         if training_args.save_strategy == training_args.eval_strategy:
             training_args.load_best_model_at_end = True
             if training_args.metric_for_best_model in (None, "loss"):
                 training_args.metric_for_best_model = MAIN_METRIC.get(metric_task, "accuracy")
                 training_args.greater_is_better = True
-            if model_args.early_stopping_patience > 0:
-                callbacks.append(EarlyStoppingCallback(early_stopping_patience=model_args.early_stopping_patience))
+            logger.info("best-model loading on (%s); --no_load_best_model_at_end switches it off",
+                        training_args.metric_for_best_model)
+            if run_args.early_stopping_patience > 0:
+                callbacks.append(EarlyStoppingCallback(early_stopping_patience=run_args.early_stopping_patience))
         else:
             logger.warning("save_strategy != eval_strategy: no best-checkpoint selection or early stopping")
 
+    settings = {k: getattr(training_args, k, None) for k in TRAJECTORY_ARGS} | {
+        "script": "run_glue", "model": asdict(model_args), "data": asdict(data_args),
+        "mixed_precision": run_args.mixed_precision, "early_stopping_patience": run_args.early_stopping_patience,
+        "world_size": training_args.world_size, "device": training_args.device.type,
+    }
+    fingerprint = run_fingerprint(json.loads(json.dumps(settings, default=str)))
+    resume = None
+    if training_args.do_train and training_args.resume_from_checkpoint:
+        resume = resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir, fingerprint,
+                                    prefix=f"{PREFIX_CHECKPOINT_DIR}-", state_file=RUN_STATE_FILE)
+        if resume is None:
+            logger.warning("no checkpoint of this run in %s: starting fresh", training_args.output_dir)
+    callbacks.append(RunStateCallback(fingerprint, settings, run_args.stop_after_steps))
+
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if (training_args.fp16 or training_args.bf16) else None)
-    trainer = Trainer(
+    trainer = NPRFBertTrainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
         data_collator=collator, compute_metrics=compute_metrics, callbacks=callbacks,
     )
     results: dict = {}
     if training_args.do_train:
-        train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        train_result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+        if trainer.state.global_step < trainer.state.max_steps and run_args.stop_after_steps is not None \
+                and trainer.state.global_step >= run_args.stop_after_steps:
+            logger.warning("stopped after step %d (--stop_after_steps); resume with --resume_from_checkpoint latest",
+                           trainer.state.global_step)
+            return {"stopped": True, "step": trainer.state.global_step}
         trainer.save_model()  # the best checkpoint when load_best_model_at_end
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)
         trainer.save_state()
-        results.update({f"train_{k}": v for k, v in train_result.metrics.items()})
+        # Trainer's metric names already carry their prefix (train_runtime, train_loss, ...).
+        results.update({k if k.startswith("train_") else f"train_{k}": v for k, v in train_result.metrics.items()})
     if training_args.do_eval and eval_ds is not None:
         metrics = trainer.evaluate(eval_dataset=eval_ds)
         trainer.log_metrics("eval", metrics)
@@ -284,7 +530,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         if trainer.is_world_process_zero():
             with open(os.path.join(training_args.output_dir, "predict_results.txt"), "w") as f:
                 f.write("index\tprediction\n")
-                for i, p in enumerate(preds):
+                for i, p in enumerate(np.atleast_1d(preds)):
                     f.write(f"{i}\t{p:.4f}\n" if is_regression else f"{i}\t{model.config.id2label[int(p)]}\n")
     if training_args.do_train and trainer.is_world_process_zero():
         kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-classification"}

@@ -46,7 +46,6 @@ STATE_FILE = "training_state.json"
 MODEL_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".tmp"
-_CHECKPOINT_RE = re.compile(rf"^{CHECKPOINT_PREFIX}(\d+)$")
 
 # transformers' patterns (Trainer.get_decay_parameter_names), matched on lower-cased names.
 _NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -190,27 +189,23 @@ def set_rng_state(state: dict, generators: Optional[dict[str, torch.Generator]] 
 # checkpoints
 
 
-def checkpoint_step(path: Path) -> Optional[int]:
-    m = _CHECKPOINT_RE.match(path.name)
-    return int(m.group(1)) if m else None
-
-
-def is_complete(path: Path) -> bool:
+def is_complete(path: Path, state_file: str = STATE_FILE) -> bool:
     """A checkpoint folder whose state file (written last) is present and readable."""
     try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
+        state = json.loads((Path(path) / state_file).read_text())
     except (OSError, ValueError):
         return False
     return isinstance(state, dict) and state.get("format_version") == FORMAT_VERSION and state.get("complete") is True
 
 
-def resolve_checkpoint(spec: Optional[str], output_dir: str | os.PathLike, fingerprint: str) -> Optional[Path]:
+def resolve_checkpoint(spec: Optional[str], output_dir: str | os.PathLike, fingerprint: str,
+                       prefix: str = CHECKPOINT_PREFIX, state_file: str = STATE_FILE) -> Optional[Path]:
     """The checkpoint folder to resume from, or ``None`` to start fresh.
 
-    ``spec`` is ``None`` (no resume), ``"latest"`` (the newest complete checkpoint in
-    ``output_dir`` written by a run with the same ``fingerprint``; half-written folders are
-    skipped; ``None`` when there is none at all) or a folder. Raises ``ValueError`` for a folder
-    that is incomplete or was written with other arguments, and for ``latest`` when the output
+    ``spec`` is ``None`` (no resume), ``"latest"`` (the newest complete checkpoint
+    ``output_dir/{prefix}N`` written by a run with the same ``fingerprint``; half-written folders
+    are skipped; ``None`` when there is none at all) or a folder. Raises ``ValueError`` for a folder
+    that is incomplete or was written with other settings, and for ``latest`` when the output
     folder holds complete checkpoints but all of another run.
     """
     if spec is None:
@@ -219,41 +214,53 @@ def resolve_checkpoint(spec: Optional[str], output_dir: str | os.PathLike, finge
         path = Path(spec)
         if not path.is_dir():
             raise ValueError(f"--resume_from_checkpoint: {spec} is not a folder")
-        if not is_complete(path):
-            raise ValueError(f"--resume_from_checkpoint: {spec} is not a complete checkpoint (no valid {STATE_FILE}; "
+        if not is_complete(path, state_file):
+            raise ValueError(f"--resume_from_checkpoint: {spec} is not a complete checkpoint (no valid {state_file}; "
                              "it may have been interrupted while being written)")
-        _check_fingerprint(path, fingerprint)
+        _check_fingerprint(path, fingerprint, state_file)
         return path
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
     out = Path(output_dir)
-    found = sorted(
-        ((checkpoint_step(p), p) for p in out.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and checkpoint_step(p) is not None),
-        reverse=True,
-    )
+    found = sorted(((int(m.group(1)), p) for p in (out.iterdir() if out.is_dir() else [])
+                    if p.is_dir() and (m := pattern.match(p.name))), reverse=True)
     others = []
     for _, path in found:
-        if not is_complete(path):
+        if not is_complete(path, state_file):
             logger.warning(f"ignoring the incomplete checkpoint {path}")
             continue
-        if _read_state(path)["fingerprint"] == fingerprint:
+        if _read_state(path, state_file)["fingerprint"] == fingerprint:
             return path
         others.append(path)
     if others:
-        _check_fingerprint(others[0], fingerprint)  # raises, naming what differs
+        _check_fingerprint(others[0], fingerprint, state_file)  # raises, naming the settings
     return None
 
 
-def _read_state(path: Path) -> dict:
-    return json.loads((Path(path) / STATE_FILE).read_text())
+def _read_state(path: Path, state_file: str = STATE_FILE) -> dict:
+    return json.loads((Path(path) / state_file).read_text())
 
 
-def _check_fingerprint(path: Path, fingerprint: str) -> None:
-    state = _read_state(path)
+def _check_fingerprint(path: Path, fingerprint: str, state_file: str = STATE_FILE) -> None:
+    state = _read_state(path, state_file)
     if state["fingerprint"] != fingerprint:
         raise ValueError(
             f"the checkpoint {path} was written by a run with other settings (fingerprint {state['fingerprint']}, "
-            f"this run {fingerprint}; its settings: {json.dumps(state.get('settings', {}), sort_keys=True)}). "
+            f"this run {fingerprint}; its settings: {json.dumps(state.get('settings', {}), sort_keys=True, default=str)}). "
             "Resume with the same arguments, or use another --output_dir."
         )
+
+
+def write_state_file(folder: Path, fingerprint: str, settings: dict[str, Any], state_file: str = STATE_FILE,
+                     **extra: Any) -> None:
+    """Mark ``folder`` as a complete checkpoint of the run ``fingerprint`` (call it last)."""
+    state = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "settings": settings, **extra,
+             "complete": True}
+    tmp = Path(folder) / (state_file + _TMP_SUFFIX)
+    with open(tmp, "w") as f:
+        f.write(json.dumps(state, indent=1, default=str))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, Path(folder) / state_file)
 
 
 def save_checkpoint(
@@ -294,14 +301,8 @@ def save_checkpoint(
             save_extra(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        state = {
-            "format_version": FORMAT_VERSION, "step": step, "fingerprint": fingerprint, "settings": settings,
-            "num_processes": accelerator.num_processes, "progress": progress, "complete": True,
-        }
-        with open(tmp / STATE_FILE, "w") as f:
-            f.write(json.dumps(state, indent=1, default=str))
-            f.flush()
-            os.fsync(f.fileno())
+        write_state_file(tmp, fingerprint, settings, step=step, num_processes=accelerator.num_processes,
+                         progress=progress)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
