@@ -1,4 +1,4 @@
-"""Convert a softmax BERT or RoBERTa checkpoint directory into NPRF-BERT.
+"""Convert a softmax BERT or RoBERTa checkpoint (a local directory or a Hub model id) into NPRF-BERT.
 
 Copied: word / token-type / absolute-position embeddings and their LayerNorm, the q/k/v/output
 projections of every layer, the feed-forward weights, both LayerNorms per layer, the pooler and
@@ -14,16 +14,19 @@ random features instead of ``softmax(q . k / sqrt(d))``, so *before* any trainin
 differ from the source model's and task accuracy drops (often to near the majority class for
 a fine-tuned classifier). The copied weights are a much better start than random: after MLM
 adaptation and/or fine-tuning, Luo et al. (2021) report NPRF-BERT within about one point of
-softmax BERT on GLUE. See ``docs/readme_nprf_bert.md``.
+softmax BERT on GLUE. See ``docs/architecture.md`` (NPRF-BERT).
+
+The source is a local directory or, as with ``from_pretrained``, a model id on the Hugging Face
+Hub (downloaded into the usual Hub cache; offline, a copy already cached is used).
 
 Python::
 
     from hf_kernattn.convert import convert_to_nprf_bert
-    model = convert_to_nprf_bert("path/to/bert", "path/to/nprf-bert")
+    model = convert_to_nprf_bert("google-bert/bert-base-uncased", "path/to/nprf-bert")
 
 CLI::
 
-    hf-kernattn convert path/to/bert path/to/nprf-bert [--head auto] [--num-random-features 64]
+    hf-kernattn convert google-bert/bert-base-uncased path/to/nprf-bert [--head auto] [--num-random-features 64]
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.utils import validate_repo_id
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("bert", "roberta")
 HEADS = ("auto", "base", "masked_lm", "sequence_classification", "token_classification", "question_answering")
@@ -49,6 +57,37 @@ _COPIED_FIELDS = (
     "layer_norm_eps", "pad_token_id", "bos_token_id", "eos_token_id", "classifier_dropout", "id2label",
     "label2id", "problem_type",
 )
+
+
+def _resolve_checkpoint(checkpoint: str | Path, revision: Optional[str] = None) -> Path:
+    """A local checkpoint directory, or the local snapshot of Hub model id ``checkpoint``.
+
+    Only what conversion reads is downloaded: the config, tokenizer files and one weight format
+    (safetensors, else ``pytorch_model*.bin``)."""
+    src = Path(checkpoint)
+    if src.is_dir():
+        return src
+    name = str(checkpoint)
+    if src.exists():
+        raise ValueError(f"checkpoint_dir {name!r} is not a directory; expected a BERT or RoBERTa checkpoint directory or Hub model id")
+    try:
+        validate_repo_id(name)
+    except ValueError:
+        raise ValueError(
+            f"checkpoint_dir {name!r} is neither a local directory nor a Hub model id (like 'google-bert/bert-base-uncased')"
+        ) from None
+    metadata = ["config.json", *_TOKENIZER_FILES]
+    try:
+        logger.info(f"fetching {name!r} from the Hugging Face Hub")
+        folder = Path(snapshot_download(name, revision=revision, allow_patterns=metadata + ["*.safetensors", "*.safetensors.index.json"]))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(name, revision=revision, allow_patterns=metadata + ["pytorch_model*.bin", "pytorch_model.bin.index.json"]))
+    except OSError as err:  # not found, gated, offline without a cached copy, no connection
+        raise OSError(
+            f"checkpoint_dir {name!r} is not a local directory and could not be fetched from the Hugging Face Hub: "
+            f"{' '.join(str(err).split())}"
+        ) from err
+    return folder
 
 
 def _read_config(src: Path) -> dict[str, Any]:
@@ -156,17 +195,21 @@ def convert_to_nprf_bert(
     output_dir: Optional[str | Path] = None,
     *,
     head: str = "auto",
+    revision: Optional[str] = None,
     **attention_overrides: Any,
 ):
-    """Build an NPRF-BERT model from a BERT or RoBERTa checkpoint directory.
+    """Build an NPRF-BERT model from a BERT or RoBERTa checkpoint.
 
     Args:
         checkpoint_dir: a directory written by ``save_pretrained`` of a BERT/RoBERTa model
-            (``config.json`` + safetensors or ``pytorch_model.bin``).
+            (``config.json`` + safetensors or ``pytorch_model.bin``), or a model id on the
+            Hugging Face Hub (``"google-bert/bert-base-uncased"``), fetched as ``from_pretrained``
+            does (Hub cache, token and offline settings of ``huggingface_hub``).
         output_dir: if given, the converted model is saved there (Hub-ready, with its code for
             ``trust_remote_code``) together with the source tokenizer files.
         head: ``"auto"`` (from the checkpoint's ``architectures``), ``"base"``, ``"masked_lm"``,
             ``"sequence_classification"``, ``"token_classification"`` or ``"question_answering"``.
+        revision: branch, tag or commit of a Hub model id (ignored for a local directory).
         **attention_overrides: NPRF-BERT config fields to set (``num_random_features``,
             ``max_relative_position``, ``feature_map``, ``attn_backend``, ``num_labels``, ...).
             Head weights the source lacks (e.g. a classifier when converting a pre-trained
@@ -176,6 +219,7 @@ def convert_to_nprf_bert(
         keys, the target keys left at initialisation and the unused source keys.
     Raises:
         ValueError: unknown architecture, missing files, or a head the checkpoint cannot fill.
+        OSError: a Hub model id that cannot be fetched (unknown, gated, or offline and not cached).
     """
     from .modeling.configuration_nprf_bert import NPRFBertConfig
     from .modeling.modeling_nprf_bert import (
@@ -188,9 +232,7 @@ def convert_to_nprf_bert(
 
     if head not in HEADS:
         raise ValueError(f"head must be one of {list(HEADS)}, got {head!r}")
-    src = Path(checkpoint_dir)
-    if not src.is_dir():
-        raise ValueError(f"checkpoint_dir {str(src)!r} is not a directory")
+    src = _resolve_checkpoint(checkpoint_dir, revision)
     cfg = _read_config(src)
     model_type = cfg["model_type"]
     state = _read_state_dict(src)
@@ -272,8 +314,9 @@ def convert_to_nprf_bert(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint_dir", help="BERT or RoBERTa checkpoint directory (save_pretrained output)")
+    parser.add_argument("checkpoint_dir", help="BERT or RoBERTa checkpoint: a directory (save_pretrained output) or a Hub model id")
     parser.add_argument("output_dir", help="where to save the NPRF-BERT checkpoint (+ tokenizer files)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id")
     parser.add_argument("--head", choices=HEADS, default="auto", help="which head to build (default: from architectures)")
     parser.add_argument("--num-random-features", type=int, default=None, help="PRF features per head (default 64)")
     parser.add_argument("--max-relative-position", type=int, default=None,
@@ -296,7 +339,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
-    model = convert_to_nprf_bert(args.checkpoint_dir, args.output_dir, head=args.head, **overrides)
+    model = convert_to_nprf_bert(args.checkpoint_dir, args.output_dir, head=args.head, revision=args.revision, **overrides)
     rep = model.conversion_report
     print(f"converted {rep['source_model_type']} -> {type(model).__name__} (head={rep['head']})")
     print(f"copied {len(rep['copied'])} tensors; left at initialisation: {rep['initialised']}")

@@ -26,6 +26,10 @@ import math
 from pathlib import Path
 from typing import Any
 
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
 NORMS = (1.0, 2.0, 4.0)
 FEATURES = tuple(2**i for i in range(2, 11))  # 4 ... 1024
 PROJECTIONS = ("orthogonal", "gaussian")
@@ -100,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
                 std = math.sqrt(sum((e - mean) ** 2 for e in errs) / max(len(errs) - 1, 1))
                 rows.append({"projection": projection, "R": radius, "m": m, "l1_error": mean, "l1_error_std": std,
                              "seeds": len(errs)})
-            print(f"  {projection:10s} R={radius:g}: " + "  ".join(
-                f"m={r['m']}:{r['l1_error']:.3g}" for r in rows[-len(args.features):]), flush=True)
+            logger.info(f"  {projection:10s} R={radius:g}: " + "  ".join(
+                f"m={r['m']}:{r['l1_error']:.3g}" for r in rows[-len(args.features):]))
     out = Path(args.out)
     csv_path = write_csv(rows, out / "prf_approximation.csv")
     png_path = out / "prf_approximation.png"

@@ -42,6 +42,14 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+
+def _info(message: str) -> None:
+    """Progress through transformers' logging, imported only in the parent process: workloads run
+    in subprocesses that import this file with torch only."""
+    from transformers.utils import logging
+
+    logging.get_logger("hf_kernattn.bench.attention").info(message)
+
 CASES = ("fft_rpe", "causal_chunked", "softmax_rpe", "softmax_rpe_unfold", "sdpa")
 LABELS = {
     "fft_rpe": "fft + RPE (ours, O(N log N))",
@@ -58,7 +66,6 @@ NN_MATRICES = {"softmax_rpe": 6, "softmax_rpe_unfold": 1, "sdpa": 0}
 FULL_NS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_NS = (1024, 2048, 4096)
 CROSSOVER_NS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
-TARGET_N = 16384
 
 
 def _kernelized_attention() -> Callable[..., Any]:
@@ -179,8 +186,7 @@ def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str
                     stopped[case] = f"N={n} {res['status'].split(':')[0]}"
             row.update(res)
             rows.append(row)
-            print(f"  N={n:6d} {case:15s} {res['status']:>10s}  time {res['time_s']:.4g} s  "
-                  f"peak {res['peak_mb']:.4g} MB", flush=True)
+            _info(f"  N={n:6d} {case:15s} {res['status']:>10s}  time {res['time_s']:.4g} s  peak {res['peak_mb']:.4g} MB")
     return rows
 
 
@@ -210,32 +216,6 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                                       if fft and prev and fft["status"] == prev["status"] == "ok" else math.nan)
         out.append(s)
     return out
-
-
-def _targets(rows: list[dict[str, Any]], summary: list[dict[str, Any]]) -> list[str]:
-    """The issue's targets, checked against this run (only those whose N were measured)."""
-    by_n = {s["N"]: s for s in summary}
-    fft = {r["n"]: r for r in rows if r["case"] == "fft_rpe"}
-    lines = []
-    if TARGET_N in by_n:
-        sp = by_n[TARGET_N]["speed-up fft vs softmax+RPE"]
-        mr = by_n[TARGET_N]["memory ratio softmax+RPE / fft"]
-        lines.append(f"- fft at N={TARGET_N} vs softmax+RPE: {sp:.2f}x faster (target >= 8x: "
-                     f"{'met' if sp >= 8 else 'NOT met'}), {mr:.1f}x less peak memory (target >= 4x: "
-                     f"{'met' if mr >= 4 else 'NOT met'})")
-        spu = by_n[TARGET_N]["speed-up fft vs softmax+RPE (unfold mask)"]
-        mru = by_n[TARGET_N]["memory ratio softmax+RPE (unfold mask) / fft"]
-        lines.append(f"  (against the cheapest mask construction, unfold: {spu:.2f}x faster, {mru:.1f}x less memory)")
-    if 2 * TARGET_N in by_n:
-        sl = by_n[2 * TARGET_N]["fft time(N)/time(N/2)"]
-        lines.append(f"- fft time({2 * TARGET_N})/time({TARGET_N}) = {sl:.2f} (target <= 2.3: "
-                     f"{'met' if sl <= 2.3 else 'NOT met'})")
-    if 65536 in fft:
-        r = fft[65536]
-        gib = r["peak_mb"] / 1024
-        lines.append(f"- fft at N=65536: status {r['status']}, peak {gib:.3f} GiB (target < 4 GiB: "
-                     f"{'met' if r['status'] == 'ok' and gib < 4 else 'NOT met'})")
-    return lines
 
 
 def plot(rows: list[dict[str, Any]], path: Path, args: argparse.Namespace) -> None:
@@ -308,8 +288,7 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
             rows.append({"pair": key, "n": n, "dense_s": t[dense_case], "linear_form_s": t[fast_case],
                          "dense/linear_form": t[dense_case] / t[fast_case]})
             dense_wins.append(t[dense_case] < t[fast_case])
-            print(f"  {key:6s} N={n:5d} dense {t[dense_case] * 1e3:8.3f} ms  {fast_case:14s} "
-                  f"{t[fast_case] * 1e3:8.3f} ms", flush=True)
+            _info(f"  {key:6s} N={n:5d} dense {t[dense_case] * 1e3:8.3f} ms  {fast_case:14s} {t[fast_case] * 1e3:8.3f} ms")
         # largest N at which dense wins such that the O(N) form wins at every larger measured N
         limit = args.crossover_ns[0] // 2
         for n, win in zip(args.crossover_ns, dense_wins):
@@ -369,8 +348,8 @@ def run(args: argparse.Namespace) -> int:
         args.repeats = min(args.repeats, 2)
         if list(args.cases) == list(CASES):  # keep the demo short: one softmax+RPE variant
             args.cases = [c for c in CASES if c != "softmax_rpe_unfold"]
-    print(f"attention benchmark: N in {list(ns)}, batch {args.batch}, heads {args.heads}, M={args.features}, "
-          f"D={args.head_dim}, {args.dtype}", flush=True)
+    _info(f"attention benchmark: N in {list(ns)}, batch {args.batch}, heads {args.heads}, M={args.features}, "
+          f"D={args.head_dim}, {args.dtype}")
     rows = _measure_all(args, ns)
     summary = summarize(rows)
     csv_path = write_csv(rows, out / "attention_bench.csv")
@@ -385,8 +364,5 @@ def run(args: argparse.Namespace) -> int:
     statuses = [f"- {r['case']} N={r['n']}: {r['status']}" for r in rows if r["status"] != "ok"]
     if statuses:
         print("\nnot measured:\n" + "\n".join(statuses))
-    targets = _targets(rows, summary)
-    if targets:
-        print("\ntargets (issue 2):\n" + "\n".join(targets))
     print(f"\nwrote {csv_path} and {png_path}")
     return 0

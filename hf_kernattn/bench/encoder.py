@@ -21,7 +21,11 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
+from transformers.utils import logging
+
 from .common import format_table, measure, plot_series, write_csv
+
+logger = logging.get_logger(__name__)
 
 FULL_NS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_NS = [512, 1024, 2048]
@@ -146,8 +150,7 @@ def run(args: argparse.Namespace) -> int:
                 r = measure("hf_kernattn.bench.encoder:workload", kwargs,
                             repeats=repeats, timeout_s=args.timeout, max_seconds=args.timeout / 2, threads=args.threads)
                 res[model] = r
-                print(f"N={n:6d} {mode:7s} {model:5s} time={r['time_s']:.4g}s peak={r['peak_mb']:.4g}MB {r['status']}",
-                      flush=True)
+                logger.info(f"N={n:6d} {mode:7s} {model:5s} time={r['time_s']:.4g}s peak={r['peak_mb']:.4g}MB {r['status']}")
             rows.append({
                 "n": n, "mode": mode,
                 "bert_sdpa_time_s": res["bert"]["time_s"], "nprf_time_s": res["nprf"]["time_s"],

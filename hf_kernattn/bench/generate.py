@@ -26,7 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from transformers.utils import logging
+
 from .common import format_table, measure, plot_series, write_csv
+
+logger = logging.get_logger(__name__)
 
 TARGET = "hf_kernattn.bench.generate"
 SHAPE = dict(hidden=512, layers=6, heads=8, vocab=256)
@@ -217,8 +221,8 @@ def run(args: argparse.Namespace) -> int:
             "runs": res["runs"], "status": res["status"],
         }
         rows.append(row)
-        print(f"  {model:15s} B={batch:3d} L={ctx:6d}  {row['ms_per_token']:9.2f} ms/step  decode peak "
-              f"{row['decode_peak_mb']:7.1f} MB  state {row['state_mb']:8.2f} MB  [{res['status']}]", flush=True)
+        logger.info(f"  {model:15s} B={batch:3d} L={ctx:6d}  {row['ms_per_token']:9.2f} ms/step  decode peak "
+                    f"{row['decode_peak_mb']:7.1f} MB  state {row['state_mb']:8.2f} MB  [{res['status']}]")
     write_csv(rows, out / "decode_latency.csv")
     print(format_table(rows, ["model", "batch", "context", "ms_per_token", "decode_peak_mb", "state_mb", "status"]))
 
@@ -239,27 +243,27 @@ def run(args: argparse.Namespace) -> int:
     write_csv(tp_rows, out / "generate_throughput.csv")
     print(format_table(tp_rows, ["model", "batch", "seq_len", "seconds", "tokens_per_s", "peak_mb", "status"]))
 
-    # Figures of the targets, from this run.
+    # The headline figures of this run.
     lin = {r["context"]: r for r in rows if r["model"] == "linear_state" and r["batch"] == 1}
     ctx_hi = 4096 if 4096 in lin else max(lin)
     ctx_lo = min(lin)
     speedup = _ratio(rows, "gpt2_kv", ctx_hi) / _ratio(rows, "linear_state", ctx_hi)
     flatness = lin[ctx_hi]["ms_per_token"] / lin[ctx_lo]["ms_per_token"]
     summary = [
-        {"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}", "value": speedup, "target": ">= 15"},
-        {"figure": f"linear latency L={ctx_hi} / L={ctx_lo}", "value": flatness, "target": "<= 1.2"},
+        {"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}", "value": speedup},
+        {"figure": f"linear latency L={ctx_hi} / L={ctx_lo}", "value": flatness},
         {"figure": f"linear decode peak MB at L={max(lin)} (L={ctx_lo}: {lin[ctx_lo]['decode_peak_mb']:.1f})",
-         "value": lin[max(lin)]["decode_peak_mb"], "target": "flat"},
+         "value": lin[max(lin)]["decode_peak_mb"]},
     ]
     if args.extra_batch and args.extra_batch > 1 and ctx_hi in args.extra_batch_contexts:
         b = args.extra_batch
         summary.append({"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}, batch {b}",
-                        "value": _ratio(rows, "gpt2_kv", ctx_hi, b) / _ratio(rows, "linear_state", ctx_hi, b), "target": ">= 15"})
+                        "value": _ratio(rows, "gpt2_kv", ctx_hi, b) / _ratio(rows, "linear_state", ctx_hi, b)})
     if len(tp_rows) >= 2 and tp_rows[1]["tokens_per_s"] == tp_rows[1]["tokens_per_s"]:
         summary.append({"figure": f"throughput ratio linear/GPT-2 (batch {args.throughput_batch} x {args.throughput_len})",
-                        "value": tp_rows[0]["tokens_per_s"] / tp_rows[1]["tokens_per_s"], "target": "-"})
+                        "value": tp_rows[0]["tokens_per_s"] / tp_rows[1]["tokens_per_s"]})
     write_csv(summary, out / "generate_summary.csv")
-    print(format_table(summary, ["figure", "value", "target"]))
+    print(format_table(summary, ["figure", "value"]))
 
     import matplotlib
 
