@@ -222,6 +222,38 @@ def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recom
     assert not any(layer.gradient_checkpointing for layer in model.nprf_bert.layers)
 
 
+@pytest.mark.parametrize("family", ["nprf_bert", "linear_gpt"])
+def test_checkpointed_layers_recompute_with_the_features_of_their_forward(family):
+    """Gradient accumulation with feature redraws: two training forwards (each redraws) before
+    one backward. A checkpointed layer recomputes in the backward, after the second redraw; it
+    must use the projection its own forward used. Reference: the same model without any
+    recomputation (float64; identical operations, so ulp-level agreement)."""
+
+    def build(checkpointing: bool):
+        torch.manual_seed(0)
+        if family == "nprf_bert":
+            cfg = bert_config(feature_redraw_interval=1, hidden_dropout_prob=0.0, recompute_attention=False)
+            model = NPRFBertForMaskedLM(cfg)
+        else:
+            model = LinearGPTForCausalLM(gpt_config(feature_map="prf", num_random_features=16, feature_redraw_interval=1))
+        model = model.double().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        return model
+
+    batches = [ids_for(family, seed=s) for s in (1, 2)]
+    grads = []
+    for checkpointing in (False, True):
+        model = build(checkpointing)
+        loss = sum(model(ids, labels=ids, use_cache=False).loss if family == "linear_gpt" else model(ids, labels=ids).loss
+                   for ids in batches)
+        loss.backward()
+        assert all(int(f.num_draws) == 2 for f in feature_maps(model))
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-12, atol=1e-14, msg=name)
+
+
 def test_training_arguments_gradient_checkpointing_trains_nprf_bert(tmp_path):
     torch.manual_seed(0)
     model = NPRFBertForMaskedLM(bert_config())

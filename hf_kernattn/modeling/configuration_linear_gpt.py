@@ -55,6 +55,9 @@ class LinearGPTConfig(PreTrainedConfig):
         use_cache: return the recurrent state (``past_key_values``) from ``forward``.
         pad_token_id / bos_token_id / eos_token_id: special token ids (may be ``None``).
         tie_word_embeddings: share the input embedding with the LM head.
+
+    ``output_attentions=True`` is refused (``ValueError``): kernelized attention never forms the
+    attention matrix, so there are no attention weights to return.
     """
 
     model_type = "linear_gpt"

@@ -88,6 +88,9 @@ class NPRFBertConfig(PreTrainedConfig):
             gradients; less memory, for one more forward of those parts per layer.
         attention_eps: added to the attention denominator.
         attention_bias: biases on the q/k/v/o projections (BERT has them).
+
+    ``output_attentions=True`` is refused (``ValueError``): kernelized attention never forms the
+    attention matrix, so there are no attention weights to return.
     """
 
     model_type = "nprf_bert"

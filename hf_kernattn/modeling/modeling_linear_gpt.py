@@ -83,16 +83,18 @@ class LinearGPTAttention(KernelizedSelfAttention):
         key_mask: Optional[torch.Tensor] = None,
         rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         past_key_values: Optional[LinearAttentionState] = None,
+        projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
             key_mask: ``(B, N)`` bool, True = real token, or None (no padding).
             rotary: ``(cos, sin)`` each ``(B, 1, N, M/2)`` when rotary positions are used.
             past_key_values: this layer's :class:`LinearAttentionState` (updated in place), or None.
+            projection: the random-feature projection to use (None: the feature map's current one).
         Returns:
             ``(B, N, C)``.
         """
-        q, k, v = self.project(hidden_states)
+        q, k, v = self.project(hidden_states, projection)
         n = q.shape[2]
         state = past_key_values
         has_prev = state is not None and state.is_initialized
@@ -195,9 +197,15 @@ class LinearGPTBlock(GradientCheckpointingLayer):
         key_mask: Optional[torch.Tensor] = None,
         rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         past_key_values: Optional[LinearAttentionState] = None,
+        projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``(B, N, C) -> (B, N, C)``; ``past_key_values`` is this layer's state (or None)."""
-        attn = self.attn(self.ln_1(hidden_states), key_mask=key_mask, rotary=rotary, past_key_values=past_key_values)
+        """``(B, N, C) -> (B, N, C)``; ``past_key_values`` is this layer's state (or None);
+        ``projection`` the attention's random-feature projection, read by the caller so that a
+        checkpointed block recomputes with the tensor of its forward even after a redraw."""
+        attn = self.attn(
+            self.ln_1(hidden_states), key_mask=key_mask, rotary=rotary, past_key_values=past_key_values,
+            projection=projection,
+        )
         hidden_states = hidden_states + self.resid_dropout(attn)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
@@ -447,7 +455,12 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             if all_hidden is not None:
                 all_hidden.append(hidden)
             layer_state = cache.layers[i] if cache is not None else None
-            hidden = block(hidden, key_mask=key_mask, rotary=rotary, past_key_values=layer_state)
+            # the projection is read outside the block's checkpoint: a redraw installs a new tensor,
+            # so a recomputation in the backward uses this forward's features
+            hidden = block(
+                hidden, key_mask=key_mask, rotary=rotary, past_key_values=layer_state,
+                projection=block.attn.feature_map.projection,
+            )
         hidden = self.ln_f(hidden)
         if all_hidden is not None:
             all_hidden.append(hidden)

@@ -116,11 +116,15 @@ class NPRFBertLayer(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
         rpe_bias: Optional[torch.Tensor] = None,
+        projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
             attention_mask: ``(B, N)`` 1 keep / 0 padding, or None.
             rpe_bias: shared ``(H, 2N-1)`` bias (ignored when this layer has its own table).
+            projection: the attention's random-feature projection, read by the caller: under
+                gradient checkpointing the recomputation then uses the tensor of its forward even
+                if the features were redrawn since (None: the current one).
         """
         if self.rpe is not None:
             rpe_bias = self.rpe(hidden_states.shape[1])
@@ -130,7 +134,8 @@ class NPRFBertLayer(GradientCheckpointingLayer):
         # inside a checkpointed layer the backward recomputes the block already
         recompute = False if self.gradient_checkpointing and self.training else None
         attn = self.attention(
-            hidden_states, attention_mask=attention_mask, rpe_bias=rpe_bias, rpe_clip=clip, recompute=recompute
+            hidden_states, attention_mask=attention_mask, rpe_bias=rpe_bias, rpe_clip=clip, recompute=recompute,
+            projection=projection,
         )
         hidden_states = self.attention_norm(hidden_states + self.attention_dropout(attn))
         ff = self.output(self.act(self.intermediate(hidden_states)))
@@ -344,8 +349,10 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         rpe_bias = self.rpe(n) if self.rpe is not None else None
         all_hidden = (hidden,) if output_hidden_states else None
         for layer in self.layers:
-            # positional: gradient checkpointing tracks positional tensors (rpe_bias has a gradient)
-            hidden = layer(hidden, attention_mask, rpe_bias)
+            # positional: gradient checkpointing tracks positional tensors (rpe_bias has a gradient);
+            # the projection is read here, outside the layer's checkpoint (a later redraw installs
+            # a new tensor, so this backward keeps recomputing with this forward's features)
+            hidden = layer(hidden, attention_mask, rpe_bias, projection=layer.attention.feature_map.projection)
             if output_hidden_states:
                 all_hidden = all_hidden + (hidden,)
         pooled = self.pooler(hidden) if self.pooler is not None else None
@@ -453,7 +460,6 @@ class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel):
             rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
             return ((loss,) + rest) if loss is not None else rest
         return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
-
 
     def _classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
         """``self.loss_function`` (``problem_type`` inferred as BERT does when unset). With
@@ -573,7 +579,9 @@ class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel):
         start_logits, end_logits = (x.squeeze(-1).contiguous() for x in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
-            loss = self.loss_function(start_logits, end_logits, start_positions.reshape(-1), end_positions.reshape(-1), **kwargs)
+            start_positions = start_positions.reshape(-1).to(start_logits.device)
+            end_positions = end_positions.reshape(-1).to(end_logits.device)
+            loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
         if not return_dict:
             rest = (start_logits, end_logits) + ((out.hidden_states,) if out.hidden_states is not None else ())
             return ((loss,) + rest) if loss is not None else rest
