@@ -442,6 +442,31 @@ def test_hidden_states_and_return_dict_false_tuples(family):
 # ----------------------------------------------------------------------------- generation options
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(do_sample=True, num_return_sequences=3, top_k=10),
+        dict(do_sample=False, num_beams=3, num_return_sequences=2),
+    ],
+)
+def test_num_return_sequences_with_and_without_the_state(options):
+    """The state expanded per returned sequence (``batch_repeat_interleave``) and reordered per
+    beam gives what recomputing the whole prefix gives."""
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = ids_for("linear_gpt", n=5)
+    outs = []
+    for use_cache in (True, False):
+        torch.manual_seed(3)
+        outs.append(model.generate(ids, max_new_tokens=5, use_cache=use_cache, return_dict_in_generate=True,
+                                   output_scores=True, **options))
+    n = options["num_return_sequences"]
+    assert outs[0].sequences.shape == (2 * n, 10) and torch.equal(outs[0].sequences, outs[1].sequences)
+    assert isinstance(outs[0].past_key_values, LinearGPTCache) and outs[1].past_key_values is None
+    if "num_beams" in options:
+        # float32 scores from the same logits up to the state's summation order
+        torch.testing.assert_close(outs[0].sequences_scores, outs[1].sequences_scores, rtol=1e-5, atol=1e-5)
+
+
 def _char_tokenizer() -> PreTrainedTokenizerFast:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
