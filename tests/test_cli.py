@@ -54,3 +54,89 @@ def test_unknown_bench_is_a_usage_error():
 def test_format_table():
     table = format_table([{"a": 1.23456, "b": "x"}, {"a": float("nan"), "b": "y"}], ["a", "b"])
     assert table.splitlines()[2] == "| 1.235 | x |" and "nan" in table
+
+
+# --- the command line as a user meets it: fast help, --version, one-line errors -------------
+
+_SUBCOMMAND_MODULES = ("hf_kernattn.bench.", "hf_kernattn.demo", "hf_kernattn.convert")
+
+
+def test_help_imports_no_subcommand_module():
+    """`hf-kernattn --help` and `hf-kernattn bench --help` list every command without importing
+    any of them (checked in a fresh interpreter: this process has imported them already)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from hf_kernattn.cli import main\n"
+        "for argv in (['--help'], ['bench', '--help']):\n"
+        "    out = io.StringIO()\n"
+        "    with contextlib.redirect_stdout(out):\n"
+        "        try:\n"
+        "            main(argv)\n"
+        "        except SystemExit as e:\n"
+        "            assert e.code == 0, e.code\n"
+        "    print(out.getvalue())\n"
+        "print('LOADED', sorted(m for m in sys.modules if m.startswith(%r)))\n" % (_SUBCOMMAND_MODULES,)
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert "LOADED []" in res.stdout
+    for name in ("backends", "bench", "demo", "convert", "attention", "generate", "encoder", "approx"):
+        assert name in res.stdout
+    assert "Convert a softmax BERT or RoBERTa checkpoint" in res.stdout  # help from the module docstring
+
+
+def test_subcommand_help_is_the_module_docstring():
+    import importlib
+
+    from hf_kernattn import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench")
+    for choices, table, prefix in ((sub.choices, cli.COMMANDS, ""), (bench.choices, cli.BENCHMARKS, "bench.")):
+        for name, module in table.items():
+            doc = importlib.import_module(f"hf_kernattn.{prefix}{module}").__doc__.strip().splitlines()[0]
+            assert choices[name].description == doc
+
+
+def test_version(capsys):
+    import hf_kernattn
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hf-kernattn {hf_kernattn.__version__}"
+
+
+def test_user_errors_are_one_line_and_exit_nonzero(tmp_path, capsys):
+    # A missing checkpoint directory: the library's ValueError becomes one line, no traceback.
+    rc = main(["convert", str(tmp_path / "missing"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert err.count("\n") == 1 and err.startswith("hf-kernattn: error: checkpoint_dir ")
+    assert "Traceback" not in err and str(tmp_path / "missing") in err
+    # A directory that is no checkpoint (OSError/ValueError from reading it): the same.
+    (tmp_path / "empty").mkdir()
+    rc = main(["convert", str(tmp_path / "empty"), str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "has no config.json" in err
+    # Usage errors stay argparse's (usage line + error line, exit status 2).
+    with pytest.raises(SystemExit) as exc:
+        main(["convert"])
+    assert exc.value.code == 2
+    assert "hf-kernattn convert: error: the following arguments are required" in capsys.readouterr().err
+
+
+def test_bench_reports_progress_through_logging_and_quiet_silences_it(tmp_path, capsys):
+    args = ["bench", "approx", "--norms", "1", "--features", "4", "--projections", "orthogonal",
+            "--seeds", "1", "--keys", "8", "--queries", "4", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "orthogonal" in err and "R=1" in err  # the progress line, on stderr via the logger
+    assert "wrote" in out  # the result stays on stdout
+    assert main(["-q"] + args) == 0
+    out, err = capsys.readouterr()
+    assert "R=1:" not in err and "wrote" in out

@@ -154,3 +154,90 @@ def test_cli_convert(tmp_path, capsys):
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
     assert cfg["model_type"] == "nprf_bert" and cfg["num_random_features"] == 8
     assert (tmp_path / "out" / "vocab.txt").is_file() and (tmp_path / "out" / "modeling_nprf_bert.py").is_file()
+
+
+# --- Hub model ids: resolved as from_pretrained does (a stand-in for the download offline) ---
+
+
+def _fake_hub(remote_root, calls):
+    """A stand-in for huggingface_hub.snapshot_download: serves the folder remote_root/<repo_id>,
+    copying only the files that match allow_patterns into a fresh snapshot folder, as the Hub
+    client does."""
+    import fnmatch
+    import shutil
+
+    def snapshot_download(repo_id, *, revision=None, allow_patterns=None, **kwargs):
+        calls.append({"repo_id": repo_id, "revision": revision, "allow_patterns": list(allow_patterns)})
+        remote = remote_root / repo_id
+        if not remote.is_dir():
+            from huggingface_hub.errors import LocalEntryNotFoundError  # an OSError, like every "not found" of the client
+
+            raise LocalEntryNotFoundError(f"Repository Not Found: {repo_id}")
+        snap = remote_root.parent / "cache" / repo_id.replace("/", "--") / f"snap{len(calls)}"
+        snap.mkdir(parents=True)
+        for f in remote.iterdir():
+            if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                shutil.copy2(f, snap / f.name)
+        return str(snap)
+
+    return snapshot_download
+
+
+def test_hub_model_id_is_downloaded_and_converted(tmp_path, monkeypatch, capsys):
+    import hf_kernattn.convert as convert_mod
+
+    torch.manual_seed(0)
+    src = BertForSequenceClassification(BertConfig(**SIZES, num_labels=2))
+    remote = tmp_path / "hub" / "some-org" / "tiny-bert"
+    src.save_pretrained(remote)
+    (remote / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a"]))
+    (remote / "README.md").write_text("not needed for conversion")
+    calls: list = []
+    monkeypatch.setattr(convert_mod, "snapshot_download", _fake_hub(tmp_path / "hub", calls))
+
+    rc = cli_main(["convert", "some-org/tiny-bert", str(tmp_path / "out"), "--revision", "v1", "--num-random-features", "8"])
+    assert rc == 0 and "copied 41 tensors" in capsys.readouterr().out
+    # One download (safetensors present), pinned to the revision, of what conversion reads only.
+    assert [(c["repo_id"], c["revision"]) for c in calls] == [("some-org/tiny-bert", "v1")]
+    assert "config.json" in calls[0]["allow_patterns"] and "*.safetensors" in calls[0]["allow_patterns"]
+    assert not any("README" in p or p == "*" for p in calls[0]["allow_patterns"])
+    model = convert_to_nprf_bert(str(remote))  # the same checkpoint as a local directory
+    from transformers import AutoModelForSequenceClassification
+
+    from_hub = AutoModelForSequenceClassification.from_pretrained(tmp_path / "out")
+    for k, v in model.state_dict().items():
+        if "feature_map" not in k:  # random projections follow the requested feature count
+            assert torch.equal(from_hub.state_dict()[k], v), k
+    assert (tmp_path / "out" / "vocab.txt").is_file()
+
+    # A repository without safetensors: a second request for the PyTorch weights.
+    remote2 = tmp_path / "hub" / "some-org" / "config-only"
+    remote2.mkdir(parents=True)
+    (remote2 / "config.json").write_text((remote / "config.json").read_text())
+    calls.clear()
+    with pytest.raises(ValueError, match="no \\*.safetensors or pytorch_model\\*.bin"):
+        convert_to_nprf_bert("some-org/config-only")
+    assert len(calls) == 2 and "pytorch_model*.bin" in calls[1]["allow_patterns"]
+
+    # An unknown id: one error line naming it.
+    capsys.readouterr()
+    rc = cli_main(["-q", "convert", "some-org/no-such-model", str(tmp_path / "out2")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1
+    assert err.startswith("hf-kernattn: error: checkpoint_dir 'some-org/no-such-model' is not a local directory")
+    # Neither a directory nor a possible model id.
+    with pytest.raises(ValueError, match="neither a local directory nor a Hub model id"):
+        convert_to_nprf_bert("not//an id")
+
+
+def test_unknown_hub_id_offline_is_one_error_line(tmp_path, monkeypatch, capsys):
+    """The real huggingface_hub client, offline with an empty cache: one line, exit status 1."""
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    rc = cli_main(["-q", "convert", "some-org/never-downloaded", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert "'some-org/never-downloaded' is not a local directory and could not be fetched" in err
+    assert not (tmp_path / "out").exists()
