@@ -5,11 +5,16 @@ relative-position bias, key padding masks, step-wise decoding, devices). A call 
 combination; :func:`kernelized_attention` validates the inputs, then either runs the named
 backend (raising ``ValueError`` with the backends that *can* do it if it cannot) or, with
 ``backend="auto"``, the fastest valid one according to crossovers measured by
-``hf-kernattn bench attention`` (see :data:`AUTO_DENSE_MAX_N`).
+``hf-kernattn bench attention`` (see :data:`AUTO_DENSE_MAX_N`) that is also accurate: every
+backend but ``fft`` is exact up to ordinary float32 summation; ``fft`` is kept only where its
+error bound (``kernels.fft_error_bound``) in the input's dtype is at most
+:data:`AUTO_FFT_MAX_ERROR` = 1e-4, otherwise ``auto`` takes ``windowed`` (clipped bias) or the
+FFT computed in float64.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -18,8 +23,10 @@ import torch
 from .kernels import (
     autocast_disabled,
     causal_chunked_attention,
+    compute_dtype_for,
     dense_attention,
     fft_attention,
+    fft_error_bound,
     linear_attention,
     recurrent_attention,
     windowed_attention,
@@ -161,6 +168,10 @@ AUTO_DENSE_MAX_N = {"plain": 32, "causal": 192, "rpe": 1024}
 # N = 128-256 for K = 16 and 512). Against fft it was 2.5-10x faster for N = 1k-16k, K = 128-512.
 AUTO_WINDOWED_MIN_N = 512
 AUTO_WINDOWED_MIN_RATIO = 2
+# ``auto`` runs the fft backend in the input's compute dtype only where its error bound
+# (:func:`fft_error_bound`, relative to the values) is at most this; otherwise it takes the exact
+# ``windowed`` backend for a clipped bias, or the FFT computed in float64.
+AUTO_FFT_MAX_ERROR = 1e-4
 
 
 def choose_backend(
@@ -184,6 +195,28 @@ def choose_backend(
         ):
             return name
     raise ValueError("no registered backend can run this call")  # unreachable with the built-ins
+
+
+def _auto_fft_precision(
+    q: torch.Tensor, k: torch.Tensor, rpe_bias, causal: bool, key_mask, request: dict
+) -> tuple[str, dict]:
+    """``auto`` chose ``fft``: keep it where its error bound in the input's compute dtype meets
+    :data:`AUTO_FFT_MAX_ERROR`, else the exact ``windowed`` backend (clipped bias) or the FFT in
+    float64. While compiling, data are not inspected (no host sync): float32 is then assumed
+    not to meet the target."""
+    dt = compute_dtype_for(q)
+    if torch.compiler.is_compiling():
+        bound = 0.0 if dt == torch.float64 else math.inf
+    else:
+        bound = fft_error_bound(q, k, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, dtype=dt)
+    if bound <= AUTO_FFT_MAX_ERROR:
+        return "fft", {}
+    windowed = _REGISTRY.get("windowed")
+    if windowed is not None and not windowed.missing(**request):
+        return "windowed", {}
+    if dt != torch.float64 and q.device.type != "mps":  # MPS has no float64
+        return "fft", {"compute_dtype": torch.float64}
+    return "fft", {}
 
 
 # ----------------------------------------------------------------------------- validation
@@ -281,7 +314,10 @@ def kernelized_attention(
         causal: only keys ``j <= i`` (1D only).
         attention_mask: ``(B, N)``, 1 keep, 0 padding (padded keys contribute nothing).
         grid: ``(Hg, Wg)`` with ``Hg * Wg == N`` for a 2D bias on a row-major token grid.
-        backend: ``"auto"`` or a registered name (:func:`available_backends`).
+        backend: ``"auto"`` or a registered name (:func:`available_backends`). ``auto`` picks
+            the fastest valid backend whose error meets 1e-4 relative to the values (see
+            :data:`AUTO_FFT_MAX_ERROR`); a named ``fft`` runs in the input's dtype with the error
+            stated in ``kernels.fft_attention``.
         eps: added to the denominator.
         rpe_clip: optional ``K``: declares the 1D bias constant for offsets beyond ``+-K`` (a
             clipped table, as :class:`RelativePositionBias1D` makes). Enables the O(N K)
@@ -324,12 +360,15 @@ def kernelized_attention(
     key_mask = _normalize_mask(attention_mask, b, n, q.device)
     request = dict(causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip)
     name = choose_backend(n=n, **request) if backend == "auto" else backend
+    precision = {}
+    if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
+        name, precision = _auto_fft_precision(q, k, rpe_bias, causal, key_mask, request)
     spec = get_backend(name)
     lacks = spec.missing(**request)
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
-    extra = {"rpe_clip": rpe_clip} if spec.needs_rpe_clip else {}
+    extra = dict(precision, **({"rpe_clip": rpe_clip} if spec.needs_rpe_clip else {}))
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
         out = spec.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), **extra)
     return out.to(v.dtype)
