@@ -232,6 +232,12 @@ def _dense64(q, k, v, bias=None, causal=False, mask=None, eps=1e-6):
     return (a @ v) / (a.sum(-1, keepdim=True) + eps)
 
 
+def _clipped_bias(n, seed, clip=2, h=2):
+    """A bias from a table clipped at ``clip`` (what the windowed backend needs), float64."""
+    torch.manual_seed(seed)
+    return hf_kernattn.RelativePositionBias1D(h, clip, init_std=0.5).double()(n).detach()
+
+
 def _positive_inputs(n, seed, b=2, h=2, m=5, d=4, dtype=torch.float32, span=1.0):
     g = torch.Generator().manual_seed(seed)
     q = torch.rand(b, h, n, m, generator=g, dtype=torch.float64) + 0.1
@@ -335,3 +341,90 @@ def test_auto_meets_1e4_where_float32_fft_cannot():
     auto = hf_kernattn.kernelized_attention(q, k, v, small, False)
     assert torch.equal(auto, hf_kernattn.kernelized_attention(q, k, v, small, False, backend="fft"))
     assert (auto.double() - _dense64(q, k, v, small)).abs().max().item() / scale <= 1e-4
+
+
+# ----------------------------------------------------------------------------- non-finite inputs
+
+PADDED_CASES = [("dense", False, True), ("dense", True, False), ("linear", False, False),
+                ("causal_chunked", True, False), ("fft", False, True), ("fft", True, True),
+                ("windowed", False, True), ("windowed", True, True), ("recurrent", True, True)]
+
+
+@pytest.mark.parametrize("backend,causal,rpe", PADDED_CASES)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_padding_reaches_no_output_or_gradient(backend, causal, rpe, poison):
+    """Padded keys and values holding NaN/inf: the real rows' outputs and every gradient equal
+    those of the clean inputs (float64, rounding-level tolerance)."""
+    n = 13
+    q, k, v, _ = _positive_inputs(n, seed=20, dtype=torch.float64)
+    bias = _clipped_bias(n, seed=20)
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[0, -3:] = 0
+    mask[1, :2] = 0
+    pad = (mask == 0)[:, None, :, None]
+    results = []
+    for dirty in (False, True):
+        kd = torch.where(pad, torch.full_like(k, poison), k) if dirty else k.clone()
+        vd = torch.where(pad, torch.full_like(v, poison), v) if dirty else v.clone()
+        xs = [q.clone().requires_grad_(True), kd.requires_grad_(True), vd.requires_grad_(True)]
+        out = hf_kernattn.kernelized_attention(*xs, bias if rpe else None, causal, mask, backend=backend, rpe_clip=2 if rpe else None)
+        real = mask.bool()[:, None, :, None].expand_as(out)
+        grads = torch.autograd.grad(out[real].pow(2).sum(), xs)
+        results.append((out[real].detach(), grads))
+    (clean, clean_grads), (out, grads) = results
+    torch.testing.assert_close(out, clean, rtol=0, atol=1e-12)
+    for g, cg in zip(grads, clean_grads):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, cg, rtol=0, atol=1e-12)
+
+
+CAUSAL_CASES = [("dense", True), ("dense", False), ("causal_chunked", False), ("fft", True), ("fft", False),
+                ("windowed", True), ("recurrent", True), ("recurrent", False)]
+
+
+@pytest.mark.parametrize("backend,rpe", CAUSAL_CASES)
+@pytest.mark.parametrize("where", ["value", "key", "query"])
+def test_non_finite_future_token_does_not_reach_earlier_rows(backend, rpe, where):
+    """Causal: an inf in the last token's value (or key, or query) is an input only at its own
+    position. Earlier rows and the gradients of a loss on them equal the float64 formula on
+    the sequence without that token; the last row is NaN (it sees the inf)."""
+    n = 11
+    q, k, v, _ = _positive_inputs(n, seed=21, dtype=torch.float64)
+    bias = _clipped_bias(n, seed=21)
+    target = {"value": v, "key": k, "query": q}[where]
+    target[1, 0, -1, 0] = float("inf")  # one batch row, one head
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    out = hf_kernattn.kernelized_attention(*xs, bias if rpe else None, True, backend=backend, rpe_clip=2 if rpe else None)
+    assert torch.isnan(out[1, 0, -1]).all()
+    keep = torch.ones_like(out, dtype=torch.bool)
+    keep[1, 0, -1] = False
+    assert torch.isfinite(out[keep]).all()
+    grads = torch.autograd.grad(out[:, :, :-1].pow(2).sum(), xs)
+    # reference: the first n - 1 tokens alone (their bias entries are offsets -(n-2) .. n-2)
+    prefix = [x[:, :, :-1].detach().clone().requires_grad_(True) for x in (q, k, v)]
+    ref = _dense64(*prefix, bias[:, 1:-1] if rpe else None, causal=True)
+    ref_grads = torch.autograd.grad(ref.pow(2).sum(), prefix)
+    torch.testing.assert_close(out[:, :, :-1], ref, rtol=0, atol=1e-10)
+    for name, g, rg in zip(("query", "key", "value"), grads, ref_grads):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g[:, :, :-1], rg, rtol=0, atol=1e-10)
+        if name == where:
+            assert (g[1, 0, -1] == 0).all()  # the non-finite entry itself: exactly no gradient
+        assert g[:, :, -1].abs().max() <= 1e-10  # the last token: 0 up to the FFT's rounding
+    # the other batch row / head never sees the inf: its last row is finite too
+    assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, 1]).all()
+
+
+def test_dense_kernel_masks_padded_keys_before_the_product():
+    """The dense kernel called directly (no entry-point isolation): NaN in padded keys must not
+    make the query gradients NaN."""
+    from hf_kernattn.modeling.kernels import dense_attention
+
+    q, k, v, _ = _positive_inputs(7, seed=22, dtype=torch.float64)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[0, -2:] = False
+    k[0, :, -2:] = float("nan")
+    q.requires_grad_(True)
+    out = dense_attention(q, k, v, key_mask=mask)
+    (g,) = torch.autograd.grad(out.sum(), [q])
+    assert torch.isfinite(g).all()

@@ -27,6 +27,7 @@ from .kernels import (
     dense_attention,
     fft_attention,
     fft_error_bound,
+    isolate_non_finite,
     linear_attention,
     recurrent_attention,
     windowed_attention,
@@ -326,6 +327,11 @@ def kernelized_attention(
             there raises ``ValueError``.
     Returns:
         ``(B, H, N, D)`` in the dtype of ``v``.
+
+    Non-finite inputs stay where they are: a NaN/inf in a query, or in the key or value of a
+    real position, makes NaN exactly the rows that see it (its own row; when causal the later
+    ones; otherwise all), and never an earlier row or a row of another sequence or head, in the
+    outputs or their gradients. Padded positions may hold anything.
     """
     _check_tensor("q", q, 4, "(batch, heads, seq, features)")
     _check_tensor("k", k, 4, "(batch, heads, seq, features)")
@@ -359,6 +365,7 @@ def kernelized_attention(
         _check_rpe_clip(rpe_clip, rpe, rpe_bias, n)
     key_mask = _normalize_mask(attention_mask, b, n, q.device)
     request = dict(causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip)
+    q, k, v, poisoned = isolate_non_finite(q, k, v, key_mask, causal)
     name = choose_backend(n=n, **request) if backend == "auto" else backend
     precision = {}
     if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
@@ -371,6 +378,7 @@ def kernelized_attention(
     extra = dict(precision, **({"rpe_clip": rpe_clip} if spec.needs_rpe_clip else {}))
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
         out = spec.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), **extra)
+        out = torch.where(poisoned[..., None], torch.full((), math.nan, dtype=out.dtype, device=out.device), out)
     return out.to(v.dtype)
 
 

@@ -88,6 +88,31 @@ def mask_keys(
     )
 
 
+def isolate_non_finite(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor], causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep a non-finite input from reaching any row that does not see it.
+
+    A position whose key or value holds NaN/inf (per batch row and head) is replaced by zeros,
+    as padding is, and a non-finite query by zeros; then no algorithm (FFT, chunk sums, running
+    states, matrix products with masked weights) can spread it, in the forward or backward pass
+    (``where`` passes no gradient to the replaced entries). The rows that do see such an input
+    (the query itself, or an allowed key: at or before it when causal, any real key otherwise)
+    are *poisoned*: the caller sets them to NaN. Costs a few elementwise passes, no host sync.
+
+    Returns ``(q, k, v, poisoned)`` with ``poisoned (B, H, N)`` bool.
+    """
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    good = torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1)  # (B, H, N)
+    good_q = torch.isfinite(q).all(dim=-1)
+    bad = ~good if key_mask is None else ~good & key_mask[:, None, :]
+    seen = bad.cumsum(dim=-1) > 0 if causal else bad.any(dim=-1, keepdim=True).expand_as(bad)
+    k = torch.where(good[..., None], k, zero)
+    v = torch.where(good[..., None], v, zero.to(v.dtype))
+    q = torch.where(good_q[..., None], q, zero.to(q.dtype))
+    return q, k, v, seen | ~good_q
+
+
 def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[torch.Tensor, ...]:
     """Index tensors into the bias for every (query i, key j) pair.
 
@@ -157,6 +182,9 @@ def dense_attention(
     """Exact quadratic reference. Shapes as in the module docstring; returns ``(B, H, N, D)``."""
     dt = compute_dtype_for(q)
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    # padded keys and values are replaced before the product (not only their scores masked):
+    # otherwise a NaN there reaches the query gradients as 0 * NaN
+    k, v = mask_keys(k, v, key_mask)
     n = q.shape[-2]
     a = q @ k.transpose(-1, -2)  # (B, H, N, N)
     if rpe_bias is not None:
@@ -170,7 +198,6 @@ def dense_attention(
     allowed = allowed[None, None]
     if key_mask is not None:
         allowed = allowed & key_mask[:, None, None, :].bool()
-        v = torch.where(key_mask[:, None, :, None].bool(), v, torch.zeros((), dtype=dt, device=v.device))
     a = torch.where(allowed, a, torch.zeros((), dtype=dt, device=a.device))
     return (a @ v) / (a.sum(dim=-1, keepdim=True) + eps)
 
