@@ -428,3 +428,94 @@ def test_dense_kernel_masks_padded_keys_before_the_product():
     out = dense_attention(q, k, v, key_mask=mask)
     (g,) = torch.autograd.grad(out.sum(), [q])
     assert torch.isfinite(g).all()
+
+
+# ----------------------------------------------------------------------------- feature maps at large norms
+
+
+def _direction(d, seed):
+    x = torch.randn(d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return x / x.norm()
+
+
+def test_trf_queries_of_any_norm_give_the_formula():
+    """trf query amplitudes exp(|u|^2/2) overflowed float32 (NaN attention from |x| ~ 30 at
+    d = 64). A per-query factor cancels; the capped map gives the formula's attention.
+    Reference: float64 features with the query amplitude dropped (it cancels; eps = 0 there,
+    while with the true amplitude e^{|u|^2/2} eps is negligible). Tolerance: the float32 angles
+    W u (|W u| <= ~150 here) carry ~1e-5 absolute error; 1e-3 of max|v| leaves margin."""
+    d, m, n = 8, 16, 6
+    fm = hf_kernattn.FeatureMap(d, "trf", m, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
+    x = x / x.norm(dim=-1, keepdim=True) * torch.tensor([1.0, 5.0, 30.0, 60.0, 90.0, 120.0], dtype=torch.float64)[:, None]
+    y = 1.5 * torch.randn(1, 1, n, d, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 1, n, 3, generator=g, dtype=torch.float64)
+    out = hf_kernattn.kernelized_attention(fm(x.float(), True), fm(y.float(), False), v.float(), backend="dense")
+    assert torch.isfinite(out).all()
+    w = fm.projection.double()
+    u, uk = x * d ** -0.25, y * d ** -0.25
+    qf = torch.cat([torch.cos(u @ w.T), torch.sin(u @ w.T)], -1)
+    kf = torch.cat([torch.cos(uk @ w.T), torch.sin(uk @ w.T)], -1) * torch.exp(0.5 * (uk * uk).sum(-1, keepdim=True))
+    ref = _dense64(qf, kf, v, eps=0.0)
+    assert (out.double() - ref).abs().max() <= 1e-3 * v.abs().max()
+    # below the cap nothing changed: the amplitude is exp(|u|^2/2) / sqrt(m) exactly
+    small = fm(x[:, :, :2].float(), True).double()
+    amp = torch.exp(0.5 * (u[:, :, :2] ** 2).sum(-1, keepdim=True)) / math.sqrt(m)
+    torch.testing.assert_close(small, qf[:, :, :2] * amp, rtol=1e-5, atol=1e-6)
+
+
+def _prf_key_log_scale(fm, x):
+    u = x.double() * fm.head_dim ** -0.25
+    return (u @ fm.projection.double().T).amax(-1) - 0.5 * (u * u).sum(-1)
+
+
+@pytest.mark.parametrize("kind", ["prf", "trf"])
+def test_keys_beyond_the_representable_range_are_refused(kind):
+    """Keys: a per-key factor does not cancel, so a key whose log feature scale leaves
+    [-60, 60] (float32) is refused with a ValueError naming the map and the fix; just inside
+    the range the features are finite and non-zero; float64 goes to 600; queries of any norm
+    and padded keys of any norm are fine."""
+    d, m = 8, 16
+    fm = hf_kernattn.FeatureMap(d, kind, m, seed=5)
+    direction = _direction(d, 6)
+
+    def log_scale(r):
+        x = (r * direction)[None, None, None]
+        return float(_prf_key_log_scale(fm, x)) if kind == "prf" else r * r / (2 * math.sqrt(d))
+
+    def radius(target):  # log_scale(r) crosses the target once for r > 0: bisection
+        lo, hi = 0.0, 1000.0
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            inside = log_scale(mid) >= target if kind == "prf" else log_scale(mid) <= target
+            lo, hi = (mid, hi) if inside else (lo, mid)
+        return lo
+
+    sign = -1 if kind == "prf" else 1
+    r_in, r_out = radius(sign * 59.0), radius(sign * 61.0)
+    inside = fm((r_in * direction).float()[None, None, None], is_query=False)
+    assert torch.isfinite(inside).all() and inside.abs().max() > 0
+    key = (r_out * direction).float()[None, None, None]
+    with pytest.raises(ValueError, match=rf"feature_map='{kind}' cannot represent a key.*normalize_qk=True"):
+        fm(key, is_query=False)
+    assert torch.isfinite(fm(key, is_query=True)).all()  # the same vector as a query: fine
+    assert torch.isfinite(fm.double()(key.double(), is_query=False)).all()  # float64: range 600
+    fm.float()
+    # padded keys may hold anything: with the mask they are not checked
+    keys = torch.cat([key, torch.zeros_like(key)], dim=2)
+    assert torch.isfinite(fm(keys, is_query=False, key_mask=torch.tensor([[0, 1]]))[:, :, 1]).all()
+    with pytest.raises(ValueError):
+        fm(keys, is_query=False, key_mask=torch.tensor([[1, 1]]))
+
+
+def test_module_refuses_out_of_range_keys_but_not_padding():
+    torch.manual_seed(0)
+    attn = hf_kernattn.KernelizedSelfAttention(_module_config(feature_map="trf"))
+    x = torch.randn(1, 6, 16, generator=torch.Generator().manual_seed(1))
+    big = x.clone()
+    big[:, -2:] *= 1e3
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0]])
+    assert torch.isfinite(attn(big, attention_mask=mask)[:, :4]).all()
+    with pytest.raises(ValueError, match="cannot represent a key"):
+        attn(big)

@@ -78,13 +78,20 @@ class KernelizedSelfAttention(nn.Module):
         return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
     def project(
-        self, hidden_states: torch.Tensor, projection: Optional[torch.Tensor] = None
+        self,
+        hidden_states: torch.Tensor,
+        projection: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(B, N, C)`` -> query features ``(B, H, N, M)``, key features ``(B, H, N, M)``,
         values ``(B, H, N, D)``. Features are float32 at least (float64 stays float64).
-        ``projection``: the random-feature projection to use (None: the feature map's current one)."""
+        ``projection``: the random-feature projection to use (None: the feature map's current one).
+        ``attention_mask``: ``(B, N)``, 1 real / 0 padding: only real keys must lie in the
+        feature map's valid range (see ``feature_maps.py``)."""
         q = self.feature_map(self._split(self.q_proj(hidden_states)), is_query=True, projection=projection)
-        k = self.feature_map(self._split(self.k_proj(hidden_states)), is_query=False, projection=projection)
+        k = self.feature_map(
+            self._split(self.k_proj(hidden_states)), is_query=False, projection=projection, key_mask=attention_mask
+        )
         v = self._split(self.v_proj(hidden_states)).to(q.dtype)
         return q, k, v
 
@@ -145,7 +152,7 @@ class KernelizedSelfAttention(nn.Module):
         projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``(B, N, C)`` -> projections, feature maps, kernel: ``(B, H, N, d)`` before ``o_proj``."""
-        q, k, v = self.project(hidden_states, projection)
+        q, k, v = self.project(hidden_states, projection, attention_mask)
         if rpe_bias is not None:
             rpe_bias = rpe_bias.to(q.dtype)
         return kernelized_attention(

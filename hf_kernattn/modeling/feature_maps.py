@@ -19,10 +19,25 @@ Scaling. With ``normalize_qk=True`` (NPRF, Luo et al. 2021) queries and keys are
 first, so the map approximates ``exp(q_hat . k_hat)``. Otherwise inputs of the random maps are
 scaled by ``d ** -0.25`` so that the map approximates softmax's ``exp(q . k / sqrt(d))``.
 
-Stability. A query-side shift ``max_m (W q)_m`` is subtracted per query position: it cancels
-between numerator and denominator of that query. No key-side statistic over positions is used:
-a max over the key sequence would leak future tokens into a causal model. Keys need none: by
-completing the square ``w . x - |x|^2/2 <= |w|^2 / 2``, so PRF key features are bounded.
+Stability and valid range. Queries: any norm. A per-query factor cancels between numerator
+and denominator of that query, so ``prf`` subtracts ``max_m`` of the query's logits and ``trf``
+caps the query's amplitude ``exp(|x|^2/2)`` at ``exp(TRF_QUERY_MAX_LOG_AMPLITUDE)`` (= e^10: no
+change below it). Keys: no statistic over key positions may be used (a max over the key
+sequence would leak future tokens into a causal model), and a per-key factor does not cancel,
+so every key must be representable on its own. Its log-scale must stay within
+:data:`KEY_MAX_LOG_SCALE` (60 in float32, 600 in float64):
+
+* ``prf``: ``max_m (w_m . u) - |u|^2/2 >= -60``. Completing the square bounds it above by
+  ``|w|^2/2``; below, it falls like ``-|u|^2/2``: with ``normalize_qk=False`` (``u = x d^-1/4``)
+  keys of norm beyond about ``11 d^{1/4}`` (31 for d = 64) leave the range; already from about
+  ``7 d^{1/4}`` the key features are so small that the denominator's ``eps`` dominates and the
+  output fades towards 0, as the formula says.
+* ``trf``: ``|u|^2 / 2 <= 60`` (its amplitude ``exp(|u|^2/2)`` would overflow float32 sums,
+  and NaN follows): ``|x| <= sqrt(120) d^{1/4}`` (about 31 for d = 64).
+
+A key outside the range raises ``ValueError`` (checked in eager mode; not while compiling or
+exporting, where no data-dependent check runs). ``normalize_qk=True`` puts every input on the
+unit sphere, always in range.
 
 Projections are persistent buffers (saved with the model), drawn from ``seed`` and redrawn
 only in training mode, every ``redraw_interval`` calls of :meth:`FeatureMap.step` (0: never).
@@ -113,6 +128,11 @@ def draw_projection(
 
 
 _NORM_EPS = 1e-6  # F.normalize's eps: inputs shorter than this are divided by it instead
+# The largest |log| of a key's feature scale each compute dtype represents with margin for the
+# sums of attention (N * M products of query and key features times values): see the module
+# docstring. e^60 = 1.1e26 and e^-60 = 8.8e-27 in float32 (max 3.4e38); e^600 in float64.
+KEY_MAX_LOG_SCALE = {torch.float32: 60.0, torch.float64: 600.0}
+TRF_QUERY_MAX_LOG_AMPLITUDE = 10.0
 
 
 class PositiveRandomFeatures(torch.autograd.Function):
@@ -269,13 +289,21 @@ class FeatureMap(nn.Module):
         )
 
     @full_precision
-    def forward(self, x: torch.Tensor, is_query: bool, projection: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        is_query: bool,
+        projection: Optional[torch.Tensor] = None,
+        key_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """Args:
             x: ``(B, H, N, d)`` queries or keys.
             is_query: queries get a per-position stabilising shift (keys never do).
             projection: the ``(m, d)`` projection to use instead of the current buffer (random
                 maps only). A recomputation in the backward pass passes the tensor its forward
                 used, so a redraw in between (which installs a new tensor) cannot change it.
+            key_mask: ``(B, N)``, nonzero for real positions: only those keys are checked
+                against the valid range (padding may hold anything).
         Returns:
             ``(B, H, N, M)`` features, in float32 at least (float64 stays float64).
         """
@@ -293,7 +321,13 @@ class FeatureMap(nn.Module):
         if self.kind == "prf":
             w = projection.to(device=x.device, dtype=compute_dtype)
             scale = self.num_random_features ** -0.5
-            return PositiveRandomFeatures.apply(x, w, self.normalize_qk, self.head_dim ** -0.25, is_query, scale)
+            phi = PositiveRandomFeatures.apply(x, w, self.normalize_qk, self.head_dim ** -0.25, is_query, scale)
+            if not is_query:
+                # log-scale of each key: its largest logit (-inf where every feature underflowed)
+                self._check_key_range(
+                    lambda: torch.log(phi.detach().amax(dim=-1) / scale), x, compute_dtype, True, key_mask
+                )
+            return phi
         if self.normalize_qk:
             x = F.normalize(x, p=2.0, dim=-1, eps=_NORM_EPS)
         if self.kind == "elu":
@@ -304,8 +338,40 @@ class FeatureMap(nn.Module):
             x = x * self.head_dim ** -0.25
         # trf
         proj = x @ projection.to(device=x.device, dtype=compute_dtype).T  # (B, H, N, m)
-        amp = torch.exp(0.5 * (x * x).sum(dim=-1, keepdim=True)) * self.num_random_features ** -0.5
+        log_amp = 0.5 * (x * x).sum(dim=-1, keepdim=True)
+        if is_query:  # a per-query factor cancels in attention: cap it (no change below the cap)
+            log_amp = log_amp.clamp(max=TRF_QUERY_MAX_LOG_AMPLITUDE)
+        else:
+            self._check_key_range(lambda: log_amp.detach()[..., 0], x, compute_dtype, False, key_mask)
+        amp = torch.exp(log_amp) * self.num_random_features ** -0.5
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
+
+    def _check_key_range(
+        self, log_scale, x: torch.Tensor, dtype: torch.dtype, low: bool, key_mask: Optional[torch.Tensor]
+    ) -> None:
+        """``ValueError`` when a real key's log feature scale (``log_scale()``, ``(B, H, N)``)
+        leaves ``[-limit, +inf)`` (``low``, prf) or ``(-inf, limit]`` (trf). Eager mode only."""
+        if torch.compiler.is_compiling():
+            return
+        limit = KEY_MAX_LOG_SCALE[dtype]
+        values = log_scale()
+        bad = values < -limit if low else values > limit
+        if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 2 and tuple(key_mask.shape) == (x.shape[0], x.shape[2]):
+            bad = bad & (key_mask != 0).to(bad.device)[:, None, :]
+        if not bool(bad.any()):
+            return
+        worst = float(values.min() if low else values.max())
+        norm = float(torch.linalg.vector_norm(x.detach(), dim=-1)[bad].max())
+        d = self.head_dim
+        rule = (
+            f"max_m (w_m . u) - |u|^2/2 >= -{limit:g}" if low else f"|u|^2/2 <= {limit:g}"
+        )
+        raise ValueError(
+            f"feature_map={self.kind!r} cannot represent a key of norm {norm:.3g} in {str(dtype).replace('torch.', '')}: "
+            f"its log feature scale is {worst:.4g}, the valid range is {rule} with u = x * d**-0.25 "
+            f"(normalize_qk=False), i.e. key norms up to about {math.sqrt(2 * limit) * d ** 0.25:.3g} for head_dim={d}. "
+            "Use normalize_qk=True, keep the key projections smaller, or use feature_map='elu'."
+        )
 
 
 def feature_maps_step(model: nn.Module) -> None:
