@@ -64,6 +64,13 @@ def test_rpe_on_backend_without_rpe_names_capable_backends():
         (dict(causal=1), TypeError, "causal must be a bool"),
         (dict(backend=3), TypeError, "backend must be a string"),
         (dict(eps=-1.0), ValueError, "eps must be a number >= 0"),
+        (dict(eps=float("nan")), ValueError, r"eps must be a number >= 0 \(finite, not NaN\), got nan"),
+        (dict(eps=float("inf")), ValueError, "eps must be a number >= 0"),
+        (dict(eps=True), ValueError, "eps must be a number >= 0"),
+        (dict(q=torch.ones(1, 2, 0, 3), k=torch.ones(1, 2, 0, 3), v=torch.ones(1, 2, 0, 4)), ValueError,
+         r"at least one token \(seq >= 1\)"),
+        (dict(q=torch.ones(1, 2, 6, 0), k=torch.ones(1, 2, 6, 0)), ValueError, r"at least one feature \(features >= 1\)"),
+        (dict(v=torch.ones(1, 2, 6, 0)), ValueError, "v must have head_dim >= 1"),
     ],
 )
 def test_malformed_calls(kwargs, exc, match):
@@ -111,3 +118,22 @@ def test_auto_choice_follows_crossovers():
     assert choose(n=big, causal=True, rpe=None, key_mask=True, device="cpu") == "causal_chunked"
     assert choose(n=big, causal=True, rpe="1d", key_mask=False, device="cpu") == "fft"
     assert choose(n=big, causal=False, rpe="2d", key_mask=False, device="cpu") == "fft"
+
+
+@pytest.mark.parametrize("name", ["dense", "linear", "causal_chunked", "fft", "windowed", "recurrent"])
+@pytest.mark.parametrize("empty", ["batch", "heads"])
+def test_empty_batch_or_heads_give_an_empty_result(name, empty):
+    """0 sequences (or 0 heads): every backend returns the empty (B, H, N, D) result, attached
+    to the graph (a loss on it back-propagates zeros); the call is still validated."""
+    spec = hf_kernattn.get_backend(name)
+    causal = not spec.noncausal
+    b, h = (0, 2) if empty == "batch" else (1, 0)
+    q, k, v = _qkv(b=b, h=h)
+    q.requires_grad_(True)
+    bias = torch.zeros(h, 11) if spec.rpe_1d else None
+    out = hf_kernattn.kernelized_attention(q, k, v, bias, causal, backend=name, rpe_clip=2 if spec.needs_rpe_clip else None)
+    assert out.shape == (b, h, 6, 4) and out.dtype == v.dtype
+    out.sum().backward()
+    assert q.grad is not None and q.grad.shape == q.shape
+    with pytest.raises(ValueError, match="cannot do"):
+        hf_kernattn.kernelized_attention(q, k, v, causal=True, backend="linear")

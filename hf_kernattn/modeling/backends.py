@@ -328,6 +328,10 @@ def kernelized_attention(
     Returns:
         ``(B, H, N, D)`` in the dtype of ``v``.
 
+    Empty inputs: a batch of 0 sequences (or 0 heads) gives an empty ``(0, H, N, D)`` result
+    (after every other check); ``N = 0``, ``M = 0`` or ``D = 0`` raise ``ValueError``, as does
+    an ``eps`` that is negative or not finite.
+
     Non-finite inputs stay where they are: a NaN/inf in a query, or in the key or value of a
     real position, makes NaN exactly the rows that see it (its own row; when causal the later
     ones; otherwise all), and never an earlier row or a row of another sequence or head, in the
@@ -348,9 +352,15 @@ def kernelized_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string: 'auto' or one of {available_backends()}")
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a number >= 0, got {eps!r}")
-    b, h, n, _ = q.shape
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a number >= 0 (finite, not NaN), got {eps!r}")
+    b, h, n, m = q.shape
+    if n == 0:
+        raise ValueError(f"q, k and v must hold at least one token (seq >= 1), got q of shape {tuple(q.shape)}")
+    if m == 0:
+        raise ValueError(f"q and k must have at least one feature (features >= 1), got shape {tuple(q.shape)}")
+    if v.shape[-1] == 0:
+        raise ValueError(f"v must have head_dim >= 1, got shape {tuple(v.shape)}")
     grid_t = _check_grid(grid, n)
     if grid_t is not None and causal:
         raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
@@ -375,6 +385,9 @@ def kernelized_attention(
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
+    if b == 0 or h == 0:  # nothing to attend over: an empty result, attached to every input
+        attached = q.sum() + k.sum() + (rpe_bias.sum().to(v.dtype) if rpe_bias is not None else 0)
+        return v * 0 + attached.to(v.dtype) * 0
     extra = dict(precision, **({"rpe_clip": rpe_clip} if spec.needs_rpe_clip else {}))
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
         out = spec.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), **extra)
