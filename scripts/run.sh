@@ -154,6 +154,10 @@ case "$cmd" in
         ;;
     test)
         ensure_installed
+        if [ "$DRY_RUN" = 0 ]; then  # which versions this run tests (CI runs two environments)
+            (cd / && "$PY" -c "import importlib.metadata as md, platform; print('run.sh: Python', platform.python_version(), \
+'| torch', md.version('torch'), '| transformers', md.version('transformers'))") >&2 || true
+        fi
         # 2 workers on a 2-core machine; the suite is sized for well under 10 minutes.
         OMP_NUM_THREADS=1 step "$PY" -m pytest -n "${PYTEST_WORKERS:-2}" -q -p no:cacheprovider "$@"
         ;;
