@@ -109,6 +109,13 @@ if tomllib is not None:
     wanted += [str(Requirement(r)) + ' ; extra == "dev"' for r in project["optional-dependencies"]["dev"]]
     norm = lambda rs: sorted(str(Requirement(r)).replace(" ", "") for r in rs)
     assert norm(wanted) == norm(installed), "pyproject.toml changed since the install"
+    scripts = {e.name: e.value for e in md.distribution("hf-kernattn").entry_points if e.group == "console_scripts"}
+    assert scripts == project.get("scripts", {}), "entry points changed since the install"
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        modules = tomllib.load(f).get("tool", {}).get("setuptools", {}).get("py-modules", [])
+    for name in modules:
+        mod = importlib.util.find_spec(name)
+        assert mod is not None and os.path.realpath(mod.origin).startswith(root + os.sep), name
 for line in installed:
     req = Requirement(line)
     if req.marker is not None and not req.marker.evaluate({"extra": "dev"}):

@@ -58,19 +58,20 @@ def test_format_table():
 
 # --- the command line as a user meets it: fast help, --version, one-line errors -------------
 
-_SUBCOMMAND_MODULES = ("hf_kernattn.bench.", "hf_kernattn.demo", "hf_kernattn.convert")
-
-
-def test_help_imports_no_subcommand_module():
-    """`hf-kernattn --help` and `hf-kernattn bench --help` list every command without importing
-    any of them (checked in a fresh interpreter: this process has imported them already)."""
+def test_help_and_version_import_neither_the_package_nor_torch():
+    """`hf-kernattn --help`, `hf-kernattn bench --help` and `--version` list every command without
+    importing any of them, nor hf_kernattn, torch or transformers (seconds of imports): checked in a
+    fresh interpreter through the console script's own entry point."""
     import subprocess
     import sys
+    from importlib.metadata import entry_points
 
+    (script,) = entry_points(group="console_scripts", name="hf-kernattn")
+    module, func = script.value.split(":")
     code = (
         "import sys, contextlib, io\n"
-        "from hf_kernattn.cli import main\n"
-        "for argv in (['--help'], ['bench', '--help']):\n"
+        f"from {module} import {func} as main\n"
+        "for argv in (['--help'], ['bench', '--help'], ['--version']):\n"
         "    out = io.StringIO()\n"
         "    with contextlib.redirect_stdout(out):\n"
         "        try:\n"
@@ -78,7 +79,7 @@ def test_help_imports_no_subcommand_module():
         "        except SystemExit as e:\n"
         "            assert e.code == 0, e.code\n"
         "    print(out.getvalue())\n"
-        "print('LOADED', sorted(m for m in sys.modules if m.startswith(%r)))\n" % (_SUBCOMMAND_MODULES,)
+        "print('LOADED', sorted(m for m in sys.modules if m.split('.')[0] in ('hf_kernattn', 'torch', 'transformers')))\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
@@ -86,6 +87,9 @@ def test_help_imports_no_subcommand_module():
     for name in ("backends", "bench", "demo", "convert", "attention", "generate", "encoder", "approx"):
         assert name in res.stdout
     assert "Convert a softmax BERT or RoBERTa checkpoint" in res.stdout  # help from the module docstring
+    import hf_kernattn
+
+    assert f"hf-kernattn {hf_kernattn.__version__}" in res.stdout
 
 
 def test_subcommand_help_is_the_module_docstring():
