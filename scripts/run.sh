@@ -86,8 +86,9 @@ create_venv() {
 (on Debian/Ubuntu: apt install python3-venv), or activate a virtual environment and run again"
 }
 
-# Exit 0 when the package (this checkout, editable), its dependencies at the versions pyproject.toml
-# asks for (extra "dev" included) and a pinned transformers, if any, are installed. No imports.
+# Exit 0 when the package (this checkout, editable, with the entry points and modules pyproject.toml
+# declares), its dependencies at the versions pyproject.toml asks for (extra "dev" included) and a
+# pinned transformers, if any, are installed. Reads metadata only: imports nothing heavy.
 installed_ok() {
     (cd / && HF_KERNATTN_ROOT="$ROOT" "$PY" - <<'EOF') >/dev/null 2>&1
 import importlib.metadata as md, importlib.util, os, sys
@@ -104,16 +105,15 @@ except ImportError:  # Python 3.10: skip the comparison with pyproject.toml
     tomllib = None
 if tomllib is not None:
     with open(os.path.join(root, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)["project"]
+        pyproject = tomllib.load(f)
+    project = pyproject["project"]
     wanted = [str(Requirement(r)) for r in project["dependencies"]]
     wanted += [str(Requirement(r)) + ' ; extra == "dev"' for r in project["optional-dependencies"]["dev"]]
     norm = lambda rs: sorted(str(Requirement(r)).replace(" ", "") for r in rs)
     assert norm(wanted) == norm(installed), "pyproject.toml changed since the install"
     scripts = {e.name: e.value for e in md.distribution("hf-kernattn").entry_points if e.group == "console_scripts"}
     assert scripts == project.get("scripts", {}), "entry points changed since the install"
-    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
-        modules = tomllib.load(f).get("tool", {}).get("setuptools", {}).get("py-modules", [])
-    for name in modules:
+    for name in pyproject.get("tool", {}).get("setuptools", {}).get("py-modules", []):
         mod = importlib.util.find_spec(name)
         assert mod is not None and os.path.realpath(mod.origin).startswith(root + os.sep), name
 for line in installed:
