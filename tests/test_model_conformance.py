@@ -20,6 +20,7 @@ What cannot apply, and how each family declares it:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -42,6 +43,7 @@ from hf_kernattn import (
     NPRFBertForSequenceClassification,
     NPRFBertForTokenClassification,
     NPRFBertModel,
+    kernelized_attention,
 )
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
@@ -618,6 +620,74 @@ def test_torch_export_linear_gpt_with_padding_mask_matches_eager():
         got = program.module()(ids, attention_mask=mask, **extra)[0]
         want = model(ids, attention_mask=mask, **extra)[0]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_torch_export_nprf_bert_with_padding_mask_matches_eager():
+    """The core's mask checks (0/1 values, "nothing padded") read the mask: skipped while tracing."""
+    torch.manual_seed(0)
+    model = NPRFBertModel(bert_config()).eval()
+    ids = ids_for("nprf_bert", n=10)
+    mask = torch.ones_like(ids)
+    mask[0, 6:] = 0  # right padding of the first sequence
+    with torch.no_grad():
+        program = torch.export.export(model, (ids,), kwargs=dict(attention_mask=mask, return_dict=False))
+        got = program.module()(ids, attention_mask=mask, return_dict=False)[0]
+        want = model(ids, attention_mask=mask, return_dict=False)[0]
+        # the program honours a different mask (no value baked in at export), also an all-ones one
+        other = torch.ones_like(ids)
+        other[1, 4:] = 0
+        for m in (other, torch.ones_like(ids)):
+            torch.testing.assert_close(
+                program.module()(ids, attention_mask=m, return_dict=False)[0],
+                model(ids, attention_mask=m, return_dict=False)[0], rtol=1e-6, atol=1e-6,
+            )
+    # the same graph of operations: float32 results agree to a few ulps
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # the eager errors are unchanged
+    bad = mask.clone()
+    bad[1, 0] = 2
+    with pytest.raises(ValueError, match="attention_mask must hold only 1"):
+        model(ids, attention_mask=bad)
+
+
+def test_torch_export_nprf_bert_long_input_uses_the_windowed_backend(monkeypatch):
+    """A traced long input declares the clipped table too (rpe_clip), so ``auto`` picks the O(N K)
+    windowed backend as in eager mode (N >= max(AUTO_WINDOWED_MIN_N, 2 K))."""
+    from hf_kernattn.modeling import backends
+
+    k_clip = 8
+    n = max(backends.AUTO_WINDOWED_MIN_N, backends.AUTO_WINDOWED_MIN_RATIO * k_clip)
+    calls = []
+    spec = backends.get_backend("windowed")
+
+    def counting(*a, **kw):
+        calls.append(kw["rpe_clip"])
+        return spec.fn(*a, **kw)
+
+    monkeypatch.setitem(backends._REGISTRY, "windowed", dataclasses.replace(spec, fn=counting))
+    torch.manual_seed(0)
+    cfg = bert_config(rpe="learned", max_relative_position=k_clip, max_position_embeddings=n, num_hidden_layers=1)
+    model = NPRFBertModel(cfg).eval()
+    ids = torch.randint(1, V_BERT, (1, n), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, n - 5 :] = 0
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, return_dict=False)[0]
+        assert calls == [k_clip]  # eager
+        program = torch.export.export(model, (ids,), kwargs=dict(attention_mask=mask, return_dict=False))
+        assert calls == [k_clip, k_clip]  # traced: the same backend
+        got = program.module()(ids, attention_mask=mask, return_dict=False)[0]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_rpe_clip_and_mask_checks_keep_their_eager_errors():
+    q = torch.rand(1, 2, 6, 4)
+    v = torch.randn(1, 2, 6, 3)
+    bias = torch.randn(2, 11)
+    with pytest.raises(ValueError, match="not constant beyond offsets"):
+        kernelized_attention(q, q, v, rpe_bias=bias, rpe_clip=2)
+    with pytest.raises(ValueError, match="attention_mask must hold only 1"):
+        kernelized_attention(q, q, v, attention_mask=torch.tensor([[1, 1, 0.5, 1, 1, 1]]))
 
 
 # ----------------------------------------------------------------------------- bad inputs and states

@@ -343,6 +343,43 @@ def test_auto_meets_1e4_where_float32_fft_cannot():
     assert (auto.double() - _dense64(q, k, v, small)).abs().max().item() / scale <= 1e-4
 
 
+def test_core_reads_no_tensor_values_while_tracing(monkeypatch):
+    """While torch.compile / torch.export trace (``torch.compiler.is_compiling()``), the core's
+    value checks (mask values, "nothing padded", the rpe_clip declaration, the FFT error bound)
+    read no tensor value: no ``bool()``/``int()``/``float()``/``item()`` of a tensor, no
+    ``torch.equal``. The result is the one of the eager call (float64, same operations)."""
+    from hf_kernattn.modeling import backends, kernels
+
+    n = 12
+    q, k, v, _ = _positive_inputs(n, seed=3, dtype=torch.float64)
+    table = hf_kernattn.RelativePositionBias1D(2, 3, init_std=1.0).double()
+    bias = table(n).detach()
+    mask = torch.ones(2, n, dtype=torch.long)
+    mask[1, 8:] = 0
+    full = torch.ones(2, n)
+    want = [hf_kernattn.kernelized_attention(q, k, v, bias, causal, attention_mask=m, rpe_clip=3, backend=b)
+            for causal in (False, True) for m in (mask, full) for b in ("windowed", "fft")]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    reads = []
+    for name in ("__bool__", "__int__", "__float__", "item"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _original=original, _name=name, **kw):
+            reads.append(_name)
+            return _original(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    monkeypatch.setattr(torch, "equal", lambda *a: reads.append("equal") or True)
+    got = [hf_kernattn.kernelized_attention(q, k, v, bias, causal, attention_mask=m, rpe_clip=3, backend=b)
+           for causal in (False, True) for m in (mask, full) for b in ("windowed", "fft")]
+    assert backends._normalize_mask(full, 2, n, q.device) is not None  # kept, not inspected
+    assert kernels.fft_error_bound(q, k, rpe_bias=bias, causal=True, key_mask=mask.bool()) == math.inf
+    monkeypatch.undo()
+    assert reads == []
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)  # masking with all-ones changes nothing
+
+
 # ----------------------------------------------------------------------------- non-finite inputs
 
 PADDED_CASES = [("dense", False, True), ("dense", True, False), ("linear", False, False),

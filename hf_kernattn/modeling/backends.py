@@ -247,15 +247,22 @@ def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
 
 
 def _normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[torch.Tensor]:
-    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded."""
+    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded.
+
+    Reading the values (the 0/1 check, "nothing padded") syncs with the device and cannot be
+    traced: while ``torch.compile`` / ``torch.export`` trace, the mask is converted unchecked and
+    kept even when it pads nothing (masking with an all-True mask changes no result)."""
     check_attention_mask(attention_mask, b, n)
     if attention_mask is None:
         return None
-    if attention_mask.is_floating_point() or attention_mask.dtype not in (torch.bool,):
+    tracing = torch.compiler.is_compiling()
+    if not tracing and attention_mask.dtype != torch.bool:
         bad = (attention_mask != 0) & (attention_mask != 1)
         if bool(bad.any()):
             raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
     mask = attention_mask.to(device=device, dtype=torch.bool)
+    if tracing:
+        return mask
     return None if bool(mask.all()) else mask
 
 
@@ -323,8 +330,9 @@ def kernelized_attention(
         rpe_clip: optional ``K``: declares the 1D bias constant for offsets beyond ``+-K`` (a
             clipped table, as :class:`RelativePositionBias1D` makes). Enables the O(N K)
             ``windowed`` backend; gradients of the clipped region then land on entries ``+-K``
-            (the gradient of the table is unchanged). Checked: a bias that is not constant
-            there raises ``ValueError``.
+            (the gradient of the table is unchanged). Checked in eager mode: a bias that is
+            not constant there raises ``ValueError`` (while ``torch.compile`` / ``torch.export``
+            trace, the declaration is trusted).
     Returns:
         ``(B, H, N, D)`` in the dtype of ``v``.
 
@@ -401,6 +409,8 @@ def _check_rpe_clip(rpe_clip: object, rpe: Optional[str], rpe_bias: Optional[tor
         raise ValueError(f"rpe_clip must be an int >= 0 (the clipping distance K of the bias), got {rpe_clip!r}")
     if rpe != "1d":
         raise ValueError("rpe_clip needs a 1D rpe_bias of shape (heads, 2*seq-1)")
+    if torch.compiler.is_compiling():  # reading the bias cannot be traced: the declaration is trusted
+        return
     clip = min(rpe_clip, n - 1)
     with torch.no_grad():
         left = rpe_bias[:, : n - 1 - clip]

@@ -577,8 +577,12 @@ def fft_error_bound(
     the error stayed below 0.12 of this bound. Examples in float32: non-causal without a bias
     ~1e-9 (bound 1.2e-7); causal without a bias 1.2e-5 at N = 1k, 9e-4 at 32k, 3e-3 at 131k
     (first rows; bound ~N eps); a bias spanning 20 (+-10) costs up to ``e^20``.
+
+    While ``torch.compile`` / ``torch.export`` trace, the data cannot be read: ``inf``.
     """
     dt = dtype if dtype is not None else compute_dtype_for(q)
+    if torch.compiler.is_compiling():  # the bound reads the data, which a trace cannot: none known
+        return math.inf
     with torch.no_grad():
         q64, k64 = q.detach().double(), k.detach().double()
         if bool((q64 < 0).any()) or bool((k64 < 0).any()):

@@ -108,11 +108,10 @@ class LinearGPTAttention(KernelizedSelfAttention):
             if has_prev:
                 out = self._rpe_steps(q, k, v, state)
                 return self.output(self.dropout(out), hidden_states.dtype)
-            # the core verifies a declared clip by reading the bias, which torch.export /
-            # torch.compile cannot trace: declare it in eager mode only
+            # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed backend
             out = kernelized_attention(
                 q, k, v, rpe_bias=self.rpe(n).to(q.dtype), causal=True, backend=self.backend, eps=self.eps,
-                rpe_clip=self.rpe.max_relative_position if eager_checks() else None,
+                rpe_clip=self.rpe.max_relative_position,
             )
         elif not self.rotary and not has_prev:
             out = kernelized_attention(q, k, v, causal=True, backend=self.backend, eps=self.eps)

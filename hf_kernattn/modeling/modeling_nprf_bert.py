@@ -128,9 +128,8 @@ class NPRFBertLayer(GradientCheckpointingLayer):
         """
         if self.rpe is not None:
             rpe_bias = self.rpe(hidden_states.shape[1])
-        # (the core verifies a declared clip by reading the bias: a data-dependent check that
-        # torch.export / torch.compile cannot trace, so the clip is declared in eager mode only)
-        clip = self.max_relative_position if rpe_bias is not None and eager_checks() else None
+        # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed backend
+        clip = self.max_relative_position if rpe_bias is not None else None
         # inside a checkpointed layer the backward recomputes the block already
         recompute = False if self.gradient_checkpointing and self.training else None
         attn = self.attention(
