@@ -128,3 +128,40 @@ def test_gradients_flow_and_checkpointing_matches(variant):
     out.loss.backward()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "dtype,base,spike",
+    [
+        (torch.float32, 90.0, 0.0),  # exp(90) overflows float32
+        (torch.float32, 10.0, 80.0),
+        (torch.float64, 800.0, 0.0),  # exp(800) overflows float64
+        (torch.float64, 730.0, 80.0),
+    ],
+)
+def test_decoding_with_a_large_bias_equals_the_parallel_form(dtype, base, spike):
+    """A learned bias far from 0: decoding from the state (a multi-token chunk, then one token at
+    a time) exponentiates the table shifted by its maximum, as the parallel form does, so no
+    coefficient overflows; the shift cancels (eps scaled by exp(-shift) as in the core) and the
+    logits equal the stateless full forward."""
+    model = tiny(rpe="learned", max_relative_position=4, position_embedding_type="none").to(dtype)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            w = block.attn.rpe.weight  # (H, 2K+1), entry r + K; causal offsets -4..0 are entries 0..4
+            w.add_(base)
+            w[0, 0] += spike  # offset -K: the keys folded into (S, z)
+            w[1, 2] += spike  # offset -2: a key of the window
+    ids = torch.randint(0, 61, (2, 14), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids, use_cache=False).logits
+        out = model(ids[:, :5])
+        cache = out.past_key_values
+        pieces = [out.logits, model(ids[:, 5:8], past_key_values=cache).logits]
+        pieces += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(8, 14)]
+    got = torch.cat(pieces, dim=1)
+    assert torch.isfinite(full).all() and torch.isfinite(got).all()
+    # both paths compute the same formula with coefficients <= 1 in `dtype`, summing <= 14 terms
+    # per row in a different order: rounding of a few ulps per layer (float32 ~1e-7, float64 ~1e-16)
+    # of logits of size ~1
+    tol = 2e-5 if dtype == torch.float32 else 1e-11
+    torch.testing.assert_close(got, full, atol=tol, rtol=tol)

@@ -34,7 +34,7 @@ from .backends import kernelized_attention
 from .cache import LinearAttentionState, LinearGPTCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .feature_maps import FeatureMap, feature_maps_step
-from .kernels import causal_linear_sums, mask_keys, recurrent_step, with_ones_column
+from .kernels import bias_shift, causal_linear_sums, mask_keys, recurrent_step, shifted_eps, with_ones_column
 from .positional import RelativePositionBias1D
 from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
 
@@ -145,7 +145,12 @@ class LinearGPTAttention(KernelizedSelfAttention):
         keys live in the window with their own weights ``c_r``; the current key gets ``c_0``.
         """
         big_k = self.rpe.max_relative_position
-        c = torch.exp(self.rpe.weight.to(q.dtype))  # (H, 2K+1), entry r + K
+        # as the core does: exponentiate b - max b over the causal offsets -K..0 (every coefficient
+        # <= 1, so a large bias cannot overflow) and scale eps by exp(-max b): the shift cancels
+        bias = self.rpe.weight.to(q.dtype)  # (H, 2K+1), entry r + K
+        shift = bias_shift(bias, big_k + 1, causal=True)  # (H,)
+        c = torch.exp(bias - shift[:, None])
+        eps = shifted_eps(self.eps, shift)[None, :, None]  # (1, H, 1)
         c_old = c[:, 0][None, :, None]  # (1, H, 1)
         outs = []
         for t in range(q.shape[2]):
@@ -160,7 +165,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
             s = (keys @ q_t[..., None])[..., 0] * weights  # (B, H, w)
             num = (s[..., None] * vals).sum(dim=2) + c_old * (q_t[:, :, None, :] @ state.state)[:, :, 0]
             den = s.sum(dim=-1, keepdim=True) + c_old * (q_t * state.normalizer).sum(dim=-1, keepdim=True)
-            outs.append(num / (den + self.eps))
+            outs.append(num / (den + eps))
             state.push(k_t, k_t, v_t, self.window)
         return torch.stack(outs, dim=2)
 
