@@ -150,3 +150,49 @@ def test_invalid_generation_inputs_raise_clear_errors():
         LinearGPTConfig(feature_map="softmax")
     with pytest.raises(ValueError, match="position_embedding_type"):
         LinearGPTConfig(position_embedding_type="alibi")
+
+
+@pytest.mark.parametrize("variant", ["absolute", "rpe"])
+def test_padded_keys_outside_the_feature_range_are_not_refused(variant):
+    """prf features refuse a *real* key whose norm leaves their representable range, but a
+    padded key is never used: left padding whose embeddings give huge keys must run (forward
+    and generate) and equal each row alone. Layer 0's key projection gets a large rank-1 part
+    along a direction e that the real embeddings (and the token and position tables) do not contain, so
+    only the padded slots, which hold 1e4 * e, have huge keys (LayerNorm maps them to sqrt(C) e)."""
+    model = tiny(feature_map="prf", num_random_features=16, **VARIANTS[variant])
+    c = model.config.hidden_size
+    g = torch.Generator().manual_seed(7)
+
+    def centred_unit(x):  # LayerNorm removes the mean: keep every direction orthogonal to ones
+        x = x - x.mean(-1, keepdim=True)
+        return x / x.norm(dim=-1, keepdim=True)
+
+    e = centred_unit(torch.randn(c, generator=g))
+    out_dir = torch.randn(c, generator=g)
+    with torch.no_grad():
+        model.transformer.h[0].attn.k_proj.weight.add_(50.0 * torch.outer(out_dir / out_dir.norm(), e))
+        for table in (model.transformer.wte, model.transformer.wpe):  # generated tokens stay real
+            if table is not None:
+                table.weight.sub_(torch.outer(table.weight @ e, e))
+    lengths = [6, 3]
+    width = max(lengths)
+    rows = [torch.randn(n, c, generator=g) for n in lengths]
+    rows = [r - r.mean(-1, keepdim=True) for r in rows]
+    rows = [r - torch.outer(r @ e, e) for r in rows]  # orthogonal to e
+    embeds = torch.zeros(len(rows), width, c)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        embeds[i] = 1e4 * e  # padded slots
+        embeds[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+    with torch.no_grad():
+        # a real key like the padded ones is refused (the check this test keeps away from padding)
+        with pytest.raises(ValueError, match="feature_map='prf' cannot represent a key"):
+            model(inputs_embeds=embeds, use_cache=False)
+        batched = model(inputs_embeds=embeds, attention_mask=mask, use_cache=False).logits
+        generated = model.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=5, do_sample=False)
+        for i, r in enumerate(rows):
+            alone = model(inputs_embeds=r[None], use_cache=False).logits
+            # the same operations on the same real tokens: float32 rounding of different batch shapes
+            torch.testing.assert_close(batched[i, width - len(r) :], alone[0], atol=1e-5, rtol=1e-5)
+            assert torch.equal(generated[i], model.generate(inputs_embeds=r[None], max_new_tokens=5, do_sample=False)[0])

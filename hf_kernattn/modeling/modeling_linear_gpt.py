@@ -94,7 +94,8 @@ class LinearGPTAttention(KernelizedSelfAttention):
         Returns:
             ``(B, N, C)``.
         """
-        q, k, v = self.project(hidden_states, projection)
+        # padded keys are masked below: only real ones must lie in the feature map's valid range
+        q, k, v = self.project(hidden_states, projection, attention_mask=key_mask)
         n = q.shape[2]
         state = past_key_values
         has_prev = state is not None and state.is_initialized
