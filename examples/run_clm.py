@@ -278,6 +278,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             )
             (out / "README.md").write_text(text)
         accelerator.print(f"saved model, tokenizer and card to {out}")
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return final
 

@@ -284,6 +284,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "mlm_results.json"), "w") as f:
             json.dump({"results": results, "history": history["eval"], "train_history": history["train"]}, f, indent=1)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
 
