@@ -165,3 +165,47 @@ def test_decoding_with_a_large_bias_equals_the_parallel_form(dtype, base, spike)
     # of logits of size ~1
     tol = 2e-5 if dtype == torch.float32 else 1e-11
     torch.testing.assert_close(got, full, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("variant", ["elu_absolute", "elu_rotary", "rpe_learned", "prf_absolute"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_non_finite_padding_does_not_reach_real_rows_or_the_state(variant, poison):
+    """Left padding holding NaN/inf in the prompt, run as a prefill that builds the state (its
+    first two positions: one row is padding only) and a continuation that still holds padding,
+    then new tokens (a multi-token chunk, then one token at a time): every real row's logits
+    equal the row run alone, and the state (S, z and the RPE window) stays finite. Padded keys
+    and values are replaced with `where` before anything sums them, so nothing of a padded slot
+    enters; a padded query only makes its own (padded) row non-finite."""
+    model = tiny(**VARIANTS[variant])
+    c = model.config.hidden_size
+    g = torch.Generator().manual_seed(9)
+    lengths, width = [7, 4], 7
+    rows = [torch.randn(n, c, generator=g) for n in lengths]
+    embeds = torch.full((2, width, c), poison)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        embeds[i, width - len(r) :] = r
+        mask[i, width - len(r) :] = 1
+    nxt = torch.randint(0, 61, (2, 6), generator=g)
+    with torch.no_grad():
+        out = model(inputs_embeds=embeds[:, :2], attention_mask=mask[:, :2])
+        cache = out.past_key_values
+        rest = model(inputs_embeds=embeds[:, 2:], attention_mask=mask, past_key_values=cache)
+        prefill = torch.cat([out.logits, rest.logits], dim=1)
+        mask = torch.cat([mask, torch.ones(2, 3, dtype=torch.long)], dim=1)
+        chunk = model(nxt[:, :3], attention_mask=mask, past_key_values=cache).logits
+        steps = []
+        for t in range(3, 6):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            steps.append(model(nxt[:, t : t + 1], attention_mask=mask, past_key_values=cache).logits)
+        for layer in cache.layers:
+            for name in layer.tensors():
+                assert torch.isfinite(getattr(layer, name)).all(), name
+        for i, r in enumerate(rows):
+            alone = model(inputs_embeds=r[None])
+            state = alone.past_key_values
+            want = [alone.logits[0], model(nxt[i : i + 1, :3], past_key_values=state).logits[0]]
+            want += [model(nxt[i : i + 1, t : t + 1], past_key_values=state).logits[0] for t in range(3, 6)]
+            got = [prefill[i, width - len(r) :], chunk[i]] + [s[i] for s in steps]
+            # the same operations on the same real tokens, float32: rounding of other batch shapes
+            torch.testing.assert_close(torch.cat(got), torch.cat(want), atol=1e-5, rtol=1e-5)
