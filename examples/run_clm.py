@@ -246,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
         max_train_steps=max_steps, evaluate=evaluate, eval_steps=args.eval_steps,
         prepare_batch=lambda b: {"input_ids": b["input_ids"], "labels": b["labels"], "use_cache": False},
-        fingerprint=fingerprint, settings=settings, save_extra=tokenizer.save_pretrained, resume=resume, desc="train",
+        fingerprint=fingerprint, settings=settings, save_extra=tokenizer.save_pretrained, resume=resume, report=accelerator.print, desc="train",
     )
     step, history = result["step"], result["history"]
     if result["stopped"]:

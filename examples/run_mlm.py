@@ -264,7 +264,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
         max_train_steps=args.max_train_steps, evaluate=evaluate_ppl, eval_steps=args.eval_steps,
         prepare_batch=lambda b: mask(b, train_gen), generators={"masking": train_gen},
-        fingerprint=fingerprint, settings=settings, resume=resume, desc="mlm",
+        fingerprint=fingerprint, settings=settings, resume=resume, report=accelerator.print, desc="mlm",
     )
     completed, history = result["step"], result["history"]
     if result["stopped"]:

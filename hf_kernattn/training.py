@@ -493,15 +493,18 @@ def train_loop(
     save_extra: Optional[Callable[[Path], None]] = None,
     resume: Optional[Path] = None,
     desc: str = "train",
+    report: Optional[Callable[[str], None]] = None,
 ) -> dict:
     """Train to ``max_train_steps`` optimizer steps (resuming when asked); returns
     ``{"step", "history", "stopped"}``. ``history`` holds the evaluations (every ``eval_steps``
     steps, else at the end of each epoch) and per-step training losses, kept across resumes.
     ``stopped`` is true when ``--stop_after_steps`` ended the run early (a checkpoint was saved).
-    ``resume`` is the checkpoint from :func:`resolve_checkpoint` (``None``: start fresh)."""
+    ``resume`` is the checkpoint from :func:`resolve_checkpoint` (``None``: start fresh);
+    ``report`` receives the progress lines (default: this module's logger, at info level)."""
     from tqdm.auto import tqdm
 
     step, epoch, batch_in_epoch, history = 0, 0, 0, {"eval": [], "train": []}
+    report = report or logger.info
     ckpt = resume
     if ckpt is None and args.resume_from_checkpoint == "latest":
         logger.warning(f"no checkpoint of this run in {args.output_dir}: starting fresh")
@@ -509,7 +512,7 @@ def train_loop(
         progress = load_checkpoint(accelerator, ckpt, model, optimizer, scheduler, generators)
         step, epoch, batch_in_epoch, history = (progress["step"], progress["epoch"], progress["batch_in_epoch"],
                                                 progress["history"])
-        accelerator.print(f"resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
+        report(f"resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
     stop_at = min(max_train_steps, args.stop_after_steps or max_train_steps)
     every = None if args.checkpointing_steps in (None, "epoch") else int(args.checkpointing_steps)
     bar = tqdm(total=max_train_steps, initial=step, disable=not accelerator.is_local_main_process, desc=desc)
@@ -549,7 +552,7 @@ def train_loop(
             if (eval_steps and step % eval_steps == 0) or (not eval_steps and epoch_done):
                 metrics = evaluate() | {"step": step, "epoch": epoch}
                 history["eval"].append(metrics)
-                accelerator.print(json.dumps(metrics))
+                report(json.dumps(metrics))
                 if args.with_tracking:
                     accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
             if (every and step % every == 0) or (args.checkpointing_steps == "epoch" and epoch_done) \

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.test_examples_resume import (
     ROOT,
