@@ -210,8 +210,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         )
         model = LinearGPTForCausalLM(config)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+    if args.gradient_checkpointing:  # the 5.x name where it exists, the older one otherwise
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
 
     sampler = EpochShuffleSampler(len(lm["train"]), args.seed)
     train_dl = DataLoader(lm["train"], batch_size=args.per_device_train_batch_size, sampler=sampler,
