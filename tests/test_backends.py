@@ -103,7 +103,7 @@ def test_backend_equals_dense_float64(name, causal, rpe, padded):
 
 
 def test_fft_gradcheck_1d_and_2d():
-    from hf_kernattn.modeling.kernels import ToeplitzKernelProduct
+    from hf_kernattn.modeling.kernels_toeplitz import ToeplitzKernelProduct
 
     g = torch.Generator().manual_seed(3)
     for spatial, n, cshape in (((5,), 5, (2, 9)), ((2, 3), 6, (2, 3, 5))):
@@ -115,13 +115,14 @@ def test_fft_gradcheck_1d_and_2d():
 
 
 def test_chunked_equals_recurrent_step_by_step():
-    from hf_kernattn.modeling.kernels import causal_chunked_attention, recurrent_step
+    from hf_kernattn.modeling.kernels_common import mask_keys
+    from hf_kernattn.modeling.kernels_linear import causal_chunked_attention, recurrent_step
 
     n = 37
     q, k, v, _, mask = _inputs(n, seed=4)
     keep = mask.bool()
     for chunk in (1, 4, 16, 64):
-        full = causal_chunked_attention(q, k, v, key_mask=keep, chunk_size=chunk)
+        full = causal_chunked_attention(q, *mask_keys(k, v, keep), chunk_size=chunk)
         state = torch.zeros(B, H, M, D, dtype=torch.float64)
         norm = torch.zeros(B, H, M, dtype=torch.float64)
         for t in range(n):
@@ -188,7 +189,8 @@ def test_windowed_equals_dense_for_clipped_bias(n, clip, causal):
     """The windowed backend on a bias from a clipped table: outputs and gradients (q, k, v and the
     table) equal the dense float64 reference. Short chunks force a band of several chunks per
     side (s > 1) and the far-region path."""
-    from hf_kernattn.modeling.kernels import windowed_attention
+    from hf_kernattn.modeling.kernels_common import mask_keys
+    from hf_kernattn.modeling.kernels_windowed import windowed_attention
 
     q, k, v, _, mask = _inputs(max(n, 4), seed=8)
     q, k, v, mask = q[:, :, :n], k[:, :, :n], v[:, :, :n], mask[:, :n]
@@ -199,7 +201,8 @@ def test_windowed_equals_dense_for_clipped_bias(n, clip, causal):
         xs = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
         table.zero_grad()
         if fn == "windowed_small_chunks":
-            out = windowed_attention(*xs, rpe_bias=table(n), rpe_clip=clip, causal=causal, key_mask=mask.bool(), chunk_size=2)
+            kv = mask_keys(xs[1], xs[2], mask.bool())
+            out = windowed_attention(xs[0], *kv, rpe_bias=table(n), rpe_clip=clip, causal=causal, chunk_size=2)
         else:
             out = hf_kernattn.kernelized_attention(*xs, table(n), causal, mask, backend=fn, rpe_clip=clip)
         (out * torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)).sum().backward()
@@ -224,3 +227,92 @@ def test_rpe_clip_is_checked_and_auto_uses_windowed():
         hf_kernattn.kernelized_attention(q, k, v, bias, backend="windowed")
     assert choose_backend(n=4096, causal=False, rpe="1d", key_mask=False, device="cpu", rpe_clip=512) == "windowed"
     assert choose_backend(n=4096, causal=True, rpe="1d", key_mask=True, device="cpu", rpe_clip=4096) == "fft"
+
+
+def _grads(fn, inputs):
+    """Output of ``fn(*inputs)`` and the gradients of a fixed non-uniform loss on it."""
+    xs = [None if x is None else x.detach().clone().requires_grad_(True) for x in inputs]
+    out = fn(*xs)
+    weights = torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape)
+    live = [x for x in xs if x is not None]
+    return out.detach(), torch.autograd.grad((out * weights).sum(), live)
+
+
+@pytest.mark.parametrize("spatial,causal", [((9,), False), ((9,), True), ((3, 4), False)])
+def test_toeplitz_op_equals_its_plain_reference(spatial, causal):
+    """ToeplitzKernelProduct (FFT, hand-written backward) against the plain N x N product beside
+    it, in float64: outputs and the gradients of q, k, v and the coefficients. Both sum the same
+    O(N M) terms of size O(1) (the FFT adds ~log L rounding steps per term), so they agree to
+    far below 1e-12."""
+    from hf_kernattn.modeling.kernels_toeplitz import ToeplitzKernelProduct, toeplitz_kernel_product_reference
+
+    n = math.prod(spatial)
+    g = torch.Generator().manual_seed(31)
+    q = torch.rand(B, H, n, M, generator=g, dtype=torch.float64)
+    k = torch.rand(B, H, n, M, generator=g, dtype=torch.float64)
+    v = torch.randn(B, H, n, D + 1, generator=g, dtype=torch.float64)
+    c = torch.rand((H,) + tuple(2 * s - 1 for s in spatial), generator=g, dtype=torch.float64)
+    if causal:
+        c[:, n:] = 0  # offsets r > 0 carry no weight
+    out, grads = _grads(lambda *a: ToeplitzKernelProduct.apply(*a, spatial), (q, k, v, c))
+    ref, ref_grads = _grads(lambda *a: toeplitz_kernel_product_reference(*a, spatial), (q, k, v, c))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for got, want, label in zip(grads, ref_grads, ["q", "k", "v", "c"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m: f"grad {label}: {m}")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("with_far", [False, True])
+@pytest.mark.parametrize("per_head_eps", [False, True])
+def test_banded_op_equals_its_plain_reference(causal, with_far, per_head_eps):
+    """BandedKernelProduct (hand-written backward) against the plain chunk-by-chunk product
+    beside it, in float64: outputs and the gradients of q, k, v, the band weights and the
+    far-region states. Chunks of 4 with a band of 2 chunks per side over 23 tokens (a partial
+    last chunk). Both add the same O(W M) terms of size O(1) in different orders: far below
+    1e-12."""
+    from hf_kernattn.modeling.kernels_windowed import BandedKernelProduct, banded_kernel_product_reference
+
+    n, c, s = 23, 4, 2
+    g = torch.Generator().manual_seed(32)
+    q = torch.rand(B, H, n, M, generator=g, dtype=torch.float64)
+    k = torch.rand(B, H, n, M, generator=g, dtype=torch.float64)
+    v = torch.cat([torch.randn(B, H, n, D, generator=g, dtype=torch.float64), torch.ones(B, H, n, 1, dtype=torch.float64)], -1)
+    weight = torch.rand(H, c, (s + 1 if causal else 2 * s + 1) * c, generator=g, dtype=torch.float64)
+    far = torch.rand(B, H, -(-n // c), M, D + 1, generator=g, dtype=torch.float64) if with_far else None
+    eps = torch.tensor([1e-3, 0.5, 2.0], dtype=torch.float64) if per_head_eps else 0.25
+    out, grads = _grads(lambda *a: BandedKernelProduct.apply(*a, c, s, causal, eps), (q, k, v, weight, far))
+    ref, ref_grads = _grads(lambda *a: banded_kernel_product_reference(*a, c, s, causal, eps), (q, k, v, weight, far))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert len(grads) == (5 if with_far else 4)
+    for got, want, label in zip(grads, ref_grads, ["q", "k", "v", "weight", "far"]):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=lambda m: f"grad {label}: {m}")
+
+
+def test_kernels_refuse_arguments_they_do_not_take():
+    """A kernel called directly with an argument it does not implement raises TypeError instead
+    of silently computing something else (e.g. non-causal attention for causal=True); masking
+    happens before dispatch, so no kernel takes a key mask."""
+    from hf_kernattn.modeling.kernels_dense import dense_attention
+    from hf_kernattn.modeling.kernels_fft import fft_attention
+    from hf_kernattn.modeling.kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
+    from hf_kernattn.modeling.kernels_windowed import windowed_attention
+
+    q, k, v, bias, mask = _inputs(6, seed=33)
+    keep = mask.bool()
+    calls = [
+        (linear_attention, {"causal": True}),
+        (linear_attention, {"rpe_bias": bias}),
+        (linear_attention, {"key_mask": keep}),
+        (causal_chunked_attention, {"rpe_bias": bias}),
+        (causal_chunked_attention, {"causal": False}),
+        (recurrent_attention, {"causal": False}),
+        (recurrent_attention, {"key_mask": keep}),
+        (dense_attention, {"key_mask": keep}),
+        (fft_attention, {"key_mask": keep}),
+        (fft_attention, {"compute_dtype": torch.float64}),
+        (windowed_attention, {"rpe_bias": bias, "rpe_clip": 2, "grid": (2, 3)}),
+        (windowed_attention, {"rpe_bias": bias, "rpe_clip": 2, "key_mask": keep}),
+    ]
+    for fn, kwargs in calls:
+        with pytest.raises(TypeError, match="unexpected keyword argument"):
+            fn(q, k, v, **kwargs)

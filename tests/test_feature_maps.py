@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import hf_kernattn
 from hf_kernattn.modeling.feature_maps import FEATURE_MAPS, draw_projection, feature_maps_step
-from hf_kernattn.modeling.kernels import dense_bias_matrix
+from hf_kernattn.modeling.kernels_common import dense_bias_matrix
 
 
 def test_deterministic_maps_values():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_kernattn import LinearGPTCache, LinearGPTConfig, LinearGPTForCausalLM
-from hf_kernattn.modeling.kernels import dense_attention
+from hf_kernattn.modeling.kernels_dense import dense_attention
 from hf_kernattn.modeling.modeling_linear_gpt import apply_rotary, rotary_cos_sin
 
 VARIANTS = {

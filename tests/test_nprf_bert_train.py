@@ -107,7 +107,8 @@ def test_trainer_learns_order_task_and_checkpoint_reloads_without_package(tmp_pa
     trainer.save_model(str(best))
     saved = sorted(p.name for p in best.iterdir())
     for name in ("config.json", "model.safetensors", "configuration_nprf_bert.py", "modeling_nprf_bert.py",
-                 "attention.py", "kernels.py", "tokenizer_config.json"):
+                 "attention.py", "kernels_common.py", "kernels_fft.py", "kernels_toeplitz.py", "kernels_windowed.py",
+                 "tokenizer_config.json"):
         assert name in saved, f"{name} missing from the saved checkpoint: {saved}"
     model = trainer.model.eval()
     batch = tok(["a x b c y", "y d d x e f g h a"], padding=True, return_tensors="pt")

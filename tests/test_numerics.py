@@ -304,7 +304,7 @@ def test_constant_bias_cancels_in_every_backend(backend, causal):
 def test_fft_float32_error_stays_within_its_stated_bound(n, causal, span):
     """fft_error_bound is an upper bound of the measured float32 error (relative to max|v|)
     against the float64 formula, and it is not vacuous (below 1) in these cases."""
-    from hf_kernattn.modeling.kernels import fft_error_bound
+    from hf_kernattn.modeling.kernels_fft import fft_error_bound
 
     q, k, v, bias = _positive_inputs(n, seed=12, b=1, h=1, span=span)
     out = hf_kernattn.kernelized_attention(q, k, v, bias, causal, backend="fft")
@@ -318,7 +318,7 @@ def test_auto_meets_1e4_where_float32_fft_cannot():
     keys more: the float32 FFT misses 1e-4 (the first rows, small against the late ones, are
     the hardest), so auto must not use it; non-causal with a small span the float32 FFT meets
     the target and auto keeps it."""
-    from hf_kernattn.modeling.kernels import fft_error_bound
+    from hf_kernattn.modeling.kernels_fft import fft_error_bound
 
     n = 2048
     q, k, v, bias = _positive_inputs(n, seed=13, b=1, h=1, span=1.0)
@@ -348,7 +348,7 @@ def test_core_reads_no_tensor_values_while_tracing(monkeypatch):
     value checks (mask values, "nothing padded", the rpe_clip declaration, the FFT error bound)
     read no tensor value: no ``bool()``/``int()``/``float()``/``item()`` of a tensor, no
     ``torch.equal``. The result is the one of the eager call (float64, same operations)."""
-    from hf_kernattn.modeling import backends, kernels
+    from hf_kernattn.modeling import backends, kernels_fft
 
     n = 12
     q, k, v, _ = _positive_inputs(n, seed=3, dtype=torch.float64)
@@ -373,7 +373,7 @@ def test_core_reads_no_tensor_values_while_tracing(monkeypatch):
     got = [hf_kernattn.kernelized_attention(q, k, v, bias, causal, attention_mask=m, rpe_clip=3, backend=b)
            for causal in (False, True) for m in (mask, full) for b in ("windowed", "fft")]
     assert backends._normalize_mask(full, 2, n, q.device) is not None  # kept, not inspected
-    assert kernels.fft_error_bound(q, k, rpe_bias=bias, causal=True, key_mask=mask.bool()) == math.inf
+    assert kernels_fft.fft_error_bound(q, k, rpe_bias=bias, causal=True, key_mask=mask.bool()) == math.inf
     monkeypatch.undo()
     assert reads == []
     for g, w in zip(got, want):
@@ -453,16 +453,18 @@ def test_non_finite_future_token_does_not_reach_earlier_rows(backend, rpe, where
 
 
 def test_dense_kernel_masks_padded_keys_before_the_product():
-    """The dense kernel called directly (no entry-point isolation): NaN in padded keys must not
-    make the query gradients NaN."""
-    from hf_kernattn.modeling.kernels import dense_attention
+    """The dense kernel on keys masked as the entry point masks them before dispatch, without
+    the entry point's isolation of non-finite values: NaN in padded keys must not make the
+    query gradients NaN."""
+    from hf_kernattn.modeling.kernels_common import mask_keys
+    from hf_kernattn.modeling.kernels_dense import dense_attention
 
     q, k, v, _ = _positive_inputs(7, seed=22, dtype=torch.float64)
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[0, -2:] = False
     k[0, :, -2:] = float("nan")
     q.requires_grad_(True)
-    out = dense_attention(q, k, v, key_mask=mask)
+    out = dense_attention(q, *mask_keys(k, v, mask))
     (g,) = torch.autograd.grad(out.sum(), [q])
     assert torch.isfinite(g).all()
 

@@ -86,7 +86,7 @@ def test_register_custom_backend_is_used_and_checked():
 
     def scaled_linear(q, k, v, *, rpe_bias=None, causal=False, key_mask=None, grid=None, eps=1e-6):
         calls.append(q.shape)
-        return backends_mod.linear_attention(q, k, v, key_mask=key_mask, eps=eps)
+        return backends_mod.linear_attention(q, k, v, eps=eps)  # keys arrive masked
 
     try:
         spec = hf_kernattn.register_backend("test_custom", scaled_linear, description="test")
@@ -137,3 +137,65 @@ def test_empty_batch_or_heads_give_an_empty_result(name, empty):
     assert q.grad is not None and q.grad.shape == q.shape
     with pytest.raises(ValueError, match="cannot do"):
         hf_kernattn.kernelized_attention(q, k, v, causal=True, backend="linear")
+
+
+def test_each_backend_receives_exactly_what_it_declares():
+    """The registry declares the keyword arguments of every backend; kernelized_attention passes
+    those and nothing else (a strict signature works), after casting to the compute dtype and
+    zeroing padded keys and values."""
+    assert backends_mod.get_backend("linear").takes == ("eps",)
+    assert backends_mod.get_backend("causal_chunked").takes == ("eps",)
+    assert "key_mask" not in backends_mod.get_backend("dense").takes
+    assert "rpe_clip" in backends_mod.get_backend("windowed").takes
+    seen = {}
+
+    def strict(q, k, v, *, key_mask, eps):
+        seen.update(dtype=q.dtype, k=k, v=v, key_mask=key_mask)
+        return backends_mod.linear_attention(q, k, v, eps=eps)
+
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    k[0, :, -1] = float("inf")  # a padded slot may hold anything
+    mask = torch.ones(1, 6, dtype=torch.long)
+    mask[0, -1] = 0
+    try:
+        hf_kernattn.register_backend("test_strict", strict, takes=("key_mask", "eps"))
+        out = hf_kernattn.kernelized_attention(q, k, v, attention_mask=mask, backend="test_strict")
+    finally:
+        backends_mod._REGISTRY.pop("test_strict", None)
+    assert seen["dtype"] == torch.float32 and out.dtype == torch.bfloat16
+    assert torch.equal(seen["key_mask"], mask.bool())
+    assert (seen["k"][0, :, -1] == 0).all() and (seen["v"][0, :, -1] == 0).all()
+    torch.testing.assert_close(out, hf_kernattn.kernelized_attention(q, k, v, attention_mask=mask, backend="dense"))
+
+
+def test_register_backend_checks_what_it_takes():
+    def fn(q, k, v, **kwargs):
+        return v
+
+    with pytest.raises(ValueError, match=r"takes must name arguments among .*'mask'"):
+        hf_kernattn.register_backend("test_bad", fn, takes=("mask",))
+    with pytest.raises(ValueError, match=r"takes must include \['causal'\]"):
+        hf_kernattn.register_backend("test_bad", fn, causal=True, noncausal=True, takes=("eps",))
+    with pytest.raises(ValueError, match=r"takes must include \['rpe_bias', 'grid'\]"):
+        hf_kernattn.register_backend("test_bad", fn, rpe_2d=True, takes=("eps",))
+    with pytest.raises(ValueError, match=r"takes must include \['rpe_clip'\]"):
+        hf_kernattn.register_backend("test_bad", fn, rpe_1d=True, needs_rpe_clip=True, takes=("rpe_bias",))
+    assert "test_bad" not in hf_kernattn.available_backends()
+    try:
+        spec = hf_kernattn.register_backend("test_default", fn, rpe_1d=True, needs_rpe_clip=True)
+        assert spec.takes == ("rpe_bias", "causal", "key_mask", "grid", "eps", "rpe_clip")
+    finally:
+        backends_mod._REGISTRY.pop("test_default", None)
+
+
+def test_auto_never_picks_a_decoding_backend(monkeypatch):
+    """``decoding=True`` marks a step-by-step form: auto skips it for a whole sequence even when
+    it is registered first and could run the call."""
+    monkeypatch.setattr(backends_mod, "_REGISTRY", {})
+
+    def fn(q, k, v, *, eps):
+        return v
+
+    hf_kernattn.register_backend("test_step", fn, causal=True, noncausal=False, decoding=True, takes=("eps",))
+    hf_kernattn.register_backend("test_whole", fn, causal=True, noncausal=False, takes=("eps",))
+    assert backends_mod.choose_backend(n=4096, causal=True, rpe=None, key_mask=False, device="cpu") == "test_whole"

@@ -7,9 +7,14 @@ backend (raising ``ValueError`` with the backends that *can* do it if it cannot)
 ``backend="auto"``, the fastest valid one according to crossovers measured by
 ``hf-kernattn bench attention`` (see :data:`AUTO_DENSE_MAX_N`) that is also accurate: every
 backend but ``fft`` is exact up to ordinary float32 summation; ``fft`` is kept only where its
-error bound (``kernels.fft_error_bound``) in the input's dtype is at most
+error bound (``kernels_fft.fft_error_bound``) in the input's dtype is at most
 :data:`AUTO_FFT_MAX_ERROR` = 1e-4, otherwise ``auto`` takes ``windowed`` (clipped bias) or the
 FFT computed in float64.
+
+The work common to every backend happens here, once, before dispatch: validation, isolation of
+non-finite inputs, the dtype rule (float32 at least, float64 stays float64; the bias too) and
+key masking (padded keys and their values zeroed). A backend then receives exactly the keyword
+arguments it declared at registration (``takes``) and nothing else.
 """
 
 from __future__ import annotations
@@ -20,20 +25,17 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .kernels import (
-    autocast_disabled,
-    causal_chunked_attention,
-    compute_dtype_for,
-    dense_attention,
-    fft_attention,
-    fft_error_bound,
-    isolate_non_finite,
-    linear_attention,
-    recurrent_attention,
-    windowed_attention,
-)
+from .kernels_common import autocast_disabled, compute_dtype_for, isolate_non_finite, mask_keys
+from .kernels_dense import dense_attention
+from .kernels_fft import fft_attention, fft_error_bound
+from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
+from .kernels_windowed import windowed_attention
 
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
+# The keyword arguments a backend may take (declared at registration as ``takes``).
+BACKEND_ARGUMENTS = ("rpe_bias", "causal", "key_mask", "grid", "eps", "rpe_clip")
+# What a backend registered without ``takes`` receives (plus ``rpe_clip`` when it needs one).
+DEFAULT_TAKES = ("rpe_bias", "causal", "key_mask", "grid", "eps")
 
 
 @dataclass(frozen=True)
@@ -42,13 +44,16 @@ class BackendSpec:
 
     Attributes:
         name: registry key.
-        fn: ``fn(q, k, v, *, rpe_bias, causal, key_mask, grid, eps) -> (B, H, N, D)``.
+        fn: ``fn(q, k, v, **kwargs) -> (B, H, N, D)``, called with exactly the keyword
+            arguments named in ``takes``.
+        takes: the keyword arguments ``fn`` accepts, among :data:`BACKEND_ARGUMENTS`.
         causal: supports ``causal=True``.
         noncausal: supports ``causal=False``.
         rpe_1d: supports a 1D bias ``(H, 2N-1)``.
         rpe_2d: supports a 2D bias on a grid ``(H, 2Hg-1, 2Wg-1)``.
         key_mask: supports an ``attention_mask`` with padding.
-        decoding: is a step-by-step (recurrent) form usable for decoding.
+        decoding: a step-by-step (recurrent) form meant for decoding: run when named, never
+            chosen by ``backend="auto"`` for a whole sequence.
         needs_rpe_clip: only runs a 1D bias declared clipped (``rpe_clip``); receives ``rpe_clip``.
         devices: device types it runs on.
         complexity: a short note for docs and error messages, e.g. ``"O(N)"``.
@@ -57,6 +62,7 @@ class BackendSpec:
 
     name: str
     fn: Callable[..., torch.Tensor]
+    takes: tuple[str, ...] = DEFAULT_TAKES
     causal: bool = False
     noncausal: bool = True
     rpe_1d: bool = False
@@ -108,13 +114,19 @@ def register_backend(
     complexity: str = "",
     description: str = "",
     overwrite: bool = False,
+    takes: Optional[Sequence[str]] = None,
 ) -> BackendSpec:
     """Register an attention backend under ``name`` with its declared capabilities.
 
-    ``fn`` receives feature-mapped ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` and keyword
-    arguments ``rpe_bias, causal, key_mask ((B, N) bool or None), grid, eps``; it returns
+    ``fn`` receives feature-mapped ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` in the compute
+    dtype (float32 at least; float64 stays float64), padded keys and their values already zero,
+    and the keyword arguments named in ``takes`` (default ``rpe_bias, causal, key_mask ((B, N)
+    bool or None), grid, eps``, plus ``rpe_clip`` when ``needs_rpe_clip``); it returns
     ``(B, H, N, D)``. Raises ``ValueError`` if the name is taken (unless ``overwrite``) or
-    ``auto``, ``TypeError`` if ``fn`` is not callable.
+    ``auto``, or if ``takes`` names an unknown argument or lacks one a declared capability
+    needs (``causal`` for a backend that runs both causal and non-causal calls, ``rpe_bias``
+    for a bias, ``grid`` for a 2D bias, ``rpe_clip`` with ``needs_rpe_clip``); ``TypeError``
+    if ``fn`` is not callable.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
@@ -125,9 +137,20 @@ def register_backend(
     unknown = [d for d in devices if d not in DEVICE_TYPES]
     if unknown:
         raise ValueError(f"devices must be among {list(DEVICE_TYPES)}, got {unknown}")
+    if takes is None:
+        takes = DEFAULT_TAKES + (("rpe_clip",) if needs_rpe_clip else ())
+    takes = tuple(takes)
+    unknown = [a for a in takes if a not in BACKEND_ARGUMENTS]
+    if unknown:
+        raise ValueError(f"takes must name arguments among {list(BACKEND_ARGUMENTS)}, got {unknown}")
+    needed = {"causal": causal and noncausal, "rpe_bias": rpe_1d or rpe_2d, "grid": rpe_2d, "rpe_clip": needs_rpe_clip}
+    lacking = [a for a, need in needed.items() if need and a not in takes]
+    if lacking:
+        raise ValueError(f"takes must include {lacking} for the declared capabilities of backend {name!r}")
     spec = BackendSpec(
         name=name,
         fn=fn,
+        takes=takes,
         causal=causal,
         noncausal=noncausal,
         rpe_1d=rpe_1d,
@@ -188,7 +211,7 @@ def choose_backend(
     else:
         preferred, limit = "linear", AUTO_DENSE_MAX_N["plain"]
     order = ["dense", preferred] if n <= limit else [preferred, "dense"]
-    order += [name for name in _REGISTRY if name not in order and name != "recurrent"]
+    order += [name for name, spec in _REGISTRY.items() if name not in order and not spec.decoding]
     for name in order:
         spec = _REGISTRY.get(name)
         if spec is not None and not spec.missing(
@@ -200,24 +223,24 @@ def choose_backend(
 
 def _auto_fft_precision(
     q: torch.Tensor, k: torch.Tensor, rpe_bias, causal: bool, key_mask, request: dict
-) -> tuple[str, dict]:
+) -> tuple[str, torch.dtype]:
     """``auto`` chose ``fft``: keep it where its error bound in the input's compute dtype meets
     :data:`AUTO_FFT_MAX_ERROR`, else the exact ``windowed`` backend (clipped bias) or the FFT in
-    float64. While compiling, data are not inspected (no host sync): float32 is then assumed
-    not to meet the target."""
+    float64. Returns the backend and the dtype to compute in. While compiling, data are not
+    inspected (no host sync): float32 is then assumed not to meet the target."""
     dt = compute_dtype_for(q)
     if torch.compiler.is_compiling():
         bound = 0.0 if dt == torch.float64 else math.inf
     else:
         bound = fft_error_bound(q, k, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, dtype=dt)
     if bound <= AUTO_FFT_MAX_ERROR:
-        return "fft", {}
+        return "fft", dt
     windowed = _REGISTRY.get("windowed")
     if windowed is not None and not windowed.missing(**request):
-        return "windowed", {}
+        return "windowed", dt
     if dt != torch.float64 and q.device.type != "mps":  # MPS has no float64
-        return "fft", {"compute_dtype": torch.float64}
-    return "fft", {}
+        return "fft", torch.float64
+    return "fft", dt
 
 
 # ----------------------------------------------------------------------------- validation
@@ -325,7 +348,7 @@ def kernelized_attention(
         backend: ``"auto"`` or a registered name (:func:`available_backends`). ``auto`` picks
             the fastest valid backend whose error meets 1e-4 relative to the values (see
             :data:`AUTO_FFT_MAX_ERROR`); a named ``fft`` runs in the input's dtype with the error
-            stated in ``kernels.fft_attention``.
+            stated in ``kernels_fft.fft_attention``.
         eps: added to the denominator.
         rpe_clip: optional ``K``: declares the 1D bias constant for offsets beyond ``+-K`` (a
             clipped table, as :class:`RelativePositionBias1D` makes). Enables the O(N K)
@@ -385,9 +408,9 @@ def kernelized_attention(
     request = dict(causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip)
     q, k, v, poisoned = isolate_non_finite(q, k, v, key_mask, causal)
     name = choose_backend(n=n, **request) if backend == "auto" else backend
-    precision = {}
+    dt = compute_dtype_for(q)  # the dtype rule
     if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
-        name, precision = _auto_fft_precision(q, k, rpe_bias, causal, key_mask, request)
+        name, dt = _auto_fft_precision(q, k, rpe_bias, causal, key_mask, request)
     spec = get_backend(name)
     lacks = spec.missing(**request)
     if lacks:
@@ -396,11 +419,17 @@ def kernelized_attention(
     if b == 0 or h == 0:  # nothing to attend over: an empty result, attached to every input
         attached = q.sum() + k.sum() + (rpe_bias.sum().to(v.dtype) if rpe_bias is not None else 0)
         return v * 0 + attached.to(v.dtype) * 0
-    extra = dict(precision, **({"rpe_clip": rpe_clip} if spec.needs_rpe_clip else {}))
+    out_dtype = v.dtype
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
-        out = spec.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), **extra)
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        k, v = mask_keys(k, v, key_mask)
+        given = dict(
+            rpe_bias=None if rpe_bias is None else rpe_bias.to(dt), causal=causal, key_mask=key_mask,
+            grid=grid_t, eps=float(eps), rpe_clip=rpe_clip,
+        )
+        out = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
         out = torch.where(poisoned[..., None], torch.full((), math.nan, dtype=out.dtype, device=out.device), out)
-    return out.to(v.dtype)
+    return out.to(out_dtype)
 
 
 def _check_rpe_clip(rpe_clip: object, rpe: Optional[str], rpe_bias: Optional[torch.Tensor], n: int) -> None:
@@ -422,36 +451,29 @@ def _check_rpe_clip(rpe_clip: object, rpe: Optional[str], rpe_bias: Optional[tor
             raise ValueError(f"rpe_bias is not constant beyond offsets +-{rpe_clip}, so rpe_clip={rpe_clip} does not hold")
 
 
-def _causal_chunked(q, k, v, *, key_mask=None, eps=1e-6, **_):
-    return causal_chunked_attention(q, k, v, key_mask=key_mask, eps=eps)
-
-
-def _recurrent(q, k, v, *, rpe_bias=None, key_mask=None, eps=1e-6, **_):
-    return recurrent_attention(q, k, v, rpe_bias=rpe_bias, key_mask=key_mask, eps=eps)
-
-
 register_backend(
-    "dense", dense_attention, causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
+    "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps"), causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
     complexity="O(N^2 M)", description="exact quadratic reference (materialises the N x N matrix)",
 )
 register_backend(
-    "linear", linear_attention, causal=False, noncausal=True,
+    "linear", linear_attention, takes=("eps",), causal=False, noncausal=True,
     complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
 )
 register_backend(
-    "causal_chunked", _causal_chunked, causal=True, noncausal=False,
+    "causal_chunked", causal_chunked_attention, takes=("eps",), causal=True, noncausal=False,
     complexity="O(N C (M + D) + N M D)", description="causal linear attention, exact chunks plus running state",
 )
 register_backend(
-    "fft", fft_attention, causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
+    "fft", fft_attention, takes=("rpe_bias", "causal", "grid", "eps"), causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
     complexity="O(N M D log N)", description="Toeplitz / block-Toeplitz RPE by FFT (Luo et al. 2021), 1D and 2D",
 )
 register_backend(
-    "windowed", windowed_attention, causal=True, noncausal=True, rpe_1d=True, needs_rpe_clip=True,
+    "windowed", windowed_attention, takes=("rpe_bias", "rpe_clip", "causal", "eps"),
+    causal=True, noncausal=True, rpe_1d=True, needs_rpe_clip=True,
     complexity="O(N K (M + D) + N M D)",
     description="exact for a bias clipped at K (rpe_clip): dense near the diagonal, running sums beyond",
 )
 register_backend(
-    "recurrent", _recurrent, causal=True, noncausal=False, rpe_1d=True, decoding=True,
+    "recurrent", recurrent_attention, takes=("rpe_bias", "eps"), causal=True, noncausal=False, rpe_1d=True, decoding=True,
     complexity="O(M D) per token (O(t M D) with RPE)", description="RNN form, one token at a time (decoding)",
 )

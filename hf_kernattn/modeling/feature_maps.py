@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels import full_precision
+from .kernels_common import full_precision
 
 FEATURE_MAPS = ("elu", "relu", "prf", "trf")
 PROJECTIONS = ("gaussian", "orthogonal", "sphere")

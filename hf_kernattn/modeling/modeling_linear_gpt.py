@@ -34,7 +34,8 @@ from .backends import kernelized_attention
 from .cache import LinearAttentionState, LinearGPTCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .feature_maps import FeatureMap, feature_maps_step
-from .kernels import bias_shift, causal_linear_sums, mask_keys, recurrent_step, shifted_eps, with_ones_column
+from .kernels_common import bias_shift, mask_keys, shifted_eps, with_ones_column
+from .kernels_linear import causal_linear_sums, recurrent_step
 from .positional import RelativePositionBias1D
 from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
 

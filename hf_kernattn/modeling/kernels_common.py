@@ -1,0 +1,179 @@
+"""Helpers shared by the attention kernels (the ``kernels_*.py`` files).
+
+Every kernel computes, for feature-mapped queries ``q (B, H, N, M)``, keys ``k (B, H, N, M)``
+and values ``v (B, H, N, D)``::
+
+    out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps),   r = j - i
+
+over the allowed ``j`` (``j <= i`` when causal), where ``c_r = exp(b_r)`` comes from the
+relative-position bias (all ones without one). A 1D bias has shape ``(H, 2N-1)`` (entry
+``r + N - 1`` holds ``b_r``); a 2D bias for a row-major ``(Hg, Wg)`` grid has shape
+``(H, 2Hg-1, 2Wg-1)``.
+
+What happens once, before a kernel runs (``backends.kernelized_attention``): inputs are
+validated, non-finite entries isolated (:func:`isolate_non_finite`), q, k, v and the bias cast
+to the compute dtype (:func:`compute_dtype_for`: float32 at least, float64 stays float64) and
+padded keys zeroed with their values (:func:`mask_keys`). A kernel therefore receives inputs of
+one dtype in which a padded key contributes nothing, and takes no key mask.
+
+Mixed precision: inside ``torch.autocast`` the attention core (feature maps, every kernel, the
+hand-written autograd ops' forward and backward) runs with autocast switched off
+(:func:`autocast_disabled`, :func:`full_precision`), so its products stay in float32 and the
+custom backwards see the dtypes their forwards saved; layers around it still autocast.
+
+Costs of the helpers here: elementwise, O(N (M + D)) time and memory, except
+:func:`relative_offsets` / :func:`dense_bias_matrix`, O(N^2) (the dense reference only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Optional, Sequence
+
+import torch
+
+
+def autocast_disabled(device_type: str):
+    """A context that switches ``torch.autocast`` off for ``device_type`` while it is on (a null
+    context otherwise, and for device types without autocast)."""
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type=device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def full_precision(fn):
+    """Run ``fn`` with autocast off for the device of its first tensor argument: the kernels
+    compute in the dtype they are given and must not be cast back down op by op (autocast
+    would run their matmuls in bf16/fp16 and hand custom backwards gradients of another dtype)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if tensor is None:
+            return fn(*args, **kwargs)
+        with autocast_disabled(tensor.device.type):
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
+    """The dtype rule: float64 stays float64; everything else is computed in float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def mask_keys(
+    k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero padded keys (after the feature map) and their values.
+
+    Args:
+        k: ``(B, H, N, M)``; v: ``(B, H, N, D)``; key_mask: ``(B, N)`` bool, True = keep.
+    """
+    if key_mask is None:
+        return k, v
+    keep = key_mask[:, None, :, None]
+    # where, not multiply: whatever a padded slot holds (even inf/NaN) must not leak in.
+    return torch.where(keep, k, torch.zeros((), dtype=k.dtype, device=k.device)), torch.where(
+        keep, v, torch.zeros((), dtype=v.dtype, device=v.device)
+    )
+
+
+def isolate_non_finite(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor], causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keep a non-finite input from reaching any row that does not see it.
+
+    A position whose key or value holds NaN/inf (per batch row and head) is replaced by zeros,
+    as padding is, and a non-finite query by zeros; then no algorithm (FFT, chunk sums, running
+    states, matrix products with masked weights) can spread it, in the forward or backward pass
+    (``where`` passes no gradient to the replaced entries). The rows that do see such an input
+    (the query itself, or an allowed key: at or before it when causal, any real key otherwise)
+    are *poisoned*: the caller sets them to NaN. Costs a few elementwise passes, no host sync.
+
+    Returns ``(q, k, v, poisoned)`` with ``poisoned (B, H, N)`` bool.
+    """
+    zero = torch.zeros((), dtype=k.dtype, device=k.device)
+    good = torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1)  # (B, H, N)
+    good_q = torch.isfinite(q).all(dim=-1)
+    bad = ~good if key_mask is None else ~good & key_mask[:, None, :]
+    seen = bad.cumsum(dim=-1) > 0 if causal else bad.any(dim=-1, keepdim=True).expand_as(bad)
+    k = torch.where(good[..., None], k, zero)
+    v = torch.where(good[..., None], v, zero.to(v.dtype))
+    q = torch.where(good_q[..., None], q, zero.to(q.dtype))
+    return q, k, v, seen | ~good_q
+
+
+def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[torch.Tensor, ...]:
+    """Index tensors into the bias for every (query i, key j) pair.
+
+    Returns ``(idx,)`` of shape ``(N, N)`` for 1D (``j - i + N - 1``) or ``(iy, ix)`` for 2D.
+    """
+    if grid is None:
+        pos = torch.arange(n, device=device)
+        return (pos[None, :] - pos[:, None] + n - 1,)
+    hg, wg = grid
+    pos = torch.arange(n, device=device)
+    y, x = pos // wg, pos % wg
+    return (y[None, :] - y[:, None] + hg - 1, x[None, :] - x[:, None] + wg - 1)
+
+
+def dense_bias_matrix(rpe_bias: torch.Tensor, n: int, grid: Optional[Sequence[int]]) -> torch.Tensor:
+    """Materialise ``B[h, i, j] = b_{j-i}``: ``(H, N, N)`` (any per-offset table: a bias or its
+    coefficients)."""
+    idx = relative_offsets(n, grid, rpe_bias.device)
+    if grid is None:
+        return rpe_bias[:, idx[0]]
+    return rpe_bias[:, idx[0], idx[1]]
+
+
+def bias_shift(rpe_bias: torch.Tensor, n: int, causal: bool) -> torch.Tensor:
+    """Per-head maximum of the bias over the offsets a call uses (``r <= 0`` when causal):
+    ``(H,)``, detached, 0 where it is not finite.
+
+    Kernels exponentiate ``b - shift`` (every coefficient <= 1, so ``exp`` cannot overflow: a
+    constant bias of 90 is fine) and divide by ``den + eps * exp(-shift)``: the shift cancels
+    between numerator and denominator and the result is the formula with ``c = exp(b)``
+    exactly (so the gradient needs no term for the shift).
+    """
+    b = rpe_bias.detach()
+    used = b[:, :n] if causal else b.reshape(b.shape[0], -1)
+    m = used.amax(dim=-1)
+    return torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+
+
+def shifted_eps(eps: float, shift: torch.Tensor) -> torch.Tensor:
+    """``eps * exp(-shift)`` per head, kept inside the normal range of the dtype (a positive
+    eps never becomes 0, so a row without keys still gives 0, not 0 / 0)."""
+    if eps == 0:
+        return torch.zeros_like(shift)
+    info = torch.finfo(shift.dtype)
+    return (eps * torch.exp(-shift)).clamp(min=info.tiny, max=info.max)
+
+
+def shifted_bias(rpe_bias: torch.Tensor, n: int, causal: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(b - shift, eps * exp(-shift))`` with the per-head :func:`bias_shift`: the shifted bias
+    (same shape as ``rpe_bias``) and the matching per-head ``(H,)`` eps."""
+    shift = bias_shift(rpe_bias, n, causal)
+    return rpe_bias - per_head(shift, rpe_bias.dim()), shifted_eps(eps, shift)
+
+
+def per_head(x: torch.Tensor, ndim: int) -> torch.Tensor:
+    """``(H,)`` -> ``(H, 1, ...)`` with ``ndim`` dimensions in all."""
+    return x.reshape((x.shape[0],) + (1,) * (ndim - 1))
+
+
+def chunk_tokens(x: torch.Tensor, c: int) -> torch.Tensor:
+    """Zero-pad ``x (B, H, N, F)`` along N to a multiple of ``c``: ``(B, H, N / c, c, F)``."""
+    b, h, n, f = x.shape
+    pad = (-n) % c
+    if pad:
+        x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+    return x.reshape(b, h, (n + pad) // c, c, f)
+
+
+def with_ones_column(v: torch.Tensor) -> torch.Tensor:
+    """``[v, 1]``: ``(B, H, N, D) -> (B, H, N, D + 1)``. Summing it with the attention weights
+    gives numerator and denominator in one pass (a masked key has k = 0, so it adds nothing)."""
+    return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
