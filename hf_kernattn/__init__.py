@@ -14,25 +14,19 @@ from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
 from .modeling.attention import KernelizedSelfAttention
 
-# --- Linear GPT (model classes; importing registers them with the Auto classes) ---
+import importlib as _importlib
+
+import transformers as _transformers
+
+from .modeling import configuration_linear_gpt as _configuration_linear_gpt
+from .modeling import configuration_nprf_bert as _configuration_nprf_bert
+
+# --- Linear GPT ---
 from .modeling.configuration_linear_gpt import LinearGPTConfig
 from .modeling.modeling_linear_gpt import LinearGPTForCausalLM, LinearGPTModel
 from .modeling.cache import LinearGPTCache
 
-def _register_linear_gpt() -> None:
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
-
-    AutoConfig.register("linear_gpt", LinearGPTConfig, exist_ok=True)
-    AutoModel.register(LinearGPTConfig, LinearGPTModel, exist_ok=True)
-    AutoModelForCausalLM.register(LinearGPTConfig, LinearGPTForCausalLM, exist_ok=True)
-    LinearGPTConfig.register_for_auto_class("AutoConfig")
-    LinearGPTModel.register_for_auto_class("AutoModel")
-    LinearGPTForCausalLM.register_for_auto_class("AutoModelForCausalLM")
-
-
-_register_linear_gpt()
-
-# --- NPRF-BERT (model classes; importing registers them with the Auto classes) ---
+# --- NPRF-BERT ---
 from .modeling.configuration_nprf_bert import NPRFBertConfig
 from .modeling.modeling_nprf_bert import (
     NPRFBertForMaskedLM,
@@ -44,24 +38,25 @@ from .modeling.modeling_nprf_bert import (
 )
 
 
-def _register_nprf_bert() -> None:
-    """Register NPRF-BERT with the Auto classes (in-process and for ``save_pretrained``)."""
-    import transformers
-
-    transformers.AutoConfig.register("nprf_bert", NPRFBertConfig, exist_ok=True)
-    NPRFBertConfig.register_for_auto_class("AutoConfig")
-    for auto_name, cls in (
-        ("AutoModel", NPRFBertModel),
-        ("AutoModelForMaskedLM", NPRFBertForMaskedLM),
-        ("AutoModelForSequenceClassification", NPRFBertForSequenceClassification),
-        ("AutoModelForTokenClassification", NPRFBertForTokenClassification),
-        ("AutoModelForQuestionAnswering", NPRFBertForQuestionAnswering),
-    ):
-        getattr(transformers, auto_name).register(NPRFBertConfig, cls, exist_ok=True)
+def _register_family(config_module) -> None:
+    """Register one family with the Auto classes, in-process and for ``save_pretrained``, from
+    its one table ``AUTO_MAP`` (the same table the config writes into config.json as
+    ``auto_map``): ``{Auto class name: "module.Class"}`` inside ``hf_kernattn/modeling/``."""
+    classes = {}
+    for auto_name, reference in config_module.AUTO_MAP.items():
+        module_name, class_name = reference.split(".")
+        classes[auto_name] = getattr(_importlib.import_module(f"{__name__}.modeling.{module_name}"), class_name)
+    config_class = classes["AutoConfig"]
+    _transformers.AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+    for auto_name, cls in classes.items():
+        if auto_name != "AutoConfig":
+            getattr(_transformers, auto_name).register(config_class, cls, exist_ok=True)
         cls.register_for_auto_class(auto_name)
 
 
-_register_nprf_bert()
+_register_family(_configuration_linear_gpt)
+_register_family(_configuration_nprf_bert)
+
 _NPRF_BERT_ALL = [
     "NPRFBertConfig",
     "NPRFBertForMaskedLM",

@@ -224,6 +224,46 @@ def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recom
     assert not any(layer.gradient_checkpointing for layer in model.nprf_bert.layers)
 
 
+@pytest.mark.parametrize("positions", ["absolute", "rotary", "rpe"])
+def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
+    """Linear GPT honours recompute_attention in its parallel form: a prefill recomputes its
+    attention in the backward (q projection twice per layer), a continuation from the state
+    never does, and inside a gradient-checkpointed block it is off (twice per layer, not three
+    times). Logits, the decoding state and the gradients equal those without recomputation
+    (float64, the same operations in the same order: ulp-level differences at most)."""
+    extra = {"absolute": {}, "rotary": {"position_embedding_type": "rotary"},
+             "rpe": {"rpe": "learned", "max_relative_position": 4}}[positions]
+    ids = ids_for("linear_gpt", n=9)
+    layers = 2
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        cfg = gpt_config(feature_map="prf", num_random_features=16, recompute_attention=recompute, **extra)
+        model = LinearGPTForCausalLM(cfg).double().train()
+        calls = _count_projection_calls(model)
+        first = model(ids[:, :6], labels=ids[:, :6], use_cache=True)
+        state = first.past_key_values
+        second = model(ids[:, 6:], labels=ids[:, 6:], past_key_values=state, use_cache=True)
+        assert calls[0] == 2 * layers
+        (first.loss + second.loss).backward()
+        assert calls[0] == 2 * layers + (layers if recompute else 0)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((first.logits.detach(), second.logits.detach(), state.layers[0].state.detach(), grads))
+
+        model.zero_grad()
+        model.gradient_checkpointing_enable()
+        calls[0] = 0
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        assert calls[0] == 2 * layers
+        model.gradient_checkpointing_disable()
+    (a1, a2, s_a, g_a), (b1, b2, s_b, g_b) = results
+    for x, y in ((a1, b1), (a2, b2), (s_a, s_b)):
+        torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14)
+    assert g_a.keys() == g_b.keys()
+    for name, g in g_a.items():
+        torch.testing.assert_close(g_b[name], g, rtol=1e-12, atol=1e-14, msg=name)
+
+
 @pytest.mark.parametrize("family", ["nprf_bert", "linear_gpt"])
 def test_checkpointed_layers_recompute_with_the_features_of_their_forward(family):
     """Gradient accumulation with feature redraws: two training forwards (each redraws) before

@@ -5,19 +5,11 @@ kernelized_attention (backend registry) -> merge heads -> output projection``.
 
 Families differ only in what they pass in: NPRF-BERT a 1D bias and a padding mask, Linear GPT
 ``causal=True`` (and its decoding state, built from :meth:`KernelizedSelfAttention.project`),
-the ViT a 2D bias on the patch grid. The shared config fields (same names in every family):
-
-* ``feature_map``: ``elu`` | ``relu`` | ``prf`` | ``trf`` (see ``feature_maps.py``).
-* ``num_random_features``: m for the random maps.
-* ``feature_projection``: ``gaussian`` | ``orthogonal`` | ``sphere``.
-* ``normalize_qk``: l2-normalise q and k before the map (NPRF).
-* ``feature_redraw_interval``: training steps between redraws of random projections (0 never).
-* ``rpe`` / ``max_relative_position``: relative-position bias (see ``positional.py``).
-* ``attn_backend``: ``auto`` or a registered backend name.
-* ``recompute_attention``: when gradients are needed, keep only the block's input and recompute
-  the q/k/v projections, the feature maps and the kernel's intermediates in the backward pass
-  (flash attention recomputes its scores the same way). Outputs and gradients are identical;
-  that part of the forward runs twice.
+the ViT a 2D bias on the patch grid. The module reads the shared attention fields of the config
+(``feature_map``, ``num_random_features``, ``feature_projection``, ``normalize_qk``,
+``feature_redraw_interval``, ``feature_seed``, ``attn_backend``, ``attention_eps``,
+``attention_bias``, ``recompute_attention``), documented and checked once in
+``attention_config.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +20,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from .attention_config import complete_attention_fields
 from .backends import get_backend, kernelized_attention
 from .feature_maps import FeatureMap
 
@@ -36,8 +29,9 @@ class KernelizedSelfAttention(nn.Module):
     """Multi-head kernelized self-attention.
 
     Args:
-        config: any config carrying ``hidden_size``, ``num_attention_heads`` and the shared
-            attention fields listed in the module docstring.
+        config: a family config (it carries every shared attention field of
+            ``attention_config.py``), or any object with ``hidden_size``, ``num_attention_heads``
+            and some of those fields: the missing ones take the schema's base defaults.
         layer_idx: index of the layer (also offsets the feature seed so layers draw different
             projections).
         causal: mask future keys.
@@ -53,24 +47,25 @@ class KernelizedSelfAttention(nn.Module):
         self.head_dim = hidden // heads
         self.layer_idx = layer_idx
         self.causal = causal
-        self.backend = getattr(config, "attn_backend", "auto")
+        config = complete_attention_fields(config)
+        self.backend = config.attn_backend
         if self.backend != "auto":
             get_backend(self.backend)  # fail at construction on an unknown name
-        self.eps = float(getattr(config, "attention_eps", 1e-6))
-        self.recompute = bool(getattr(config, "recompute_attention", True))
-        bias = bool(getattr(config, "attention_bias", True))
+        self.eps = float(config.attention_eps)
+        self.recompute = bool(config.recompute_attention)
+        bias = bool(config.attention_bias)
         self.q_proj = nn.Linear(hidden, hidden, bias=bias)
         self.k_proj = nn.Linear(hidden, hidden, bias=bias)
         self.v_proj = nn.Linear(hidden, hidden, bias=bias)
         self.o_proj = nn.Linear(hidden, hidden, bias=bias)
         self.feature_map = FeatureMap(
             head_dim=self.head_dim,
-            feature_map=getattr(config, "feature_map", "elu"),
-            num_random_features=getattr(config, "num_random_features", 64),
-            projection=getattr(config, "feature_projection", "orthogonal"),
-            normalize_qk=getattr(config, "normalize_qk", False),
-            redraw_interval=getattr(config, "feature_redraw_interval", 0),
-            seed=int(getattr(config, "feature_seed", 0)) + 1000 * layer_idx,
+            feature_map=config.feature_map,
+            num_random_features=config.num_random_features,
+            projection=config.feature_projection,
+            normalize_qk=config.normalize_qk,
+            redraw_interval=config.feature_redraw_interval,
+            seed=int(config.feature_seed) + 1000 * layer_idx,
         )
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:

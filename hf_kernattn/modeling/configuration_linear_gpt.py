@@ -6,10 +6,23 @@ from typing import Optional
 
 from transformers import PreTrainedConfig
 
-from .attention_config import validate_attention_fields, validate_model_fields
+from .attention_config import AttentionSchema, validate_model_fields
 from .feature_maps import feature_size
 
+# The one Auto-class table of Linear GPT: written into config.json as ``auto_map`` (remote-code
+# loading) and read by ``hf_kernattn/__init__.py`` for the in-process registration.
+AUTO_MAP = {
+    "AutoConfig": "configuration_linear_gpt.LinearGPTConfig",
+    "AutoModel": "modeling_linear_gpt.LinearGPTModel",
+    "AutoModelForCausalLM": "modeling_linear_gpt.LinearGPTForCausalLM",
+}
+
 POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "none")
+
+ATTENTION_SCHEMA = AttentionSchema(
+    "Linear GPT",
+    recompute_attention=(False, "training and prefill keep their intermediates, as before the option existed"),
+)
 
 
 class LinearGPTConfig(PreTrainedConfig):
@@ -34,27 +47,19 @@ class LinearGPTConfig(PreTrainedConfig):
         initializer_range: std of the normal init of linear and embedding weights.
         embd_pdrop / resid_pdrop / attn_pdrop: dropout on embeddings, residual branches and the
             attention output.
-        attention_bias: use biases in the q/k/v/o projections.
-        attention_eps: epsilon added to the attention denominator.
 
-    Shared attention fields (same names in every family, see ``attention.py``):
-        feature_map: ``"elu"`` (elu + 1, the default, Katharopoulos et al. 2020), ``"relu"``,
-            ``"prf"`` or ``"trf"``.
-        num_random_features: m for the random maps ``prf`` / ``trf``.
-        feature_projection: ``"gaussian"`` | ``"orthogonal"`` | ``"sphere"`` random projections.
-        normalize_qk: l2-normalise queries and keys before the feature map.
-        feature_redraw_interval: training steps between redraws of the random projections (0 never).
-        feature_seed: seed of the random projections (layer ``l`` uses ``feature_seed + 1000 l``).
-        rpe: ``"none"`` or ``"learned"``: a causal relative-position bias ``b_{j-i}`` per layer
-            and head, clipped at ``max_relative_position`` (trained with the ``fft`` backend;
-            decoded exactly in constant time per token, see ``cache.py``).
-        max_relative_position: K, the clipping distance of the bias.
-        attn_backend: ``"auto"`` or a registered backend name for the parallel (training/prefill) form.
+    ``rpe`` takes ``"none"`` or ``"learned"`` here: a causal bias ``b_{j-i}`` per layer and head,
+    clipped at ``max_relative_position`` = K, trained in the parallel form with the backend
+    ``attn_backend`` picks (``auto``: see below) and decoded exactly in constant time per token
+    from a window of the last K - 1 keys (``cache.py``). ``recompute_attention`` applies to the
+    parallel form: training forwards and the prefill of a decoding state.
 
     Generation and tokens:
         use_cache: return the recurrent state (``past_key_values``) from ``forward``.
         pad_token_id / bos_token_id / eos_token_id: special token ids (may be ``None``).
         tie_word_embeddings: share the input embedding with the LM head.
+
+    @shared-attention-fields@
 
     ``output_attentions=True`` is refused (``ValueError``): kernelized attention never forms the
     attention matrix, so there are no attention weights to return.
@@ -80,17 +85,6 @@ class LinearGPTConfig(PreTrainedConfig):
         embd_pdrop: float = 0.0,
         resid_pdrop: float = 0.0,
         attn_pdrop: float = 0.0,
-        attention_bias: bool = True,
-        attention_eps: float = 1e-6,
-        feature_map: str = "elu",
-        num_random_features: int = 64,
-        feature_projection: str = "orthogonal",
-        normalize_qk: bool = False,
-        feature_redraw_interval: int = 0,
-        feature_seed: int = 0,
-        rpe: str = "none",
-        max_relative_position: int = 64,
-        attn_backend: str = "auto",
         use_cache: bool = True,
         pad_token_id: Optional[int] = None,
         bos_token_id: Optional[int] = None,
@@ -116,29 +110,17 @@ class LinearGPTConfig(PreTrainedConfig):
             hidden_act=hidden_act,
             initializer_range=initializer_range,
             layer_norm_eps=("layer_norm_epsilon", layer_norm_epsilon),
-            attention_eps=attention_eps,
-            feature_seed=feature_seed,
             use_cache=use_cache,
             output_attentions=kwargs.get("output_attentions"),
         )
-        validate_attention_fields(
-            hidden_size=hidden_size,
-            num_attention_heads=num_attention_heads,
-            feature_map=feature_map,
-            num_random_features=num_random_features,
-            feature_projection=feature_projection,
-            normalize_qk=normalize_qk,
-            feature_redraw_interval=feature_redraw_interval,
-            rpe=rpe,
-            max_relative_position=max_relative_position,
-            attn_backend=attn_backend,
-        )
+        attention = ATTENTION_SCHEMA.take(kwargs, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        rpe = attention["rpe"]
         if rpe not in ("none", "learned"):
             raise ValueError(f"rpe must be 'none' or 'learned' for a causal LM, got {rpe!r}")
         if position_embedding_type == "rotary":
             if rpe != "none":
                 raise ValueError("position_embedding_type='rotary' cannot be combined with rpe='learned'; pick one")
-            m = feature_size(feature_map, num_random_features, hidden_size // num_attention_heads)
+            m = feature_size(attention["feature_map"], attention["num_random_features"], hidden_size // num_attention_heads)
             if m % 2:
                 raise ValueError(f"position_embedding_type='rotary' needs an even feature size, got {m}")
         if not isinstance(rotary_base, (int, float)) or rotary_base <= 1:
@@ -160,28 +142,15 @@ class LinearGPTConfig(PreTrainedConfig):
         self.embd_pdrop = embd_pdrop
         self.resid_pdrop = resid_pdrop
         self.attn_pdrop = attn_pdrop
-        self.attention_bias = attention_bias
-        self.attention_eps = attention_eps
-        self.feature_map = feature_map
-        self.num_random_features = num_random_features
-        self.feature_projection = feature_projection
-        self.normalize_qk = normalize_qk
-        self.feature_redraw_interval = feature_redraw_interval
-        self.feature_seed = feature_seed
-        self.rpe = rpe
-        self.max_relative_position = max_relative_position
-        self.attn_backend = attn_backend
+        for name, value in attention.items():
+            setattr(self, name, value)
         self.use_cache = use_cache
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
         self.tie_word_embeddings = tie_word_embeddings
-        kwargs.setdefault(
-            "auto_map",
-            {
-                "AutoConfig": "configuration_linear_gpt.LinearGPTConfig",
-                "AutoModel": "modeling_linear_gpt.LinearGPTModel",
-                "AutoModelForCausalLM": "modeling_linear_gpt.LinearGPTForCausalLM",
-            },
-        )
+        kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(**kwargs)
+
+
+LinearGPTConfig.__doc__ = ATTENTION_SCHEMA.document(LinearGPTConfig.__doc__)

@@ -12,9 +12,11 @@ from typing import Optional
 
 from transformers import PreTrainedConfig
 
-from .attention_config import validate_attention_fields, validate_model_fields
+from .attention_config import AttentionSchema, validate_model_fields
 
-_AUTO_MAP = {
+# The one Auto-class table of NPRF-BERT: written into config.json as ``auto_map`` (remote-code
+# loading) and read by ``hf_kernattn/__init__.py`` for the in-process registration.
+AUTO_MAP = {
     "AutoConfig": "configuration_nprf_bert.NPRFBertConfig",
     "AutoModel": "modeling_nprf_bert.NPRFBertModel",
     "AutoModelForMaskedLM": "modeling_nprf_bert.NPRFBertForMaskedLM",
@@ -24,6 +26,15 @@ _AUTO_MAP = {
 }
 
 POSITION_EMBEDDING_TYPES = ("absolute", "none")
+
+# Luo et al. 2021's choices where they differ from the shared defaults.
+ATTENTION_SCHEMA = AttentionSchema(
+    "NPRF-BERT",
+    feature_map=("prf", "NPRF: positive random features"),
+    normalize_qk=(True, "the N of NPRF"),
+    rpe=("learned", "the paper's learnable bias, applied by FFT"),
+    max_relative_position=(512, "BERT's length"),
+)
 
 
 class NPRFBertConfig(PreTrainedConfig):
@@ -58,36 +69,17 @@ class NPRFBertConfig(PreTrainedConfig):
             ``hidden_dropout_prob``.
         tie_word_embeddings: tie the MLM decoder weight to the input embeddings.
 
-    Attention fields (shared by every hf-kernattn family; defaults are Luo et al.'s choices):
+    NPRF-BERT's own attention fields:
 
     Args:
-        feature_map: ``"prf"`` (positive random features, the default), ``"trf"``, ``"elu"`` or
-            ``"relu"``.
-        num_random_features: m, random features per head for ``prf``/``trf``.
-        feature_projection: ``"orthogonal"`` (default), ``"gaussian"`` or ``"sphere"`` random
-            projection rows.
-        normalize_qk: l2-normalise queries and keys before the feature map (the "N" of NPRF;
-            Luo et al. show this is what makes PRF training stable).
-        feature_redraw_interval: redraw the random projections every this many training
-            forwards; 0 (default) keeps the drawn features fixed, so a saved model is exactly
-            reproducible.
-        feature_seed: seed of the random projections (layer ``l`` uses ``feature_seed + 1000 l``).
-        rpe: ``"learned"`` (default: a learnable per-head bias b_{j-i}, applied as the Toeplitz
-            matrix exp(b) by FFT) or ``"none"``.
         rpe_shared_across_layers: one bias table for the whole model (default, as in the paper)
             or one per layer.
-        max_relative_position: K; offsets ``|j - i| > K`` share the bias of ``+-K``.
         rpe_init_std: std of the normal initialisation of the bias (0: start from plain kernel
             attention, which is also what conversion from BERT produces).
-        attn_backend: ``"auto"`` (fastest valid: dense for short inputs, the O(N K) ``windowed``
-            backend once N >= 3K, FFT otherwise) or a registered backend name
-            (``hf_kernattn.available_backends()``) such as ``"fft"``.
-        recompute_attention: when gradients are needed, keep only each attention block's input
-            and recompute its q/k/v projections, feature maps and kernel intermediates in the
-            backward pass (flash attention recomputes its scores the same way). Same outputs and
-            gradients; less memory, for one more forward of those parts per layer.
-        attention_eps: added to the attention denominator.
-        attention_bias: biases on the q/k/v/o projections (BERT has them).
+
+    ``rpe`` takes ``"learned"`` or ``"none"`` here (a 1D encoder).
+
+    @shared-attention-fields@
 
     ``output_attentions=True`` is refused (``ValueError``): kernelized attention never forms the
     attention matrix, so there are no attention weights to return.
@@ -115,20 +107,8 @@ class NPRFBertConfig(PreTrainedConfig):
         position_embedding_type: str = "absolute",
         classifier_dropout: Optional[float] = None,
         tie_word_embeddings: bool = True,
-        feature_map: str = "prf",
-        num_random_features: int = 64,
-        feature_projection: str = "orthogonal",
-        normalize_qk: bool = True,
-        feature_redraw_interval: int = 0,
-        feature_seed: int = 0,
-        rpe: str = "learned",
         rpe_shared_across_layers: bool = True,
-        max_relative_position: int = 512,
         rpe_init_std: float = 0.0,
-        attn_backend: str = "auto",
-        attention_eps: float = 1e-6,
-        attention_bias: bool = True,
-        recompute_attention: bool = True,
         **kwargs,
     ) -> None:
         for name, value, lo in (
@@ -160,31 +140,16 @@ class NPRFBertConfig(PreTrainedConfig):
             raise ValueError(f"rpe_shared_across_layers must be a bool, got {rpe_shared_across_layers!r}")
         if not isinstance(rpe_init_std, (int, float)) or rpe_init_std < 0:
             raise ValueError(f"rpe_init_std must be a number >= 0, got {rpe_init_std!r}")
-        if not isinstance(recompute_attention, bool):
-            raise ValueError(f"recompute_attention must be a bool, got {recompute_attention!r}")
         validate_model_fields(
             hidden_act=hidden_act,
             initializer_range=initializer_range,
             layer_norm_eps=("layer_norm_eps", layer_norm_eps),
-            attention_eps=attention_eps,
-            feature_seed=feature_seed,
             use_cache=kwargs.get("use_cache"),
             output_attentions=kwargs.get("output_attentions"),
         )
-        validate_attention_fields(
-            hidden_size=hidden_size,
-            num_attention_heads=num_attention_heads,
-            feature_map=feature_map,
-            num_random_features=num_random_features,
-            feature_projection=feature_projection,
-            normalize_qk=normalize_qk,
-            feature_redraw_interval=feature_redraw_interval,
-            rpe=rpe,
-            max_relative_position=max_relative_position,
-            attn_backend=attn_backend,
-        )
-        if rpe not in ("none", "learned"):
-            raise ValueError(f"rpe must be 'learned' or 'none' for NPRF-BERT (a 1D encoder), got {rpe!r}")
+        attention = ATTENTION_SCHEMA.take(kwargs, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        if attention["rpe"] not in ("none", "learned"):
+            raise ValueError(f"rpe must be 'learned' or 'none' for NPRF-BERT (a 1D encoder), got {attention['rpe']!r}")
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -204,22 +169,14 @@ class NPRFBertConfig(PreTrainedConfig):
         self.position_embedding_type = position_embedding_type
         self.classifier_dropout = classifier_dropout
         self.tie_word_embeddings = tie_word_embeddings
-        self.feature_map = feature_map
-        self.num_random_features = num_random_features
-        self.feature_projection = feature_projection
-        self.normalize_qk = normalize_qk
-        self.feature_redraw_interval = feature_redraw_interval
-        self.feature_seed = feature_seed
-        self.rpe = rpe
+        for name, value in attention.items():
+            setattr(self, name, value)
         self.rpe_shared_across_layers = rpe_shared_across_layers
-        self.max_relative_position = max_relative_position
         self.rpe_init_std = float(rpe_init_std)
-        self.attn_backend = attn_backend
-        self.attention_eps = float(attention_eps)
-        self.attention_bias = attention_bias
-        self.recompute_attention = recompute_attention
-        kwargs.setdefault("auto_map", dict(_AUTO_MAP))
+        kwargs.setdefault("auto_map", dict(AUTO_MAP))
         super().__init__(**kwargs)
 
+
+NPRFBertConfig.__doc__ = ATTENTION_SCHEMA.document(NPRFBertConfig.__doc__)
 
 __all__ = ["NPRFBertConfig"]

@@ -1,7 +1,8 @@
 """Linear GPT: a decoder-only causal LM with kernelized (linear) attention.
 
 Trains in parallel (the shared :class:`KernelizedSelfAttention` with ``causal=True`` through
-the backend registry; the ``fft`` backend when a relative-position bias is learned) and decodes
+the backend registry: ``attn_backend``, whose ``auto`` rule is documented with the config's
+shared attention fields, also for a learned relative-position bias) and decodes
 as an RNN with a constant-size state per layer (Katharopoulos et al. 2020), wired into
 ``transformers``' ``generate()`` through :class:`LinearGPTCache` (``past_key_values``).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN
@@ -85,6 +87,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
         rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         past_key_values: Optional[LinearAttentionState] = None,
         projection: Optional[torch.Tensor] = None,
+        recompute: Optional[bool] = None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
@@ -92,40 +95,71 @@ class LinearGPTAttention(KernelizedSelfAttention):
             rotary: ``(cos, sin)`` each ``(B, 1, N, M/2)`` when rotary positions are used.
             past_key_values: this layer's :class:`LinearAttentionState` (updated in place), or None.
             projection: the random-feature projection to use (None: the feature map's current one).
+            recompute: for the parallel form (no earlier state: training, prefill), recompute
+                the projections, feature maps and kernel in the backward pass instead of storing
+                their intermediates. None: ``recompute_attention`` of the config; False: never
+                (inside a gradient-checkpointed block); True: always. Steps that continue from a
+                state never recompute.
         Returns:
             ``(B, N, C)``.
         """
+        if recompute is not None and not isinstance(recompute, bool):
+            raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
+        state = past_key_values
+        if state is None or not state.is_initialized:
+            # parallel form: nothing to read from a state; the new keys are stored afterwards
+            if projection is None:
+                projection = self.feature_map.projection
+            recompute = self.recompute if recompute is None else recompute
+            if recompute and torch.is_grad_enabled():
+                out, k_num, k, v = torch.utils.checkpoint.checkpoint(
+                    self._parallel, hidden_states, key_mask, rotary, projection, use_reentrant=False
+                )
+            else:
+                out, k_num, k, v = self._parallel(hidden_states, key_mask, rotary, projection)
+            if state is not None:
+                state.push(k_num, k, v, self.window)
+            return self.output(self.dropout(out), hidden_states.dtype)
+
+        q, k, v, q_num, k_num = self._features(hidden_states, key_mask, rotary, projection)
+        if self.rpe is not None:
+            out = self._rpe_steps(q, k, v, state)
+            return self.output(self.dropout(out), hidden_states.dtype)
+        if not self.rotary and q.shape[2] == 1:
+            out, s_new, z_new = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state.state, state.normalizer, self.eps)
+            state.state, state.normalizer = s_new, z_new
+            return self.output(self.dropout(out[:, :, None]), hidden_states.dtype)
+        out = self._state_sums(q, k, v, q_num, k_num, state)
+        state.push(k_num, k, v, self.window)
+        return self.output(self.dropout(out), hidden_states.dtype)
+
+    def _features(self, hidden_states, key_mask, rotary, projection):
+        """Query/key features (padded keys and values zeroed) and their rotated forms for the
+        numerator (the same tensors without rotary): ``q, k, v, q_num, k_num``."""
         # padded keys are masked below: only real ones must lie in the feature map's valid range
         q, k, v = self.project(hidden_states, projection, attention_mask=key_mask)
-        n = q.shape[2]
-        state = past_key_values
-        has_prev = state is not None and state.is_initialized
         k, v = mask_keys(k, v, key_mask)
         q_num, k_num = q, k
         if self.rotary:
             cos, sin = rotary
             q_num, k_num = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return q, k, v, q_num, k_num
 
+    def _parallel(self, hidden_states, key_mask, rotary, projection):
+        """The parallel form from no earlier state: the attention ``(B, H, N, D)`` and the
+        tensors a decoding state stores (``k_num, k, v``)."""
+        q, k, v, q_num, k_num = self._features(hidden_states, key_mask, rotary, projection)
         if self.rpe is not None:
-            if has_prev:
-                out = self._rpe_steps(q, k, v, state)
-                return self.output(self.dropout(out), hidden_states.dtype)
             # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed backend
             out = kernelized_attention(
-                q, k, v, rpe_bias=self.rpe(n).to(q.dtype), causal=True, backend=self.backend, eps=self.eps,
+                q, k, v, rpe_bias=self.rpe(q.shape[2]).to(q.dtype), causal=True, backend=self.backend, eps=self.eps,
                 rpe_clip=self.rpe.max_relative_position,
             )
-        elif not self.rotary and not has_prev:
+        elif not self.rotary:
             out = kernelized_attention(q, k, v, causal=True, backend=self.backend, eps=self.eps)
-        elif not self.rotary and n == 1:
-            out, s_new, z_new = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state.state, state.normalizer, self.eps)
-            state.state, state.normalizer = s_new, z_new
-            return self.output(self.dropout(out[:, :, None]), hidden_states.dtype)
         else:
-            out = self._state_sums(q, k, v, q_num, k_num, state if has_prev else None)
-        if state is not None:
-            state.push(k_num, k, v, self.window)
-        return self.output(self.dropout(out), hidden_states.dtype)
+            out = self._state_sums(q, k, v, q_num, k_num, None)
+        return out, k_num, k, v
 
     def _state_sums(self, q, k, v, q_num, k_num, state: Optional[LinearAttentionState]) -> torch.Tensor:
         """Causal attention of the new tokens over the state and themselves (no RPE): ``(B, H, N, D)``."""
@@ -208,9 +242,11 @@ class LinearGPTBlock(GradientCheckpointingLayer):
         """``(B, N, C) -> (B, N, C)``; ``past_key_values`` is this layer's state (or None);
         ``projection`` the attention's random-feature projection, read by the caller so that a
         checkpointed block recomputes with the tensor of its forward even after a redraw."""
+        # inside a checkpointed block the backward recomputes the attention already
+        recompute = False if self.gradient_checkpointing and self.training else None
         attn = self.attn(
             self.ln_1(hidden_states), key_mask=key_mask, rotary=rotary, past_key_values=past_key_values,
-            projection=projection,
+            projection=projection, recompute=recompute,
         )
         hidden_states = hidden_states + self.resid_dropout(attn)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
