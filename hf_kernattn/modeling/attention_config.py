@@ -320,8 +320,9 @@ def validate_attention_fields(
     max_relative_position: int,
     attn_backend: str,
 ) -> None:
-    """Raise ``ValueError`` for the first invalid combination of the shared attention fields
-    with the model's width (head size, feature-map arguments, bias)."""
+    """Raise ``ValueError`` (:class:`FieldTypeError` for a wrong type, also a ``ValueError``) for
+    the first invalid combination of the shared attention fields with the model's width (head
+    size, feature-map arguments, bias)."""
     if not isinstance(num_attention_heads, int) or num_attention_heads < 1:
         raise ValueError(f"num_attention_heads must be a positive int, got {num_attention_heads!r}")
     if not isinstance(hidden_size, int) or hidden_size < 1 or hidden_size % num_attention_heads:
@@ -331,16 +332,9 @@ def validate_attention_fields(
     check_feature_map_args(
         feature_map, feature_projection, num_random_features, hidden_size // num_attention_heads, feature_redraw_interval
     )
-    if not isinstance(normalize_qk, bool):
-        raise ValueError(f"normalize_qk must be a bool, got {normalize_qk!r}")
+    _boolean("normalize_qk", normalize_qk)
     check_rpe_args(rpe, max_relative_position)
-    if not isinstance(attn_backend, str):
-        raise ValueError(f"attn_backend must be a string ('auto' or a registered backend name), got {attn_backend!r}")
-    if attn_backend != "auto":
-        try:
-            get_backend(attn_backend)
-        except ValueError as err:
-            raise ValueError(f"attn_backend: {err}") from None
+    _backend_name("attn_backend", attn_backend)
 
 
 def validate_model_fields(

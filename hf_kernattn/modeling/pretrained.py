@@ -91,13 +91,13 @@ class KernelizedPreTrainedModel(PreTrainedModel):
             shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
             logger.warning(
                 f"The checkpoint has no random-feature buffers for {len(missing)} key(s) ({shown}). They were "
-                f"initialised from feature_seed={getattr(model.config, 'feature_seed', None)} (draw 0, counters at 0): "
+                f"initialised from feature_seed={model.config.feature_seed} (draw 0, counters at 0): "
                 "outputs match the saved model only if it was built with the same seed and never redrew its features."
             )
         if mismatched:
             logger.warning(
                 f"{len(mismatched)} random-feature projection(s) of the checkpoint have another shape and were "
-                f"drawn anew from feature_seed={getattr(model.config, 'feature_seed', None)}."
+                f"drawn anew from feature_seed={model.config.feature_seed}."
             )
         return (model, info) if want_info else model
 
