@@ -18,6 +18,7 @@ model that is not an hf-kernattn family) the schema's base defaults for the fiel
 from __future__ import annotations
 
 import math
+import sys
 import textwrap
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -259,10 +260,13 @@ class AttentionSchema:
             text += f" ({self.overrides[name][1]})"
         return _wrap(text + ".", "            ", "            ")
 
-    def document(self, docstring: Optional[str]) -> str:
+    def document(self, docstring: Optional[str]) -> Optional[str]:
         """``docstring`` with :data:`DOC_MARKER` (on a line of its own) replaced by the shared
-        fields' documentation and this family's defaults. ``ValueError`` without the marker."""
-        if not docstring or DOC_MARKER not in docstring:
+        fields' documentation and this family's defaults. ``ValueError`` without the marker;
+        None stays None (``python -OO`` strips docstrings)."""
+        if docstring is None or (sys.flags.optimize >= 2 and DOC_MARKER not in docstring):
+            return docstring  # -OO: no docstring (or one a dataclass decorator wrote)
+        if DOC_MARKER not in docstring:
             raise ValueError(f"the docstring of the {self.family} config must hold the line {DOC_MARKER!r}")
         lines = [
             "    Shared attention fields (same names, meaning and checks in every hf-kernattn family;",
