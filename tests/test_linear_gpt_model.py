@@ -122,7 +122,7 @@ def test_gradients_flow_and_checkpointing_matches(variant):
     assert not missing, missing
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "rpe" in n or "q_proj.weight" in n)
     model.zero_grad()
-    model.activation_checkpointing_enable()
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # renamed in transformers 5.23
     out = model(ids, labels=ids, use_cache=True)
     assert out.past_key_values is None  # no state under gradient checkpointing
     out.loss.backward()
