@@ -11,6 +11,8 @@ import torch
 import hf_kernattn
 from hf_kernattn.modeling.backends import get_backend
 
+from .reference import literal_reference
+
 B, H, M, D = 2, 3, 5, 4
 
 
@@ -29,31 +31,6 @@ def _inputs(n: int, seed: int = 0, grid=None):
     return q, k, v, bias, mask
 
 
-def _literal_reference(q, k, v, bias, causal, mask, grid):
-    """A second, loop-level reference straight from the formula in DESIGN.md."""
-    b, h, n, _ = q.shape
-    out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float64)
-    for bi, hi, i in itertools.product(range(b), range(h), range(n)):
-        num = torch.zeros(v.shape[-1], dtype=torch.float64)
-        den = 0.0
-        for j in range(n):
-            if (causal and j > i) or (mask is not None and mask[bi, j] == 0):
-                continue
-            if bias is None:
-                c = 1.0
-            elif grid is None:
-                c = math.exp(bias[hi, j - i + n - 1])
-            else:
-                wg = grid[1]
-                dy, dx = j // wg - i // wg, j % wg - i % wg
-                c = math.exp(bias[hi, dy + grid[0] - 1, dx + wg - 1])
-            w = c * float(q[bi, hi, i] @ k[bi, hi, j])
-            num += w * v[bi, hi, j]
-            den += w
-        out[bi, hi, i] = num / (den + 1e-6)
-    return out
-
-
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("rpe", [None, "1d", "2d"])
 def test_dense_matches_literal_formula(causal, rpe):
@@ -64,7 +41,7 @@ def test_dense_matches_literal_formula(causal, rpe):
     q, k, v, bias, mask = _inputs(n, grid=grid)
     bias = None if rpe is None else bias
     out = hf_kernattn.kernelized_attention(q, k, v, bias, causal, mask, grid=grid, backend="dense")
-    ref = _literal_reference(q, k, v, bias, causal, mask, grid)
+    ref = literal_reference(q, k, v, bias, causal, mask, grid)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 

@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kernattn import LinearGPTCache, LinearGPTConfig, LinearGPTForCausalLM
+from tests.conftest import tiny_linear_gpt_config
 from tests.remote import run_without_package
 
 VARIANTS = {
@@ -21,13 +22,9 @@ VARIANTS = {
 
 def tiny(**kw) -> LinearGPTForCausalLM:
     torch.manual_seed(0)
-    cfg = LinearGPTConfig(
-        vocab_size=53, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
-        # a large init makes the next token depend strongly on the context, so a wrong state
-        # (e.g. beams not reordered, padding leaking in) changes the generated tokens
-        initializer_range=0.3, **kw,
-    )
+    # the shared tiny config's large init makes the next token depend strongly on the context,
+    # so a wrong state (e.g. beams not reordered, padding leaking in) changes the generated tokens
+    cfg = tiny_linear_gpt_config(eos_token_id=None, **kw)
     model = LinearGPTForCausalLM(cfg).eval()
     with torch.no_grad():
         for block in model.transformer.h:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kernattn import LinearGPTCache, LinearGPTConfig, LinearGPTForCausalLM
+from hf_kernattn import LinearGPTCache, LinearGPTForCausalLM
 from hf_kernattn.modeling.kernels_dense import dense_attention
 from hf_kernattn.modeling.modeling_linear_gpt import apply_rotary, rotary_cos_sin
+from tests.conftest import tiny_linear_gpt_config
 
 VARIANTS = {
     "elu_absolute": dict(),
@@ -20,10 +21,7 @@ VARIANTS = {
 
 def tiny(**kw) -> LinearGPTForCausalLM:
     torch.manual_seed(0)
-    cfg = LinearGPTConfig(
-        vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, **kw,
-    )
+    cfg = tiny_linear_gpt_config(vocab_size=61, pad_token_id=None, initializer_range=0.02, **kw)
     model = LinearGPTForCausalLM(cfg).eval()
     for block in model.transformer.h:  # a non-trivial bias, so RPE paths are really exercised
         if block.attn.rpe is not None:

@@ -34,10 +34,8 @@ from transformers.utils import logging
 
 from hf_kernattn import (
     LinearGPTCache,
-    LinearGPTConfig,
     LinearGPTForCausalLM,
     LinearGPTModel,
-    NPRFBertConfig,
     NPRFBertForMaskedLM,
     NPRFBertForQuestionAnswering,
     NPRFBertForSequenceClassification,
@@ -47,26 +45,9 @@ from hf_kernattn import (
 )
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
-V_BERT, V_GPT = 40, 53
-
-
-def bert_config(**kw) -> NPRFBertConfig:
-    base = dict(
-        vocab_size=V_BERT, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, num_random_features=16, max_relative_position=8, rpe_init_std=0.5,
-    )
-    base.update(kw)
-    return NPRFBertConfig(**base)
-
-
-def gpt_config(**kw) -> LinearGPTConfig:
-    base = dict(
-        vocab_size=V_GPT, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, pad_token_id=0, initializer_range=0.3,
-    )
-    base.update(kw)
-    return LinearGPTConfig(**base)
-
+from tests.conftest import V_BERT, V_GPT
+from tests.conftest import tiny_linear_gpt_config as gpt_config
+from tests.conftest import tiny_nprf_bert_config as bert_config
 
 # both families with random features (the buffers under test), Linear GPT also with RPE
 FAMILIES = {

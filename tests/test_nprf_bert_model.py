@@ -17,15 +17,7 @@ from hf_kernattn import (
     NPRFBertForTokenClassification,
     NPRFBertModel,
 )
-
-
-def tiny(**kw) -> NPRFBertConfig:
-    base = dict(
-        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, num_random_features=16, max_relative_position=8, rpe_init_std=0.5,
-    )
-    base.update(kw)
-    return NPRFBertConfig(**base)
+from tests.conftest import tiny_nprf_bert_config as tiny
 
 
 def padded_batch(lengths, n, seed=0):

@@ -1,14 +1,13 @@
 """Numerics of the attention core: mixed precision, redraw under recomputation, the FFT path's
 accuracy, non-finite inputs, feature maps at large norms and empty inputs.
 
-Ground truth is an independent float64 evaluation of the formula (``_reference`` below), never
+Ground truth is an independent float64 evaluation of the formula (``tests/reference.py``), never
 another backend of the package.
 """
 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,25 +15,9 @@ import torch
 import hf_kernattn
 from hf_kernattn.modeling.backends import get_backend
 
+from tests.conftest import tiny_attention_config, tiny_linear_gpt_config, tiny_nprf_bert_config
 
-def _reference(q, k, v, bias=None, causal=False, mask=None, eps=1e-6):
-    """``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)`` over the
-    allowed j, in float64, written from scratch (1D bias only). Keys that are not allowed are
-    dropped by indexing, so whatever they hold never enters."""
-    q, k, v = q.double(), k.double(), v.double()
-    b, h, n, _ = q.shape
-    out = torch.zeros(b, h, n, v.shape[-1], dtype=torch.float64)
-    for bi in range(b):
-        for i in range(n):
-            js = [j for j in range(n) if (not causal or j <= i) and (mask is None or bool(mask[bi, j]))]
-            if not js:
-                continue
-            js_t = torch.tensor(js)
-            w = (k[bi][:, js_t] @ q[bi, :, i, :, None])[..., 0]  # (H, |js|)
-            if bias is not None:
-                w = w * torch.exp(bias.double()[:, js_t - i + n - 1])
-            out[bi, :, i] = (w[..., None] * v[bi][:, js_t]).sum(1) / (w.sum(1, keepdim=True) + eps)
-    return out
+from .reference import literal_reference
 
 
 # ----------------------------------------------------------------------------- mixed precision
@@ -47,11 +30,7 @@ MODULE_CASES = [
 
 
 def _module_config(**kw):
-    base = dict(hidden_size=16, num_attention_heads=2, feature_map="prf", num_random_features=8,
-                feature_projection="orthogonal", normalize_qk=False, feature_redraw_interval=0,
-                attn_backend="auto", recompute_attention=True)
-    base.update(kw)
-    return SimpleNamespace(**base)
+    return tiny_attention_config(**{"feature_map": "prf", "recompute_attention": True, **kw})
 
 
 def test_every_backend_is_registered_in_the_mixed_precision_cases():
@@ -135,16 +114,12 @@ def test_feature_maps_ignore_autocast(kind):
 def test_tiny_models_train_under_bf16_autocast():
     """Forward and backward of both families under bf16 autocast on the CPU (the default prf map
     of NPRF-BERT included): a finite loss and finite gradients for every parameter."""
-    from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM, NPRFBertConfig, NPRFBertForMaskedLM
+    from hf_kernattn import LinearGPTForCausalLM, NPRFBertForMaskedLM
 
     torch.manual_seed(0)
-    bert = NPRFBertForMaskedLM(NPRFBertConfig(
-        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, num_random_features=16, max_relative_position=8, rpe_init_std=0.5,
-    )).train()
-    gpt = LinearGPTForCausalLM(LinearGPTConfig(
-        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, feature_map="prf", num_random_features=16,
+    bert = NPRFBertForMaskedLM(tiny_nprf_bert_config()).train()
+    gpt = LinearGPTForCausalLM(tiny_linear_gpt_config(
+        vocab_size=40, pad_token_id=None, initializer_range=0.02, feature_map="prf", num_random_features=16,
     )).train()
     ids = torch.randint(5, 40, (2, 12), generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, 12, dtype=torch.long)
@@ -212,26 +187,6 @@ def test_redraw_without_recompute_keeps_saved_projection_valid():
 # ----------------------------------------------------------------------------- FFT accuracy
 
 
-def _dense64(q, k, v, bias=None, causal=False, mask=None, eps=1e-6):
-    """Vectorised float64 evaluation of the formula with ``c = exp(b)`` taken literally (no
-    shift: float64 holds exp(+-90)). Written here, independent of the package's kernels."""
-    q, k, v = q.double(), k.double(), v.double()
-    n = q.shape[2]
-    a = q @ k.transpose(-1, -2)
-    if bias is not None:
-        idx = torch.arange(n)[None, :] - torch.arange(n)[:, None] + n - 1
-        a = a * torch.exp(bias.double()[:, idx])[None]
-    allowed = torch.ones(n, n, dtype=torch.bool)
-    if causal:
-        allowed = allowed.tril()
-    allowed = allowed[None, None]
-    if mask is not None:
-        allowed = allowed & mask.bool()[:, None, None, :]
-        v = torch.where(mask.bool()[:, None, :, None], v, torch.zeros((), dtype=v.dtype))
-    a = torch.where(allowed, a, torch.zeros((), dtype=a.dtype))
-    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
-
-
 def _clipped_bias(n, seed, clip=2, h=2):
     """A bias from a table clipped at ``clip`` (what the windowed backend needs), float64."""
     torch.manual_seed(seed)
@@ -265,7 +220,7 @@ def test_fft_rows_without_allowed_keys_are_exactly_zero(causal):
     assert (out[empty[:, None, :, None].expand_as(out)] == 0).all()
     dense = hf_kernattn.kernelized_attention(q, k, v, bias, causal, mask, backend="dense")
     assert (dense[empty[:, None, :, None].expand_as(dense)] == 0).all()
-    torch.testing.assert_close(out.double(), _dense64(q, k, v, bias, causal, mask), rtol=0, atol=1e-5)
+    torch.testing.assert_close(out.double(), literal_reference(q, k, v, bias, causal, mask), rtol=0, atol=1e-5)
     out.pow(2).sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in xs)
 
@@ -291,7 +246,7 @@ def test_constant_bias_cancels_in_every_backend(backend, causal):
             assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads), (const, eps)
             results[const, eps] = (out, grads)
         # the float64 literal formula (with eps = 1e-6: for -90 it is ~0, as computed)
-        torch.testing.assert_close(results[const, 1e-6][0].double(), _dense64(q, k, v, bias.detach(), causal),
+        torch.testing.assert_close(results[const, 1e-6][0].double(), literal_reference(q, k, v, bias.detach(), causal),
                                    rtol=1e-5, atol=1e-6)
     for const in (90.0, -90.0):
         torch.testing.assert_close(results[const, 0.0][0], results[0.0, 0.0][0], rtol=1e-5, atol=1e-6)
@@ -308,7 +263,7 @@ def test_fft_float32_error_stays_within_its_stated_bound(n, causal, span):
 
     q, k, v, bias = _positive_inputs(n, seed=12, b=1, h=1, span=span)
     out = hf_kernattn.kernelized_attention(q, k, v, bias, causal, backend="fft")
-    err = ((out.double() - _dense64(q, k, v, bias, causal)).abs().max() / v.abs().max()).item()
+    err = ((out.double() - literal_reference(q, k, v, bias, causal)).abs().max() / v.abs().max()).item()
     bound = fft_error_bound(q, k, rpe_bias=bias, causal=causal)
     assert err <= bound < 1, (err, bound)
 
@@ -323,7 +278,7 @@ def test_auto_meets_1e4_where_float32_fft_cannot():
     n = 2048
     q, k, v, bias = _positive_inputs(n, seed=13, b=1, h=1, span=1.0)
     bias[:, : n // 2] += 8.0  # far keys (offsets < -N/2) weigh e^8 more: late rows are large, early ones small
-    ref = _dense64(q, k, v, bias, causal=True)
+    ref = literal_reference(q, k, v, bias, causal=True)
     scale = v.abs().max().item()
     fft32 = hf_kernattn.kernelized_attention(q, k, v, bias, True, backend="fft")
     assert (fft32.double() - ref).abs().max().item() / scale > 1e-4
@@ -333,14 +288,14 @@ def test_auto_meets_1e4_where_float32_fft_cannot():
     # a clipped bias: auto takes the exact windowed backend
     table = hf_kernattn.RelativePositionBias1D(1, 1500, init_std=3.0)
     clipped = table(n).detach()
-    ref = _dense64(q, k, v, clipped, causal=True)
+    ref = literal_reference(q, k, v, clipped, causal=True)
     auto = hf_kernattn.kernelized_attention(q, k, v, clipped, True, rpe_clip=1500)
     assert (auto.double() - ref).abs().max().item() / scale <= 1e-4
     # non-causal, small span: the float32 FFT meets the target and is kept (identical result)
     small = (torch.rand(1, 2 * n - 1, generator=torch.Generator().manual_seed(14)) - 0.5)
     auto = hf_kernattn.kernelized_attention(q, k, v, small, False)
     assert torch.equal(auto, hf_kernattn.kernelized_attention(q, k, v, small, False, backend="fft"))
-    assert (auto.double() - _dense64(q, k, v, small)).abs().max().item() / scale <= 1e-4
+    assert (auto.double() - literal_reference(q, k, v, small)).abs().max().item() / scale <= 1e-4
 
 
 def test_core_reads_no_tensor_values_while_tracing(monkeypatch):
@@ -439,7 +394,7 @@ def test_non_finite_future_token_does_not_reach_earlier_rows(backend, rpe, where
     grads = torch.autograd.grad(out[:, :, :-1].pow(2).sum(), xs)
     # reference: the first n - 1 tokens alone (their bias entries are offsets -(n-2) .. n-2)
     prefix = [x[:, :, :-1].detach().clone().requires_grad_(True) for x in (q, k, v)]
-    ref = _dense64(*prefix, bias[:, 1:-1] if rpe else None, causal=True)
+    ref = literal_reference(*prefix, bias[:, 1:-1] if rpe else None, causal=True)
     ref_grads = torch.autograd.grad(ref.pow(2).sum(), prefix)
     torch.testing.assert_close(out[:, :, :-1], ref, rtol=0, atol=1e-10)
     for name, g, rg in zip(("query", "key", "value"), grads, ref_grads):
@@ -496,7 +451,7 @@ def test_trf_queries_of_any_norm_give_the_formula():
     u, uk = x * d ** -0.25, y * d ** -0.25
     qf = torch.cat([torch.cos(u @ w.T), torch.sin(u @ w.T)], -1)
     kf = torch.cat([torch.cos(uk @ w.T), torch.sin(uk @ w.T)], -1) * torch.exp(0.5 * (uk * uk).sum(-1, keepdim=True))
-    ref = _dense64(qf, kf, v, eps=0.0)
+    ref = literal_reference(qf, kf, v, eps=0.0)
     assert (out.double() - ref).abs().max() <= 1e-3 * v.abs().max()
     # below the cap nothing changed: the amplitude is exp(|u|^2/2) / sqrt(m) exactly
     small = fm(x[:, :, :2].float(), True).double()

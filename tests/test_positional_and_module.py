@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import hf_kernattn
 from hf_kernattn.modeling.attention_config import validate_attention_fields
+
+from tests.conftest import tiny_attention_config
+
+from .reference import literal_reference
 
 
 def test_1d_bias_layout_and_clipping():
@@ -47,13 +50,7 @@ def test_bad_max_relative_position(bad):
 
 
 def _config(**kw):
-    base = dict(
-        hidden_size=16, num_attention_heads=2, feature_map="elu", num_random_features=8,
-        feature_projection="orthogonal", normalize_qk=False, feature_redraw_interval=0,
-        rpe="learned", max_relative_position=4, attn_backend="auto",
-    )
-    base.update(kw)
-    return SimpleNamespace(**base)
+    return tiny_attention_config(**{"rpe": "learned", "max_relative_position": 4, **kw})
 
 
 def _manual_attention(attn, x, mask, bias, causal):
@@ -64,16 +61,7 @@ def _manual_attention(attn, x, mask, bias, causal):
     k = (x @ attn.k_proj.weight.T + attn.k_proj.bias).view(b, n, h, d).transpose(1, 2)
     v = (x @ attn.v_proj.weight.T + attn.v_proj.bias).view(b, n, h, d).transpose(1, 2)
     qf, kf = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
-    out = torch.zeros_like(v)
-    for i in range(n):
-        js = range(i + 1) if causal else range(n)
-        num = 0
-        den = 0
-        for j in js:
-            w = torch.exp(bias[:, j - i + n - 1])[None] * (qf[:, :, i] * kf[:, :, j]).sum(-1) * mask[:, j, None]
-            num = num + w[..., None] * v[:, :, j]
-            den = den + w
-        out[:, :, i] = num / (den[..., None] + 1e-6)
+    out = literal_reference(qf, kf, v, bias, causal, mask)
     return attn.o_proj(out.transpose(1, 2).reshape(b, n, c))
 
 

@@ -1,0 +1,67 @@
+"""Shared tiny configurations: one builder per model family (and one for a bare attention module).
+
+Every test that builds a tiny model starts from these and passes overrides for the sizes or
+options it is about, so a change of the tiny shape happens in one place. The builders are plain
+functions (``from tests.conftest import tiny_nprf_bert_config``); the fixtures ``nprf_bert_config``,
+``linear_gpt_config`` and ``attention_config`` return the builder itself, so a test that takes the
+fixture calls ``nprf_bert_config(num_labels=3)``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from hf_kernattn import LinearGPTConfig, NPRFBertConfig
+
+# vocabulary sizes of the tiny models (test inputs draw token ids below these)
+V_BERT, V_GPT = 40, 53
+
+
+def tiny_nprf_bert_config(**overrides) -> NPRFBertConfig:
+    """A 2-layer, 4-head, width-32 NPRF-BERT with 16 random features and a bias clipped at 8
+    (initialised at std 0.5, so the bias really changes the output)."""
+    base = dict(
+        vocab_size=V_BERT, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, num_random_features=16, max_relative_position=8, rpe_init_std=0.5,
+    )
+    base.update(overrides)
+    return NPRFBertConfig(**base)
+
+
+def tiny_linear_gpt_config(**overrides) -> LinearGPTConfig:
+    """A 2-layer, 2-head, width-32 Linear GPT. ``initializer_range=0.3`` makes the next token
+    depend strongly on the context, so a wrong state or leaking padding changes the output."""
+    base = dict(
+        vocab_size=V_GPT, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        max_position_embeddings=64, pad_token_id=0, initializer_range=0.3,
+    )
+    base.update(overrides)
+    return LinearGPTConfig(**base)
+
+
+def tiny_attention_config(**overrides) -> SimpleNamespace:
+    """Fields for a bare ``KernelizedSelfAttention`` (width 16, 2 heads, elu features, fixed
+    random features); fields left out take the schema's base defaults."""
+    base = dict(
+        hidden_size=16, num_attention_heads=2, feature_map="elu", num_random_features=8,
+        feature_projection="orthogonal", normalize_qk=False, feature_redraw_interval=0, attn_backend="auto",
+    )
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+@pytest.fixture
+def nprf_bert_config():
+    return tiny_nprf_bert_config
+
+
+@pytest.fixture
+def linear_gpt_config():
+    return tiny_linear_gpt_config
+
+
+@pytest.fixture
+def attention_config():
+    return tiny_attention_config

@@ -1,0 +1,41 @@
+"""The literal reference formula of DESIGN.md, once, for every test that needs ground truth.
+
+``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)`` over the allowed
+j (not masked; ``j <= i`` when causal), in float64, with ``c = exp(b)`` taken literally (no shift:
+float64 holds exp(+-90)). The bias is 1D, ``(H, 2N - 1)`` indexed by ``j - i + N - 1``, or 2D,
+``(H, 2 Hg - 1, 2 Wg - 1)`` on a row-major ``grid = (Hg, Wg)`` indexed by the row and column
+offsets. Keys that are not allowed are selected away
+(``torch.where``), so whatever they hold (even inf or nan) never enters. Written from scratch: it uses nothing of the package.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def literal_reference(q, k, v, bias=None, causal=False, mask=None, grid=None, eps=1e-6):
+    """float64 ``(B, H, N, D)`` output of the formula above for ``q, k: (B, H, N, M)`` (features
+    already applied), ``v: (B, H, N, D)``, ``mask: (B, N)`` with 1 = real key."""
+    q, k, v = q.double(), k.double(), v.double()
+    n = q.shape[2]
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    a = q @ k.transpose(-1, -2)  # (B, H, N, N): q_i . k_j
+    if bias is not None:
+        bias = bias.double()
+        if grid is None:
+            c = torch.exp(bias[:, j - i + n - 1])
+        else:
+            wg = grid[1]
+            c = torch.exp(bias[:, j // wg - i // wg + grid[0] - 1, j % wg - i % wg + wg - 1])
+        a = a * c[None]
+    allowed = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        allowed = j <= i
+    allowed = allowed[None, None]
+    if mask is not None:
+        allowed = allowed & mask.bool()[:, None, None, :]
+        # a masked key's value never enters, whatever it holds
+        v = torch.where(mask.bool()[:, None, :, None], v, torch.zeros((), dtype=v.dtype))
+    a = torch.where(allowed, a, torch.zeros((), dtype=a.dtype))
+    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
