@@ -1,9 +1,8 @@
 """Linear GPT generate(): the recurrent state gives the same tokens as recomputing, for every
-decoding mode; padding, continuation, remote-code loading and input validation."""
+decoding mode; padding, continuation and input validation (remote-code loading with generate:
+tests/test_family_linear_gpt.py)."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
@@ -11,7 +10,6 @@ from transformers import DynamicCache
 
 from hf_kernattn import LinearGPTCache, LinearGPTConfig, LinearGPTForCausalLM
 from tests.conftest import tiny_linear_gpt_config
-from tests.remote import run_without_package
 
 VARIANTS = {
     "absolute": dict(),
@@ -100,27 +98,6 @@ def test_streamer_receives_the_generated_tokens():
     out = model.generate(prompt(1), max_new_tokens=5, do_sample=False, streamer=Collect())
     assert got[0] == out[0, :6].tolist() and got[-1] == "end"
     assert [t for chunk in got[1:-1] for t in chunk] == out[0, 6:].tolist()
-
-
-def test_saved_checkpoint_generates_identically_with_remote_code(tmp_path):
-    model = tiny(position_embedding_type="rotary")
-    model.save_pretrained(tmp_path / "ckpt")
-    copied = sorted(p.name for p in (tmp_path / "ckpt").glob("*.py"))
-    assert {"modeling_linear_gpt.py", "configuration_linear_gpt.py", "cache.py", "attention.py"} <= set(copied)
-    ids = prompt()
-    want = model.generate(ids, max_new_tokens=8, do_sample=False).tolist()
-    code = f"""
-import json, torch
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, trust_remote_code=True).eval()
-assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
-ids = torch.tensor({ids.tolist()})
-out = m.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
-print(json.dumps({{"ids": out.sequences.tolist(), "cache": type(out.past_key_values).__name__}}))
-"""
-    result = json.loads(run_without_package(code, cwd=str(tmp_path)).strip().splitlines()[-1])
-    assert result["ids"] == want
-    assert result["cache"] == "LinearGPTCache"
 
 
 def test_invalid_generation_inputs_raise_clear_errors():

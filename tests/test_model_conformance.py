@@ -4,7 +4,9 @@ tests/generation/test_utils.py of huggingface/transformers), item by item, on ti
 
 Covered elsewhere (not repeated here): padding / batching equivalence (test_nprf_bert_model.py),
 generate with and without the state for greedy, beam search and sampling, left padding,
-continuing from a returned state, remote-code loading (test_linear_gpt_generate.py).
+continuing from a returned state (test_linear_gpt_generate.py); shapes of every head, padding with
+non-finite padded slots, save/load and remote-code loading of every head (test_family_*.py through
+tests/family_mixin.py).
 
 What cannot apply, and how each family declares it:
 * attention outputs (``has_attentions``): kernelized attention never forms the N x N attention
