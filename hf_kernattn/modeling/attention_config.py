@@ -27,8 +27,8 @@ from typing import Any, Callable, Optional
 from transformers.activations import ACT2FN
 
 from .backends import AUTO_DENSE_MAX_N, AUTO_FFT_MAX_ERROR, AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO, get_backend
-from .feature_maps import FEATURE_MAPS, PROJECTIONS, check_feature_map_args
-from .positional import RPE_KINDS, check_rpe_args
+from .feature_maps import FEATURE_MAPS, PROJECTIONS
+from .positional import RPE_KINDS
 
 # ----------------------------------------------------------------------------- per-field checks
 
@@ -236,17 +236,14 @@ class AttentionSchema:
 
     def take(self, kwargs: dict, *, hidden_size: int, num_attention_heads: int) -> dict[str, Any]:
         """Remove the shared fields from ``kwargs`` (a config's ``**kwargs``), fill the family's
-        defaults, check every value (each field, then the combinations: head size, feature-map
-        arguments, bias), and return ``{name: value}`` for the config to set."""
+        defaults, check every value (each field once, then the head size the fields are used
+        with), and return ``{name: value}`` for the config to set."""
         values = {}
         for field in SHARED_ATTENTION_FIELDS:
             value = kwargs.pop(field.name, self.default(field.name))
             field.check(field.name, value)
             values[field.name] = field.convert(value) if field.convert is not None else value
-        validate_attention_fields(
-            hidden_size=hidden_size, num_attention_heads=num_attention_heads,
-            **{k: values[k] for k in _CROSS_CHECKED},
-        )
+        check_head_size(hidden_size, num_attention_heads)
         return values
 
     def field_doc(self, name: str) -> str:
@@ -305,44 +302,38 @@ def complete_attention_fields(config: Any) -> Any:
 
 # ----------------------------------------------------------------------------- combined checks
 
-_CROSS_CHECKED = (
-    "feature_map", "num_random_features", "feature_projection", "normalize_qk", "feature_redraw_interval",
-    "rpe", "max_relative_position", "attn_backend",
-)
 
-
-def validate_attention_fields(
-    *,
-    hidden_size: int,
-    num_attention_heads: int,
-    feature_map: str,
-    num_random_features: int,
-    feature_projection: str,
-    normalize_qk: bool,
-    feature_redraw_interval: int,
-    rpe: str,
-    max_relative_position: int,
-    attn_backend: str,
-) -> None:
-    """Raise ``ValueError`` (:class:`FieldTypeError` for a wrong type, also a ``ValueError``) for
-    the first invalid combination of the shared attention fields with the model's width (head
-    size, feature-map arguments, bias)."""
+def check_head_size(hidden_size: object, num_attention_heads: object) -> None:
+    """``ValueError`` unless ``hidden_size`` is a positive multiple of a positive
+    ``num_attention_heads`` (the head size every shared field is used with)."""
     if not isinstance(num_attention_heads, int) or num_attention_heads < 1:
         raise ValueError(f"num_attention_heads must be a positive int, got {num_attention_heads!r}")
     if not isinstance(hidden_size, int) or hidden_size < 1 or hidden_size % num_attention_heads:
         raise ValueError(
             f"hidden_size must be a positive multiple of num_attention_heads ({num_attention_heads}), got {hidden_size!r}"
         )
-    check_feature_map_args(
-        feature_map, feature_projection, num_random_features, hidden_size // num_attention_heads, feature_redraw_interval
-    )
-    _boolean("normalize_qk", normalize_qk)
-    check_rpe_args(rpe, max_relative_position)
-    _backend_name("attn_backend", attn_backend)
+
+
+def validate_attention_fields(*, hidden_size: int, num_attention_heads: int, **fields: Any) -> None:
+    """Raise ``ValueError`` (:class:`FieldTypeError` for a wrong type, also a ``ValueError``) for
+    the first invalid shared attention field among ``fields`` (each by its schema check, the same
+    the configs run) or an invalid head size. ``TypeError`` for a name that is no shared field."""
+    for name, value in fields.items():
+        if name not in _BY_NAME:
+            raise TypeError(f"{name!r} is not a shared attention field; they are {list(SHARED_FIELD_NAMES)}")
+        _BY_NAME[name].check(name, value)
+    check_head_size(hidden_size, num_attention_heads)
+
+
+NO_ATTENTION_WEIGHTS = (
+    "{name} has no attention weights to return: kernelized attention never forms the N x N attention "
+    "matrix, so output_attentions=True is not supported (output_hidden_states=True is)"
+)
 
 
 def validate_model_fields(
     *,
+    family: str,
     hidden_act: object,
     initializer_range: object,
     layer_norm_eps: tuple[str, object],
@@ -352,6 +343,7 @@ def validate_model_fields(
     """Raise for the first invalid model-level field the families share (not attention fields).
 
     Args:
+        family: the family's name, for messages.
         hidden_act: a key of ``transformers.activations.ACT2FN`` or a callable.
         initializer_range: a finite number >= 0.
         layer_norm_eps: ``(field name, value)``; a finite number > 0 (the families name it differently).
@@ -375,7 +367,4 @@ def validate_model_fields(
     if use_cache is not None and not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
     if output_attentions:
-        raise ValueError(
-            "output_attentions=True is not supported: kernelized attention never forms the attention matrix, "
-            "so there are no attention weights to return (output_hidden_states=True is supported)"
-        )
+        raise ValueError(NO_ATTENTION_WEIGHTS.format(name=family))

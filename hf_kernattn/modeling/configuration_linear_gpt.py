@@ -107,6 +107,7 @@ class LinearGPTConfig(PreTrainedConfig):
                 f"position_embedding_type must be one of {list(POSITION_EMBEDDING_TYPES)}, got {position_embedding_type!r}"
             )
         validate_model_fields(
+            family=ATTENTION_SCHEMA.family,
             hidden_act=hidden_act,
             initializer_range=initializer_range,
             layer_norm_eps=("layer_norm_epsilon", layer_norm_epsilon),

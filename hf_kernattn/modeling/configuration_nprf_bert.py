@@ -141,6 +141,7 @@ class NPRFBertConfig(PreTrainedConfig):
         if not isinstance(rpe_init_std, (int, float)) or rpe_init_std < 0:
             raise ValueError(f"rpe_init_std must be a number >= 0, got {rpe_init_std!r}")
         validate_model_fields(
+            family=ATTENTION_SCHEMA.family,
             hidden_act=hidden_act,
             initializer_range=initializer_range,
             layer_norm_eps=("layer_norm_eps", layer_norm_eps),

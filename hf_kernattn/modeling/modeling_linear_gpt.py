@@ -36,7 +36,7 @@ from .backends import kernelized_attention
 from .cache import LinearAttentionState, LinearGPTCache
 from .configuration_linear_gpt import LinearGPTConfig
 from .feature_maps import FeatureMap, feature_maps_step
-from .kernels_common import bias_shift, mask_keys, shifted_eps, with_ones_column
+from .kernels_common import mask_keys, shifted_bias, with_ones_column
 from .kernels_linear import causal_linear_sums, recurrent_step
 from .positional import RelativePositionBias1D
 from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
@@ -183,10 +183,9 @@ class LinearGPTAttention(KernelizedSelfAttention):
         big_k = self.rpe.max_relative_position
         # as the core does: exponentiate b - max b over the causal offsets -K..0 (every coefficient
         # <= 1, so a large bias cannot overflow) and scale eps by exp(-max b): the shift cancels
-        bias = self.rpe.weight.to(q.dtype)  # (H, 2K+1), entry r + K
-        shift = bias_shift(bias, big_k + 1, causal=True)  # (H,)
-        c = torch.exp(bias - shift[:, None])
-        eps = shifted_eps(self.eps, shift)[None, :, None]  # (1, H, 1)
+        bias, eps_h = shifted_bias(self.rpe.weight.to(q.dtype), big_k + 1, True, self.eps)  # (H, 2K+1), entry r + K
+        c = torch.exp(bias)
+        eps = eps_h[None, :, None]  # (1, H, 1)
         c_old = c[:, 0][None, :, None]  # (1, H, 1)
         outs = []
         for t in range(q.shape[2]):

@@ -22,16 +22,13 @@ import torch
 from transformers import PreTrainedModel
 from transformers.utils import logging
 
+from .attention_config import NO_ATTENTION_WEIGHTS
 from .feature_maps import FeatureMap
 
 logger = logging.get_logger(__name__)
 
 FEATURE_BUFFERS = ("projection", "num_draws", "num_steps")
 
-NO_ATTENTION_WEIGHTS = (
-    "{name} has no attention weights to return: kernelized attention never forms the N x N attention "
-    "matrix, so output_attentions=True is not supported (output_hidden_states=True is)"
-)
 
 
 def eager_checks() -> bool:
