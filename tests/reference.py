@@ -13,9 +13,10 @@ from __future__ import annotations
 import torch
 
 
-def literal_reference(q, k, v, bias=None, causal=False, mask=None, grid=None, eps=1e-6):
+def literal_reference(q, k, v, bias=None, causal=False, mask=None, grid=None, eps=1e-6, q_den=None, k_den=None):
     """float64 ``(B, H, N, D)`` output of the formula above for ``q, k: (B, H, N, M)`` (features
-    already applied), ``v: (B, H, N, D)``, ``mask: (B, N)`` with 1 = real key."""
+    already applied), ``v: (B, H, N, D)``, ``mask: (B, N)`` with 1 = real key. With ``q_den,
+    k_den`` the denominator sums ``q_den_i . k_den_j`` instead (no bias)."""
     q, k, v = q.double(), k.double(), v.double()
     n = q.shape[2]
     i = torch.arange(n)[:, None]
@@ -38,4 +39,7 @@ def literal_reference(q, k, v, bias=None, causal=False, mask=None, grid=None, ep
         # a masked key's value never enters, whatever it holds
         v = torch.where(mask.bool()[:, None, :, None], v, torch.zeros((), dtype=v.dtype))
     a = torch.where(allowed, a, torch.zeros((), dtype=a.dtype))
-    return (a @ v) / (a.sum(-1, keepdim=True) + eps)
+    den = a
+    if q_den is not None:
+        den = torch.where(allowed, q_den.double() @ k_den.double().transpose(-1, -2), torch.zeros((), dtype=a.dtype))
+    return (a @ v) / (den.sum(-1, keepdim=True) + eps)

@@ -303,7 +303,7 @@ def test_core_reads_no_tensor_values_while_tracing(monkeypatch):
     value checks (mask values, "nothing padded", the rpe_clip declaration, the FFT error bound)
     read no tensor value: no ``bool()``/``int()``/``float()``/``item()`` of a tensor, no
     ``torch.equal``. The result is the one of the eager call (float64, same operations)."""
-    from hf_kernattn.modeling import backends, kernels_fft
+    from hf_kernattn.modeling import attention_inputs, kernels_fft
 
     n = 12
     q, k, v, _ = _positive_inputs(n, seed=3, dtype=torch.float64)
@@ -327,7 +327,7 @@ def test_core_reads_no_tensor_values_while_tracing(monkeypatch):
     monkeypatch.setattr(torch, "equal", lambda *a: reads.append("equal") or True)
     got = [hf_kernattn.kernelized_attention(q, k, v, bias, causal, attention_mask=m, rpe_clip=3, backend=b)
            for causal in (False, True) for m in (mask, full) for b in ("windowed", "fft")]
-    assert backends._normalize_mask(full, 2, n, q.device) is not None  # kept, not inspected
+    assert attention_inputs.normalize_mask(full, 2, n, q.device) is not None  # kept, not inspected
     assert kernels_fft.fft_error_bound(q, k, rpe_bias=bias, causal=True, key_mask=mask.bool()) == math.inf
     monkeypatch.undo()
     assert reads == []

@@ -143,8 +143,8 @@ def test_each_backend_receives_exactly_what_it_declares():
     """The registry declares the keyword arguments of every backend; kernelized_attention passes
     those and nothing else (a strict signature works), after casting to the compute dtype and
     zeroing padded keys and values."""
-    assert backends_mod.get_backend("linear").takes == ("eps",)
-    assert backends_mod.get_backend("causal_chunked").takes == ("eps",)
+    assert backends_mod.get_backend("linear").takes == ("eps", "q_den", "k_den")
+    assert backends_mod.get_backend("causal_chunked").takes == ("eps", "q_den", "k_den", "initial_state", "output_final_state")
     assert "key_mask" not in backends_mod.get_backend("dense").takes
     assert "rpe_clip" in backends_mod.get_backend("windowed").takes
     seen = {}

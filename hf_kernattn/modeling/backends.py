@@ -11,10 +11,18 @@ error bound (``kernels_fft.fft_error_bound``) in the input's dtype is at most
 :data:`AUTO_FFT_MAX_ERROR` = 1e-4, otherwise ``auto`` takes ``windowed`` (clipped bias) or the
 FFT computed in float64.
 
-The work common to every backend happens here, once, before dispatch: validation, isolation of
-non-finite inputs, the dtype rule (float32 at least, float64 stays float64; the bias too) and
-key masking (padded keys and their values zeroed). A backend then receives exactly the keyword
-arguments it declared at registration (``takes``) and nothing else.
+The work common to every backend happens here, once, before dispatch: validation
+(``attention_inputs.py``), isolation of non-finite inputs, the dtype rule (float32 at least,
+float64 stays float64; the bias and a state too) and key masking (padded keys and their values
+zeroed). A backend then receives exactly the keyword arguments it declared at registration
+(``takes``) and nothing else.
+
+Causal calls carry a state (``initial_state``, ``output_final_state``; see
+``kernels_common.AttentionState``): prefill, continuation with many new tokens and one-token
+decoding are one call. ``auto`` then takes a backend declared ``state``: for a single new token
+one declared ``decoding`` (``recurrent``: no per-call set-up), otherwise ``causal_chunked``
+(no bias) or ``windowed`` (a bias clipped at K; a state with an unclipped bias would have to
+keep every key, so it is refused).
 """
 
 from __future__ import annotations
@@ -25,7 +33,27 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .kernels_common import autocast_disabled, compute_dtype_for, isolate_non_finite, mask_keys
+from .attention_inputs import (
+    check_attention_mask,
+    check_clipped_bias,
+    check_denominator_features,
+    check_grid,
+    check_rpe,
+    check_rpe_clip,
+    check_state,
+    check_tensor,
+    normalize_mask,
+)
+from .kernels_common import (
+    AttentionState,
+    autocast_disabled,
+    clipped_table,
+    compute_dtype_for,
+    fold_into_state,
+    full_bias,
+    isolate_non_finite,
+    mask_keys,
+)
 from .kernels_dense import dense_attention
 from .kernels_fft import fft_attention, fft_error_bound
 from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
@@ -33,7 +61,9 @@ from .kernels_windowed import windowed_attention
 
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 # The keyword arguments a backend may take (declared at registration as ``takes``).
-BACKEND_ARGUMENTS = ("rpe_bias", "causal", "key_mask", "grid", "eps", "rpe_clip")
+BACKEND_ARGUMENTS = (
+    "rpe_bias", "causal", "key_mask", "grid", "eps", "rpe_clip", "q_den", "k_den", "initial_state", "output_final_state",
+)
 # What a backend registered without ``takes`` receives (plus ``rpe_clip`` when it needs one).
 DEFAULT_TAKES = ("rpe_bias", "causal", "key_mask", "grid", "eps")
 
@@ -44,17 +74,22 @@ class BackendSpec:
 
     Attributes:
         name: registry key.
-        fn: ``fn(q, k, v, **kwargs) -> (B, H, N, D)``, called with exactly the keyword
-            arguments named in ``takes``.
+        fn: ``fn(q, k, v, **kwargs) -> (B, H, N, D)`` (``(out, AttentionState)`` when called
+            with ``output_final_state=True``), called with exactly the keyword arguments named
+            in ``takes``.
         takes: the keyword arguments ``fn`` accepts, among :data:`BACKEND_ARGUMENTS`.
         causal: supports ``causal=True``.
         noncausal: supports ``causal=False``.
         rpe_1d: supports a 1D bias ``(H, 2N-1)``.
         rpe_2d: supports a 2D bias on a grid ``(H, 2Hg-1, 2Wg-1)``.
         key_mask: supports an ``attention_mask`` with padding.
-        decoding: a step-by-step (recurrent) form meant for decoding: run when named, never
-            chosen by ``backend="auto"`` for a whole sequence.
-        needs_rpe_clip: only runs a 1D bias declared clipped (``rpe_clip``); receives ``rpe_clip``.
+        decoding: a step-by-step (recurrent) form: ``backend="auto"`` prefers it for a single
+            new token from a state (decoding) and never picks it for a sequence.
+        state: continues from ``initial_state`` and returns the final state (causal calls;
+            with a bias only a clipped one).
+        split_denominator: takes separate denominator features ``q_den``, ``k_den``.
+        needs_rpe_clip: only runs a 1D bias declared clipped (``rpe_clip``). A backend that
+            takes ``rpe_clip`` receives a clipped bias as its table ``(H, 2K+1)``.
         devices: device types it runs on.
         complexity: a short note for docs and error messages, e.g. ``"O(N)"``.
         description: one line for ``hf-kernattn backends``.
@@ -69,16 +104,23 @@ class BackendSpec:
     rpe_2d: bool = False
     key_mask: bool = True
     decoding: bool = False
+    state: bool = False
+    split_denominator: bool = False
     needs_rpe_clip: bool = False
     devices: tuple[str, ...] = DEVICE_TYPES
     complexity: str = ""
     description: str = ""
 
     def missing(
-        self, *, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None
+        self, *, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
+        state: bool = False, split: bool = False,
     ) -> list[str]:
         """What this backend lacks for the requested call (empty when it can do it)."""
         lacks = []
+        if state and not self.state:
+            lacks.append("a state (initial_state / output_final_state)")
+        if split and not self.split_denominator:
+            lacks.append("separate denominator features (q_den, k_den)")
         if self.needs_rpe_clip and (rpe != "1d" or rpe_clip is None):
             lacks.append("calls without a 1D rpe_bias declared clipped by rpe_clip")
         if causal and not self.causal:
@@ -109,6 +151,8 @@ def register_backend(
     rpe_2d: bool = False,
     key_mask: bool = True,
     decoding: bool = False,
+    state: bool = False,
+    split_denominator: bool = False,
     needs_rpe_clip: bool = False,
     devices: Sequence[str] = DEVICE_TYPES,
     complexity: str = "",
@@ -122,11 +166,15 @@ def register_backend(
     dtype (float32 at least; float64 stays float64), padded keys and their values already zero,
     and the keyword arguments named in ``takes`` (default ``rpe_bias, causal, key_mask ((B, N)
     bool or None), grid, eps``, plus ``rpe_clip`` when ``needs_rpe_clip``); it returns
-    ``(B, H, N, D)``. Raises ``ValueError`` if the name is taken (unless ``overwrite``) or
-    ``auto``, or if ``takes`` names an unknown argument or lacks one a declared capability
-    needs (``causal`` for a backend that runs both causal and non-causal calls, ``rpe_bias``
-    for a bias, ``grid`` for a 2D bias, ``rpe_clip`` with ``needs_rpe_clip``); ``TypeError``
-    if ``fn`` is not callable.
+    ``(B, H, N, D)``. A backend declared ``state`` takes ``initial_state`` (an
+    ``AttentionState`` in the compute dtype, or None) and ``output_final_state`` and then returns
+    ``(out, AttentionState)``; one declared ``split_denominator`` takes ``q_den``, ``k_den``
+    (None, or features for the denominator). Raises ``ValueError`` if the name is taken (unless
+    ``overwrite``) or ``auto``, or if ``takes`` names an unknown argument or lacks one a declared
+    capability needs (``causal`` for a backend that runs both causal and non-causal calls,
+    ``rpe_bias`` for a bias, ``grid`` for a 2D bias, ``rpe_clip`` with ``needs_rpe_clip``,
+    ``initial_state`` and ``output_final_state`` with ``state``, ``q_den`` and ``k_den`` with
+    ``split_denominator``); ``TypeError`` if ``fn`` is not callable.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
@@ -143,7 +191,10 @@ def register_backend(
     unknown = [a for a in takes if a not in BACKEND_ARGUMENTS]
     if unknown:
         raise ValueError(f"takes must name arguments among {list(BACKEND_ARGUMENTS)}, got {unknown}")
-    needed = {"causal": causal and noncausal, "rpe_bias": rpe_1d or rpe_2d, "grid": rpe_2d, "rpe_clip": needs_rpe_clip}
+    needed = {
+        "causal": causal and noncausal, "rpe_bias": rpe_1d or rpe_2d, "grid": rpe_2d, "rpe_clip": needs_rpe_clip,
+        "initial_state": state, "output_final_state": state, "q_den": split_denominator, "k_den": split_denominator,
+    }
     lacking = [a for a, need in needed.items() if need and a not in takes]
     if lacking:
         raise ValueError(f"takes must include {lacking} for the declared capabilities of backend {name!r}")
@@ -157,6 +208,8 @@ def register_backend(
         rpe_2d=rpe_2d,
         key_mask=key_mask,
         decoding=decoding,
+        state=state,
+        split_denominator=split_denominator,
         needs_rpe_clip=needs_rpe_clip,
         devices=tuple(devices),
         complexity=complexity,
@@ -199,26 +252,35 @@ AUTO_FFT_MAX_ERROR = 1e-4
 
 
 def choose_backend(
-    *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None
+    *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
+    state: bool = False, split: bool = False,
 ) -> str:
-    """The fastest backend valid for the request (see :data:`AUTO_DENSE_MAX_N`)."""
-    if rpe == "1d" and rpe_clip is not None and n >= max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * rpe_clip):
-        return "windowed"
-    if rpe is not None:
-        preferred, limit = "fft", AUTO_DENSE_MAX_N["rpe"]
-    elif causal:
-        preferred, limit = "causal_chunked", AUTO_DENSE_MAX_N["causal"]
+    """The fastest backend valid for the request (see :data:`AUTO_DENSE_MAX_N`; a call with a
+    state: see the module docstring)."""
+    request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split)
+    decoders = [name for name, spec in _REGISTRY.items() if spec.decoding]
+    if state:
+        preferred = "windowed" if rpe is not None else "causal_chunked"
+        order = decoders + [preferred] if n == 1 else [preferred]
+    elif rpe == "1d" and rpe_clip is not None and n >= max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * rpe_clip):
+        order = ["windowed"]
     else:
-        preferred, limit = "linear", AUTO_DENSE_MAX_N["plain"]
-    order = ["dense", preferred] if n <= limit else [preferred, "dense"]
-    order += [name for name, spec in _REGISTRY.items() if name not in order and not spec.decoding]
+        if rpe is not None:
+            preferred, limit = "fft", AUTO_DENSE_MAX_N["rpe"]
+        elif causal:
+            preferred, limit = "causal_chunked", AUTO_DENSE_MAX_N["causal"]
+        else:
+            preferred, limit = "linear", AUTO_DENSE_MAX_N["plain"]
+        order = ["dense", preferred] if n <= limit else [preferred, "dense"]
+    order += [name for name in _REGISTRY if name not in order and name not in decoders]
     for name in order:
         spec = _REGISTRY.get(name)
-        if spec is not None and not spec.missing(
-            causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip
-        ):
+        if spec is not None and not spec.missing(**request):
             return name
-    raise ValueError("no registered backend can run this call")  # unreachable with the built-ins
+    able = [name for name, spec in _REGISTRY.items() if not spec.missing(**request)]
+    if able:  # only step-by-step forms can do it
+        return able[0]
+    raise ValueError("no registered backend can run this call")
 
 
 def _auto_fft_precision(
@@ -243,83 +305,6 @@ def _auto_fft_precision(
     return "fft", dt
 
 
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must have shape {shape_doc}, got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
-    return x
-
-
-def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
-    """``TypeError`` / ``ValueError`` unless ``attention_mask`` is None or a ``(b, n)`` tensor."""
-    if attention_mask is None:
-        return
-    if not isinstance(attention_mask, torch.Tensor):
-        raise TypeError(f"attention_mask must be a torch.Tensor of shape (batch, seq) = ({b}, {n}) or None")
-    if tuple(attention_mask.shape) != (b, n):
-        raise ValueError(
-            f"attention_mask must have shape (batch, seq) = ({b}, {n}) with 1 = keep and 0 = padding, "
-            f"got {tuple(attention_mask.shape)}"
-        )
-
-
-def _normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[torch.Tensor]:
-    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded.
-
-    Reading the values (the 0/1 check, "nothing padded") syncs with the device and cannot be
-    traced: while ``torch.compile`` / ``torch.export`` trace, the mask is converted unchecked and
-    kept even when it pads nothing (masking with an all-True mask changes no result)."""
-    check_attention_mask(attention_mask, b, n)
-    if attention_mask is None:
-        return None
-    tracing = torch.compiler.is_compiling()
-    if not tracing and attention_mask.dtype != torch.bool:
-        bad = (attention_mask != 0) & (attention_mask != 1)
-        if bool(bad.any()):
-            raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
-    mask = attention_mask.to(device=device, dtype=torch.bool)
-    if tracing:
-        return mask
-    return None if bool(mask.all()) else mask
-
-
-def _check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[int]]) -> str:
-    if grid is None:
-        want = f"(heads, 2*seq-1) = ({h}, {2 * n - 1})"
-        if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
-            raise ValueError(f"rpe_bias must have shape {want}; a 3D bias needs grid=(height, width)")
-        _check_tensor("rpe_bias", rpe_bias, 2, want)
-        if tuple(rpe_bias.shape) != (h, 2 * n - 1):
-            raise ValueError(f"rpe_bias must have shape {want}, got {tuple(rpe_bias.shape)}")
-        return "1d"
-    hg, wg = grid
-    want = (h, 2 * hg - 1, 2 * wg - 1)
-    _check_tensor("rpe_bias", rpe_bias, 3, f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
-    if tuple(rpe_bias.shape) != want:
-        raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want}, got {tuple(rpe_bias.shape)}")
-    return "2d"
-
-
-def _check_grid(grid: object, n: int) -> Optional[tuple[int, int]]:
-    if grid is None:
-        return None
-    if (
-        not isinstance(grid, (tuple, list))
-        or len(grid) != 2
-        or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid)
-    ):
-        raise ValueError(f"grid must be a pair of positive ints (height, width), got {grid!r}")
-    if grid[0] * grid[1] != n:
-        raise ValueError(f"grid {tuple(grid)} has {grid[0] * grid[1]} cells but the sequence has N={n} tokens")
-    return int(grid[0]), int(grid[1])
-
-
 def kernelized_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -331,7 +316,12 @@ def kernelized_attention(
     backend: str = "auto",
     eps: float = 1e-6,
     rpe_clip: Optional[int] = None,
-) -> torch.Tensor:
+    *,
+    q_den: Optional[torch.Tensor] = None,
+    k_den: Optional[torch.Tensor] = None,
+    initial_state: Optional[AttentionState] = None,
+    output_final_state: bool = False,
+):
     """Kernelized attention over feature-mapped queries and keys.
 
     ``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)``, ``c = exp(rpe_bias)``.
@@ -341,7 +331,9 @@ def kernelized_attention(
         k: ``(B, H, N, M)`` key features.
         v: ``(B, H, N, D)`` values.
         rpe_bias: None, ``(H, 2N-1)`` (1D, entry ``r + N - 1`` = offset ``r = j - i``) or, with
-            ``grid``, ``(H, 2Hg-1, 2Wg-1)``.
+            ``grid``, ``(H, 2Hg-1, 2Wg-1)``. With ``rpe_clip = K`` also the clipped table
+            ``(H, 2K+1)`` (entry ``r + K``), the form a call with ``initial_state`` needs when
+            ``N <= K``.
         causal: only keys ``j <= i`` (1D only).
         attention_mask: ``(B, N)``, 1 keep, 0 padding (padded keys contribute nothing).
         grid: ``(Hg, Wg)`` with ``Hg * Wg == N`` for a 2D bias on a row-major token grid.
@@ -356,8 +348,16 @@ def kernelized_attention(
             (the gradient of the table is unchanged). Checked in eager mode: a bias that is
             not constant there raises ``ValueError`` (while ``torch.compile`` / ``torch.export``
             trace, the declaration is trusted).
+        q_den, k_den: keyword-only, optional ``(B, H, N, M')`` features for the denominator:
+            ``out_i = sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (no bias).
+            Rotary features rotate ``q`` and ``k`` (signed) and keep the positive ones here.
+        initial_state: keyword-only, causal only: the :class:`AttentionState` an earlier call
+            returned; the new tokens continue after it (a bias needs ``rpe_clip``).
+        output_final_state: keyword-only, causal only: also return the state after these tokens.
     Returns:
-        ``(B, H, N, D)`` in the dtype of ``v``.
+        ``(B, H, N, D)`` in the dtype of ``v``; with ``output_final_state`` ``(out, state)``,
+        the state in the compute dtype (float32, or float64 for float64 inputs). Splitting a
+        sequence, carrying the state and resuming gives what one call over it gives.
 
     Empty inputs: a batch of 0 sequences (or 0 heads) gives an empty ``(0, H, N, D)`` result
     (after every other check); ``N = 0``, ``M = 0`` or ``D = 0`` raise ``ValueError``, as does
@@ -365,12 +365,13 @@ def kernelized_attention(
 
     Non-finite inputs stay where they are: a NaN/inf in a query, or in the key or value of a
     real position, makes NaN exactly the rows that see it (its own row; when causal the later
-    ones; otherwise all), and never an earlier row or a row of another sequence or head, in the
-    outputs or their gradients. Padded positions may hold anything.
+    ones, also those of later calls through the returned state; otherwise all), and never an
+    earlier row or a row of another sequence or head, in the outputs or their gradients.
+    Padded positions may hold anything.
     """
-    _check_tensor("q", q, 4, "(batch, heads, seq, features)")
-    _check_tensor("k", k, 4, "(batch, heads, seq, features)")
-    _check_tensor("v", v, 4, "(batch, heads, seq, head_dim)")
+    check_tensor("q", q, 4, "(batch, heads, seq, features)")
+    check_tensor("k", k, 4, "(batch, heads, seq, features)")
+    check_tensor("v", v, 4, "(batch, heads, seq, head_dim)")
     if q.shape != k.shape:
         raise ValueError(f"q and k must have the same shape (batch, heads, seq, features), got {tuple(q.shape)} and {tuple(k.shape)}")
     if v.shape[:3] != q.shape[:3]:
@@ -381,86 +382,118 @@ def kernelized_attention(
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string: 'auto' or one of {available_backends()}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be a number >= 0 (finite, not NaN), got {eps!r}")
     b, h, n, m = q.shape
+    d = v.shape[-1]
     if n == 0:
         raise ValueError(f"q, k and v must hold at least one token (seq >= 1), got q of shape {tuple(q.shape)}")
     if m == 0:
         raise ValueError(f"q and k must have at least one feature (features >= 1), got shape {tuple(q.shape)}")
-    if v.shape[-1] == 0:
+    if d == 0:
         raise ValueError(f"v must have head_dim >= 1, got shape {tuple(v.shape)}")
-    grid_t = _check_grid(grid, n)
+    check_denominator_features(q_den, k_den, q)
+    stateful = initial_state is not None or output_final_state
+    if stateful and not causal:
+        raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")
+    grid_t = check_grid(grid, n)
     if grid_t is not None and causal:
         raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
+    rpe_clip = check_rpe_clip(rpe_clip)
     rpe = None
     if rpe_bias is not None:
-        rpe = _check_rpe(rpe_bias, h, n, grid_t)
+        rpe = check_rpe(rpe_bias, h, n, grid_t, rpe_clip)
         if rpe_bias.device != q.device:
             raise ValueError(f"rpe_bias must be on the device of q ({q.device}), got {rpe_bias.device}")
     elif grid_t is not None:
         grid_t = None  # a grid without a bias changes nothing
     if rpe_clip is not None:
-        _check_rpe_clip(rpe_clip, rpe, rpe_bias, n)
-    key_mask = _normalize_mask(attention_mask, b, n, q.device)
-    request = dict(causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip)
-    q, k, v, poisoned = isolate_non_finite(q, k, v, key_mask, causal)
+        if rpe_bias is None:
+            raise ValueError("rpe_clip needs a 1D rpe_bias of shape (heads, 2*seq-1)")
+        check_clipped_bias(rpe_bias, rpe, n, rpe_clip)
+    if q_den is not None and rpe is not None:
+        raise ValueError("separate denominator features (q_den, k_den) cannot be combined with rpe_bias")
+    if stateful and rpe is not None and rpe_clip is None:
+        raise ValueError(
+            "a state with a relative-position bias needs rpe_clip=K (a bias clipped at K): with an unclipped bias "
+            "every key keeps its own weight for ever, so no constant-size state exists"
+        )
+    if rpe_clip is not None:
+        clipped_table(rpe_bias, n, rpe_clip, continuing=initial_state is not None)  # only the check here
+    window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
+    m_den = m if q_den is None else q_den.shape[-1]
+    shapes = {"kv": (b, h, m, d), "z": (b, h, m_den)}
+    if window is not None:
+        shapes.update(window_k=(b, h, window, m), window_v=(b, h, window, d))
+    initial_state = check_state(initial_state, shapes, q.device)
+    key_mask = normalize_mask(attention_mask, b, n, q.device)
+    request = dict(
+        causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip,
+        state=stateful, split=q_den is not None,
+    )
+    q, k, v, q_den, k_den, poisoned, bad_key = isolate_non_finite(q, k, v, key_mask, causal, q_den, k_den)
     name = choose_backend(n=n, **request) if backend == "auto" else backend
     dt = compute_dtype_for(q)  # the dtype rule
     if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
-        name, dt = _auto_fft_precision(q, k, rpe_bias, causal, key_mask, request)
+        name, dt = _auto_fft_precision(q, k, full_bias(rpe_bias, n, rpe_clip) if rpe else None, causal, key_mask, request)
     spec = get_backend(name)
     lacks = spec.missing(**request)
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
-    if b == 0 or h == 0:  # nothing to attend over: an empty result, attached to every input
-        attached = q.sum() + k.sum() + (rpe_bias.sum().to(v.dtype) if rpe_bias is not None else 0)
-        return v * 0 + attached.to(v.dtype) * 0
     out_dtype = v.dtype
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
         k, v = mask_keys(k, v, key_mask)
+        if q_den is not None:
+            q_den = q_den.to(dt)
+            k_den = mask_keys(k_den, k_den[..., :1], key_mask)[0].to(dt)
+        if initial_state is not None:
+            initial_state = AttentionState(*(None if x is None else x.to(dt) for x in initial_state))
+        if b == 0 or h == 0:  # nothing to attend over: an empty result, attached to every input
+            attached = q.sum() + k.sum() + (rpe_bias.sum().to(dt) if rpe_bias is not None else 0)
+            out = (v * 0 + attached * 0).to(out_dtype)
+            if not output_final_state:
+                return out
+            return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den, window)
+        bias = None
+        if rpe_bias is not None:
+            table = rpe_clip is not None and "rpe_clip" in spec.takes
+            bias = (clipped_table(rpe_bias, n, rpe_clip, initial_state is not None) if table
+                    else full_bias(rpe_bias, n, rpe_clip)).to(dt)
         given = dict(
-            rpe_bias=None if rpe_bias is None else rpe_bias.to(dt), causal=causal, key_mask=key_mask,
-            grid=grid_t, eps=float(eps), rpe_clip=rpe_clip,
+            rpe_bias=bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), rpe_clip=rpe_clip,
+            q_den=q_den, k_den=k_den, initial_state=initial_state, output_final_state=output_final_state,
         )
-        out = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
-        out = torch.where(poisoned[..., None], torch.full((), math.nan, dtype=out.dtype, device=out.device), out)
-    return out.to(out_dtype)
+        result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
+        out, state = result if output_final_state else (result, None)
+        nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
+        out = torch.where(poisoned[..., None], nan, out).to(out_dtype)
+        if state is None:
+            return out
+        # a non-finite real key was replaced by zeros here; every later row sees it, in later calls too
+        seen = bad_key[..., None, None]
+        state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:])
+    return out, state
 
-
-def _check_rpe_clip(rpe_clip: object, rpe: Optional[str], rpe_bias: Optional[torch.Tensor], n: int) -> None:
-    """``rpe_clip`` must be an int >= 0 with a 1D bias that really is constant beyond it."""
-    if not isinstance(rpe_clip, int) or isinstance(rpe_clip, bool) or rpe_clip < 0:
-        raise ValueError(f"rpe_clip must be an int >= 0 (the clipping distance K of the bias), got {rpe_clip!r}")
-    if rpe != "1d":
-        raise ValueError("rpe_clip needs a 1D rpe_bias of shape (heads, 2*seq-1)")
-    if torch.compiler.is_compiling():  # reading the bias cannot be traced: the declaration is trusted
-        return
-    clip = min(rpe_clip, n - 1)
-    with torch.no_grad():
-        left = rpe_bias[:, : n - 1 - clip]
-        right = rpe_bias[:, n + clip :]
-        if not (
-            torch.equal(left, rpe_bias[:, n - 1 - clip : n - clip].expand_as(left))
-            and torch.equal(right, rpe_bias[:, n - 1 + clip : n + clip].expand_as(right))
-        ):
-            raise ValueError(f"rpe_bias is not constant beyond offsets +-{rpe_clip}, so rpe_clip={rpe_clip} does not hold")
-
-
+STATE_ARGUMENTS = ("initial_state", "output_final_state")
+SPLIT_ARGUMENTS = ("q_den", "k_den")
 register_backend(
-    "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps"), causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
+    "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps") + SPLIT_ARGUMENTS, causal=True, noncausal=True,
+    rpe_1d=True, rpe_2d=True, split_denominator=True,
     complexity="O(N^2 M)", description="exact quadratic reference (materialises the N x N matrix)",
 )
 register_backend(
-    "linear", linear_attention, takes=("eps",), causal=False, noncausal=True,
+    "linear", linear_attention, takes=("eps",) + SPLIT_ARGUMENTS, causal=False, noncausal=True, split_denominator=True,
     complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
 )
 register_backend(
-    "causal_chunked", causal_chunked_attention, takes=("eps",), causal=True, noncausal=False,
+    "causal_chunked", causal_chunked_attention, takes=("eps",) + SPLIT_ARGUMENTS + STATE_ARGUMENTS, causal=True,
+    noncausal=False, split_denominator=True, state=True,
     complexity="O(N C (M + D) + N M D)", description="causal linear attention, exact chunks plus running state",
 )
 register_backend(
@@ -468,12 +501,14 @@ register_backend(
     complexity="O(N M D log N)", description="Toeplitz / block-Toeplitz RPE by FFT (Luo et al. 2021), 1D and 2D",
 )
 register_backend(
-    "windowed", windowed_attention, takes=("rpe_bias", "rpe_clip", "causal", "eps"),
-    causal=True, noncausal=True, rpe_1d=True, needs_rpe_clip=True,
+    "windowed", windowed_attention, takes=("rpe_bias", "rpe_clip", "causal", "eps") + STATE_ARGUMENTS,
+    causal=True, noncausal=True, rpe_1d=True, needs_rpe_clip=True, state=True,
     complexity="O(N K (M + D) + N M D)",
     description="exact for a bias clipped at K (rpe_clip): dense near the diagonal, running sums beyond",
 )
 register_backend(
-    "recurrent", recurrent_attention, takes=("rpe_bias", "eps"), causal=True, noncausal=False, rpe_1d=True, decoding=True,
-    complexity="O(M D) per token (O(t M D) with RPE)", description="RNN form, one token at a time (decoding)",
+    "recurrent", recurrent_attention, takes=("rpe_bias", "rpe_clip", "eps") + SPLIT_ARGUMENTS + STATE_ARGUMENTS,
+    causal=True, noncausal=False, rpe_1d=True, decoding=True, state=True, split_denominator=True,
+    complexity="O(M D) per token (O(K (M + D)) with a bias clipped at K)",
+    description="RNN form, one token at a time (decoding)",
 )

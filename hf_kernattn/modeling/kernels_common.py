@@ -21,17 +21,71 @@ hand-written autograd ops' forward and backward) runs with autocast switched off
 (:func:`autocast_disabled`, :func:`full_precision`), so its products stay in float32 and the
 custom backwards see the dtypes their forwards saved; layers around it still autocast.
 
+The state of causal attention (:class:`AttentionState`): after keys ``0..t`` the sums
+``S = sum_j k_j^T v_j (M x D)`` and ``z = sum_j k_j (M)`` (of the denominator's keys when
+separate ones are given), plus, for a 1D bias clipped at ``K``, the window of the last ``K - 1``
+keys and values, which still carry their own weights ``c_{-1} .. c_{-(K-1)}``; every key older
+than that carries ``c_{-K}`` and lives in ``S`` and ``z``. The sums are unweighted, so a state
+does not depend on the bias: a call weighs it when it reads it. An all-zero state is the empty
+one (a zero key adds nothing), so the window has a fixed size from the first token on.
+
 Costs of the helpers here: elementwise, O(N (M + D)) time and memory, except
-:func:`relative_offsets` / :func:`dense_bias_matrix`, O(N^2) (the dense reference only).
+:func:`relative_offsets` / :func:`dense_bias_matrix`, O(N^2) (the dense reference only), and
+:func:`fold_into_state`, O(N M D).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
+
+
+class AttentionState(NamedTuple):
+    """What causal attention carries from one call to the next (see the module docstring).
+
+    Attributes:
+        kv: ``S (B, H, M, D)``, the sum of ``k_j^T v_j`` over the keys folded in.
+        z: ``(B, H, M')``, the sum of the denominator's key features over the same keys
+            (``M' = M`` unless separate denominator features are used).
+        window_k: ``(B, H, K - 1, M)``, the most recent keys (oldest first; zeros before the
+            first token), for a bias clipped at ``K``; None without a bias.
+        window_v: ``(B, H, K - 1, D)``, their values; None without a bias.
+    """
+
+    kv: torch.Tensor
+    z: torch.Tensor
+    window_k: Optional[torch.Tensor] = None
+    window_v: Optional[torch.Tensor] = None
+
+
+def fold_into_state(
+    state: Optional[AttentionState], k: torch.Tensor, v: torch.Tensor, k_den: torch.Tensor, window: Optional[int] = None
+) -> AttentionState:
+    """The state after keys ``k (B, H, N, M)`` (denominator keys ``k_den``), values ``v`` follow
+    ``state`` (None: the empty state). With ``window`` (``K - 1`` for a bias clipped at ``K``;
+    ``k_den`` is then ``k``), the last ``window`` keys of ``[window_k, k]`` form the new window
+    and the older ones enter ``S`` and ``z``. Time O((N + window) M D)."""
+    b, h, _, m = k.shape
+    if window is not None:
+        if state is None:
+            k = torch.nn.functional.pad(k, (0, 0, window, 0))
+            v = torch.nn.functional.pad(v, (0, 0, window, 0))
+        else:
+            k = torch.cat([state.window_k, k], dim=2)
+            v = torch.cat([state.window_v, v], dim=2)
+        leaving = k.shape[2] - window
+        window_k, window_v = k[:, :, leaving:], v[:, :, leaving:]
+        k, v, k_den = k[:, :, :leaving], v[:, :, :leaving], k[:, :, :leaving]
+    else:
+        window_k = window_v = None
+    kv = k.transpose(-1, -2) @ v
+    z = k_den.sum(dim=2)
+    if state is not None:
+        kv, z = state.kv + kv, state.z + z
+    return AttentionState(kv, z, window_k, window_v)
 
 
 def autocast_disabled(device_type: str):
@@ -81,28 +135,42 @@ def mask_keys(
 
 
 def isolate_non_finite(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor], causal: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    causal: bool,
+    q_den: Optional[torch.Tensor] = None,
+    k_den: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Keep a non-finite input from reaching any row that does not see it.
 
-    A position whose key or value holds NaN/inf (per batch row and head) is replaced by zeros,
-    as padding is, and a non-finite query by zeros; then no algorithm (FFT, chunk sums, running
-    states, matrix products with masked weights) can spread it, in the forward or backward pass
-    (``where`` passes no gradient to the replaced entries). The rows that do see such an input
-    (the query itself, or an allowed key: at or before it when causal, any real key otherwise)
-    are *poisoned*: the caller sets them to NaN. Costs a few elementwise passes, no host sync.
+    A position whose key or value (or denominator key) holds NaN/inf (per batch row and head) is
+    replaced by zeros, as padding is, and a non-finite query by zeros; then no algorithm (FFT,
+    chunk sums, running states, matrix products with masked weights) can spread it, in the
+    forward or backward pass (``where`` passes no gradient to the replaced entries). The rows
+    that do see such an input (the query itself, or an allowed key: at or before it when causal,
+    any real key otherwise) are *poisoned*: the caller sets them to NaN. Costs a few elementwise
+    passes, no host sync.
 
-    Returns ``(q, k, v, poisoned)`` with ``poisoned (B, H, N)`` bool.
+    Returns ``(q, k, v, q_den, k_den, poisoned, bad_key)``: ``poisoned (B, H, N)`` bool, and
+    ``bad_key (B, H)``, whether a real key of that row and head was replaced (a state carried
+    on from this call has seen it).
     """
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
     good = torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1)  # (B, H, N)
     good_q = torch.isfinite(q).all(dim=-1)
+    if k_den is not None:
+        good = good & torch.isfinite(k_den).all(dim=-1)
+        good_q = good_q & torch.isfinite(q_den).all(dim=-1)
+        k_den = torch.where(good[..., None], k_den, zero)
+        q_den = torch.where(good_q[..., None], q_den, zero)
     bad = ~good if key_mask is None else ~good & key_mask[:, None, :]
     seen = bad.cumsum(dim=-1) > 0 if causal else bad.any(dim=-1, keepdim=True).expand_as(bad)
     k = torch.where(good[..., None], k, zero)
     v = torch.where(good[..., None], v, zero.to(v.dtype))
     q = torch.where(good_q[..., None], q, zero.to(q.dtype))
-    return q, k, v, seen | ~good_q
+    return q, k, v, q_den, k_den, seen | ~good_q, bad.any(dim=-1)
 
 
 def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[torch.Tensor, ...]:
@@ -157,6 +225,32 @@ def shifted_bias(rpe_bias: torch.Tensor, n: int, causal: bool, eps: float) -> tu
     (same shape as ``rpe_bias``) and the matching per-head ``(H,)`` eps."""
     shift = bias_shift(rpe_bias, n, causal)
     return rpe_bias - per_head(shift, rpe_bias.dim()), shifted_eps(eps, shift)
+
+
+def clipped_table(rpe_bias: torch.Tensor, n: int, clip: int, continuing: bool = False) -> torch.Tensor:
+    """A bias clipped at ``clip``, as ``(H, 2N-1)`` or ``(H, 2K+1)``, -> its table ``(H, 2K+1)``
+    (offsets beyond ``+-(N-1)`` of a full bias of a short call take its end entries, which no
+    key of that call uses). ``continuing``: the call reads a state, whose keys lie up to ``K``
+    positions back: a full bias of ``N <= K`` tokens does not reach them (``ValueError``)."""
+    if rpe_bias.shape[-1] == 2 * clip + 1:
+        return rpe_bias
+    if n - 1 < clip and continuing:
+        raise ValueError(
+            f"with initial_state, rpe_bias must reach offset -rpe_clip={-clip}: pass the clipped table "
+            f"(heads, 2*rpe_clip+1) = ({rpe_bias.shape[0]}, {2 * clip + 1}), got {tuple(rpe_bias.shape)}"
+        )
+    if n - 1 >= clip:
+        return rpe_bias[:, n - 1 - clip : n + clip]
+    idx = torch.arange(-clip, clip + 1, device=rpe_bias.device).clamp(-(n - 1), n - 1) + n - 1
+    return rpe_bias[:, idx]
+
+
+def full_bias(rpe_bias: torch.Tensor, n: int, clip: Optional[int]) -> torch.Tensor:
+    """A 1D bias as ``(H, 2N-1)`` (from a clipped table ``(H, 2K+1)`` when given one)."""
+    if rpe_bias.shape[-1] == 2 * n - 1 or clip is None:
+        return rpe_bias
+    r = torch.arange(-(n - 1), n, device=rpe_bias.device)
+    return rpe_bias[:, r.clamp(-clip, clip) + clip]
 
 
 def per_head(x: torch.Tensor, ndim: int) -> torch.Tensor:

@@ -15,8 +15,17 @@ keys ``j <= i`` (causal: ``S`` and ``z`` become running sums).
   inside chunks of ``C`` tokens plus the state of the earlier chunks. Time
   O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D): never quadratic in N.
 * :func:`recurrent_step` / :func:`recurrent_attention`: causal, one token at a time on the state
-  ``(S, z)``: O(M D) time and memory per token (the decoding form). With a 1D bias the weights
-  differ per query and each step re-reads the past: O(t (M + D)) at step t, O(N^2 (M + D)) in all.
+  ``(S, z)``: O(M D) time and memory per token (the decoding form). With a bias clipped at K
+  each step also reads the window of the last K - 1 keys: O(K (M + D) + M D) per token. With an
+  unclipped 1D bias the weights differ per query and each step re-reads the past: O(t (M + D))
+  at step t, O(N^2 (M + D)) in all (no state is carried).
+
+The causal forms continue from a state and return one (``initial_state``,
+``output_final_state``; :class:`~kernels_common.AttentionState`): splitting a sequence, carrying
+the state and resuming gives what one call over the whole sequence gives. Separate denominator
+features (``q_den``, ``k_den``) compute ``sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)``:
+with rotary features the numerator's rotated features are signed, the denominator keeps the
+positive ones.
 
 Inputs as described in ``kernels_common``: one dtype, padded keys and values already zero.
 """
@@ -27,17 +36,23 @@ from typing import Optional
 
 import torch
 
-from .kernels_common import chunk_tokens, full_precision, shifted_bias, with_ones_column
+from .kernels_common import AttentionState, chunk_tokens, clipped_table, fold_into_state, full_precision, shifted_bias, with_ones_column
 
 
 @full_precision
-def linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
-    """Non-causal linear attention without RPE: ``q (k^T v) / (q . sum_j k_j + eps)``.
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` -> ``(B, H, N, D)``."""
+def linear_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: float = 1e-6,
+    q_den: Optional[torch.Tensor] = None, k_den: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Non-causal linear attention without RPE: ``q (k^T v) / (q_den . sum_j k_den_j + eps)``
+    (``q_den, k_den`` default to ``q, k``). ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` ->
+    ``(B, H, N, D)``."""
     kv = k.transpose(-1, -2) @ v  # (B, H, M, D)
-    z = k.sum(dim=-2)  # (B, H, M)
+    if q_den is None:
+        q_den, k_den = q, k
+    z = k_den.sum(dim=-2)  # (B, H, M)
     num = q @ kv
-    den = (q * z[:, :, None, :]).sum(dim=-1, keepdim=True)
+    den = (q_den * z[:, :, None, :]).sum(dim=-1, keepdim=True)
     return num / (den + eps)
 
 
@@ -67,13 +82,38 @@ def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
 
 @full_precision
 def causal_chunked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: float = 1e-6, chunk_size: int = 64
-) -> torch.Tensor:
-    """Causal linear attention in chunked form (:func:`causal_linear_sums` over ``[v, 1]``):
-    never quadratic in N. ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` -> ``(B, H, N, D)``."""
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    q_den: Optional[torch.Tensor] = None,
+    k_den: Optional[torch.Tensor] = None,
+    initial_state: Optional[AttentionState] = None,
+    output_final_state: bool = False,
+):
+    """Causal linear attention in chunked form (:func:`causal_linear_sums` over ``[v, 1]``, or
+    over ``v`` and ``1`` separately with denominator features): never quadratic in N.
+
+    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` -> ``(B, H, N, D)``; with ``output_final_state``
+    ``(out, AttentionState)``. ``initial_state``: the ``(S, z)`` of earlier tokens, read by
+    every new query (``q S``, ``q_den . z``)."""
     d = v.shape[-1]
-    y = causal_linear_sums(q, k, with_ones_column(v), chunk_size)
-    return y[..., :d] / (y[..., d:] + eps)
+    if q_den is None:
+        y = causal_linear_sums(q, k, with_ones_column(v), chunk_size)
+        num, den = y[..., :d], y[..., d:]
+        q_den, k_den = q, k
+    else:
+        num = causal_linear_sums(q, k, v, chunk_size)
+        den = causal_linear_sums(q_den, k_den, torch.ones_like(v[..., :1]), chunk_size)
+    if initial_state is not None:
+        num = num + q @ initial_state.kv
+        den = den + q_den @ initial_state.z[..., None]
+    out = num / (den + eps)
+    if not output_final_state:
+        return out
+    return out, fold_into_state(initial_state, k, v, k_den)
 
 
 @full_precision
@@ -84,20 +124,25 @@ def recurrent_step(
     state: torch.Tensor,
     normalizer: torch.Tensor,
     eps: float = 1e-6,
+    q_den_t: Optional[torch.Tensor] = None,
+    k_den_t: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One RNN step of causal linear attention.
 
     Args:
         q_t, k_t: ``(B, H, M)`` features of the new token (k already masked if it is padding).
         v_t: ``(B, H, D)``.
-        state: S ``(B, H, M, D)``; normalizer: z ``(B, H, M)`` (float32 at least).
+        state: S ``(B, H, M, D)``; normalizer: z ``(B, H, M')`` (float32 at least).
+        q_den_t, k_den_t: ``(B, H, M')`` denominator features (default ``q_t, k_t``).
     Returns:
-        ``(out_t (B, H, D), S + k_t v_t^T, z + k_t)``.
+        ``(out_t (B, H, D), S + k_t v_t^T, z + k_den_t)``.
     """
+    if q_den_t is None:
+        q_den_t, k_den_t = q_t, k_t
     state = state + k_t[..., :, None] * v_t[..., None, :]
-    normalizer = normalizer + k_t
+    normalizer = normalizer + k_den_t
     num = (q_t[..., None, :] @ state)[..., 0, :]
-    den = (q_t * normalizer).sum(dim=-1, keepdim=True)
+    den = (q_den_t * normalizer).sum(dim=-1, keepdim=True)
     return num / (den + eps), state, normalizer
 
 
@@ -108,27 +153,76 @@ def recurrent_attention(
     v: torch.Tensor,
     *,
     rpe_bias: Optional[torch.Tensor] = None,
+    rpe_clip: Optional[int] = None,
     eps: float = 1e-6,
-) -> torch.Tensor:
+    q_den: Optional[torch.Tensor] = None,
+    k_den: Optional[torch.Tensor] = None,
+    initial_state: Optional[AttentionState] = None,
+    output_final_state: bool = False,
+):
     """Causal attention as an RNN, one token at a time.
 
-    Without RPE it carries only ``(S, z)`` (constant memory per step). With a 1D bias
-    ``(H, 2N-1)`` the weights ``c_{j-i}`` differ for every query, so each step re-reads the past
-    keys and values: exact, with a per-step cost that grows with the context.
+    Without a bias it carries only ``(S, z)`` (constant memory per step). With a bias clipped at
+    ``K = rpe_clip`` (``rpe_bias`` the clipped table ``(H, 2K+1)``, entry ``r + K``, or ``(H, 2N-1)``) step
+    ``t`` reads the window of the ``K - 1`` keys before it with their weights ``c_{-(K-1)} ..
+    c_{-1}``, its own key with ``c_0`` and ``(S, z)`` with ``c_{-K}``, then moves the oldest
+    window key into ``(S, z)``. With an unclipped 1D bias ``(H, 2N-1)`` the weights differ for
+    every query, so each step re-reads all past keys and values: exact, O(t) per step, and no
+    state can be carried. Returns ``(B, H, N, D)``, with ``output_final_state``
+    ``(out, AttentionState)``.
     """
-    b, h, n, m = q.shape
-    d = v.shape[-1]
+    if rpe_bias is not None and rpe_clip is None:
+        return _recurrent_full_bias(q, k, v, rpe_bias, eps)
     outs = []
     if rpe_bias is None:
-        state = q.new_zeros(b, h, m, d)
-        norm = q.new_zeros(b, h, m)
-        for t in range(n):
-            o, state, norm = recurrent_step(q[:, :, t], k[:, :, t], v[:, :, t], state, norm, eps)
+        b, h, _, m = q.shape
+        state, norm = (initial_state.kv, initial_state.z) if initial_state is not None else (None, None)
+        if state is None:
+            state = q.new_zeros(b, h, m, v.shape[-1])
+            norm = q.new_zeros(b, h, m if k_den is None else k_den.shape[-1])
+        for t in range(q.shape[2]):
+            den_t = (None, None) if q_den is None else (q_den[:, :, t], k_den[:, :, t])
+            o, state, norm = recurrent_step(q[:, :, t], k[:, :, t], v[:, :, t], state, norm, eps, *den_t)
             outs.append(o)
-        return torch.stack(outs, dim=2)
+        out = torch.stack(outs, dim=2)
+        return (out, AttentionState(state, norm)) if output_final_state else out
+    # a bias clipped at K: the window [window_k, k] and the far sums (S, z)
+    big_k = int(rpe_clip)
+    window = max(big_k - 1, 0)
+    rpe_bias = clipped_table(rpe_bias, q.shape[2], big_k, continuing=initial_state is not None)
+    bias, eps_h = shifted_bias(rpe_bias, big_k + 1, True, eps)  # (H, 2K+1), entry r + K
+    c = torch.exp(bias)
+    eps_h = eps_h[None, :, None]  # (1, H, 1)
+    c_far = c[:, 0][None, :, None]  # c_{-K}: (1, H, 1)
+    w = c[:, big_k - window : big_k + 1][None]  # offsets -(K-1)..0: (1, H, K)
+    if initial_state is None:
+        initial_state = fold_into_state(None, k[:, :, :0], v[:, :, :0], k[:, :, :0], window)
+    keys = torch.cat([initial_state.window_k, k], dim=2)  # key t of this call is keys[window + t]
+    vals = torch.cat([initial_state.window_v, v], dim=2)
+    s_far, z_far = initial_state.kv, initial_state.z
+    for t in range(q.shape[2]):
+        q_t = q[:, :, t]
+        scores = (keys[:, :, t : t + window + 1] @ q_t[..., None])[..., 0] * w  # (B, H, K)
+        num = (scores[..., None] * vals[:, :, t : t + window + 1]).sum(dim=2) + c_far * (q_t[:, :, None, :] @ s_far)[:, :, 0]
+        den = scores.sum(dim=-1, keepdim=True) + c_far * (q_t * z_far).sum(dim=-1, keepdim=True)
+        outs.append(num / (den + eps_h))
+        if t < q.shape[2] - 1 or output_final_state:  # the oldest window key becomes a far key
+            s_far = s_far + keys[:, :, t, :, None] * vals[:, :, t, None, :]
+            z_far = z_far + keys[:, :, t]
+    out = torch.stack(outs, dim=2)
+    if not output_final_state:
+        return out
+    n = q.shape[2]
+    return out, AttentionState(s_far, z_far, keys[:, :, n:], vals[:, :, n:])
+
+
+def _recurrent_full_bias(q, k, v, rpe_bias, eps):
+    """:func:`recurrent_attention` with an unclipped 1D bias ``(H, 2N-1)``: step t re-reads keys 0..t."""
+    n = q.shape[2]
     bias, eps_h = shifted_bias(rpe_bias, n, True, eps)
     c = torch.exp(bias)  # (H, 2N-1), every used coefficient <= 1
     eps_h = eps_h[None, :, None]  # (1, H, 1)
+    outs = []
     for t in range(n):
         w = c[:, n - 1 - t : n][None]  # offsets -t..0 for keys 0..t: (1, H, t+1)
         s = (k[:, :, : t + 1] @ q[:, :, t, :, None])[..., 0] * w  # (B, H, t+1)

@@ -30,7 +30,7 @@ from transformers.modeling_outputs import (
 )
 
 from .attention import KernelizedSelfAttention
-from .backends import check_attention_mask
+from .attention_inputs import check_attention_mask
 from .configuration_nprf_bert import NPRFBertConfig
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D

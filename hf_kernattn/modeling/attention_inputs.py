@@ -1,0 +1,174 @@
+"""Checks and normal forms of what :func:`~backends.kernelized_attention` is given.
+
+Every check names the parameter and what is allowed (``TypeError`` for a wrong type,
+``ValueError`` for a wrong shape or value). Checks that read tensor values (mask values, the
+constancy of a clipped bias) run in eager mode only: while ``torch.compile`` / ``torch.export``
+trace, they would need a host sync and cannot be traced, so the declaration is trusted.
+
+Relative-position tables: a 1D bias is ``(H, 2N-1)`` (entry ``r + N - 1`` holds ``b_r``). A bias
+declared clipped at ``K`` (``rpe_clip``) may also be given as its table ``(H, 2K+1)`` (entry
+``r + K``; farther offsets take the end entries): a call that continues from a state needs the
+weights up to offset ``-K`` whatever its own length, so it takes that form.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .kernels_common import AttentionState
+
+
+def check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:
+    """``x`` must be a floating-point tensor with ``ndim`` dimensions (``shape_doc`` says which)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have shape {shape_doc}, got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
+    return x
+
+
+def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
+    """``TypeError`` / ``ValueError`` unless ``attention_mask`` is None or a ``(b, n)`` tensor."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor of shape (batch, seq) = ({b}, {n}) or None")
+    if tuple(attention_mask.shape) != (b, n):
+        raise ValueError(
+            f"attention_mask must have shape (batch, seq) = ({b}, {n}) with 1 = keep and 0 = padding, "
+            f"got {tuple(attention_mask.shape)}"
+        )
+
+
+def normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[torch.Tensor]:
+    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded.
+
+    Reading the values (the 0/1 check, "nothing padded") syncs with the device and cannot be
+    traced: while ``torch.compile`` / ``torch.export`` trace, the mask is converted unchecked and
+    kept even when it pads nothing (masking with an all-True mask changes no result)."""
+    check_attention_mask(attention_mask, b, n)
+    if attention_mask is None:
+        return None
+    tracing = torch.compiler.is_compiling()
+    if not tracing and attention_mask.dtype != torch.bool:
+        bad = (attention_mask != 0) & (attention_mask != 1)
+        if bool(bad.any()):
+            raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
+    mask = attention_mask.to(device=device, dtype=torch.bool)
+    if tracing:
+        return mask
+    return None if bool(mask.all()) else mask
+
+
+def check_grid(grid: object, n: int) -> Optional[tuple[int, int]]:
+    """None, or ``(Hg, Wg)`` positive ints with ``Hg * Wg == n``."""
+    if grid is None:
+        return None
+    if (
+        not isinstance(grid, (tuple, list))
+        or len(grid) != 2
+        or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid)
+    ):
+        raise ValueError(f"grid must be a pair of positive ints (height, width), got {grid!r}")
+    if grid[0] * grid[1] != n:
+        raise ValueError(f"grid {tuple(grid)} has {grid[0] * grid[1]} cells but the sequence has N={n} tokens")
+    return int(grid[0]), int(grid[1])
+
+
+def check_rpe_clip(rpe_clip: object) -> Optional[int]:
+    """None, or the clipping distance ``K``: an int >= 0."""
+    if rpe_clip is not None and (not isinstance(rpe_clip, int) or isinstance(rpe_clip, bool) or rpe_clip < 0):
+        raise ValueError(f"rpe_clip must be an int >= 0 (the clipping distance K of the bias), got {rpe_clip!r}")
+    return rpe_clip
+
+
+def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[int]], rpe_clip: Optional[int]) -> str:
+    """The kind of bias (``"1d"`` or ``"2d"``) after checking its shape; with ``rpe_clip = K`` a
+    1D bias may be ``(H, 2N-1)`` or the clipped table ``(H, 2K+1)``."""
+    if grid is None:
+        want = f"(heads, 2*seq-1) = ({h}, {2 * n - 1})"
+        if rpe_clip is not None:
+            want += f" or, clipped at rpe_clip={rpe_clip}, (heads, 2*rpe_clip+1) = ({h}, {2 * rpe_clip + 1})"
+        if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
+            raise ValueError(f"rpe_bias must have shape {want}; a 3D bias needs grid=(height, width)")
+        check_tensor("rpe_bias", rpe_bias, 2, want)
+        widths = {2 * n - 1} | ({2 * rpe_clip + 1} if rpe_clip is not None else set())
+        if rpe_bias.shape[0] != h or rpe_bias.shape[1] not in widths:
+            raise ValueError(f"rpe_bias must have shape {want}, got {tuple(rpe_bias.shape)}")
+        return "1d"
+    hg, wg = grid
+    want = (h, 2 * hg - 1, 2 * wg - 1)
+    check_tensor("rpe_bias", rpe_bias, 3, f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
+    if tuple(rpe_bias.shape) != want:
+        raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want}, got {tuple(rpe_bias.shape)}")
+    return "2d"
+
+
+def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_clip: int) -> None:
+    """``rpe_clip`` needs a 1D bias, and a full ``(H, 2N-1)`` one must be constant beyond ``+-K``."""
+    if rpe != "1d":
+        raise ValueError("rpe_clip needs a 1D rpe_bias of shape (heads, 2*seq-1)")
+    if torch.compiler.is_compiling() or rpe_bias.shape[-1] != 2 * n - 1:
+        return  # traced: the declaration is trusted; a (H, 2K+1) table is clipped by construction
+    clip = min(rpe_clip, n - 1)
+    with torch.no_grad():
+        left = rpe_bias[:, : n - 1 - clip]
+        right = rpe_bias[:, n + clip :]
+        if not (
+            torch.equal(left, rpe_bias[:, n - 1 - clip : n - clip].expand_as(left))
+            and torch.equal(right, rpe_bias[:, n - 1 + clip : n + clip].expand_as(right))
+        ):
+            raise ValueError(f"rpe_bias is not constant beyond offsets +-{rpe_clip}, so rpe_clip={rpe_clip} does not hold")
+
+
+def check_denominator_features(q_den: object, k_den: object, q: torch.Tensor) -> None:
+    """``q_den``, ``k_den``: both None, or two tensors ``(B, H, N, M')`` like ``q`` in batch,
+    heads, length, dtype and device."""
+    if (q_den is None) != (k_den is None):
+        raise ValueError("pass both q_den and k_den (separate denominator features) or neither")
+    if q_den is None:
+        return
+    doc = f"(batch, heads, seq, features) with (batch, heads, seq) = {tuple(q.shape[:3])}"
+    check_tensor("q_den", q_den, 4, doc)
+    check_tensor("k_den", k_den, 4, doc)
+    if q_den.shape != k_den.shape or q_den.shape[:3] != q.shape[:3] or q_den.shape[-1] == 0:
+        raise ValueError(f"q_den and k_den must have one shape {doc} and features >= 1, got "
+                         f"{tuple(q_den.shape)} and {tuple(k_den.shape)}")
+    if q_den.dtype != q.dtype or k_den.dtype != q.dtype or q_den.device != q.device or k_den.device != q.device:
+        raise ValueError(f"q_den and k_den must have the dtype and device of q ({q.dtype}, {q.device})")
+
+
+def check_state(
+    initial_state: object, shapes: dict[str, tuple[int, ...]], device
+) -> Optional[AttentionState]:
+    """None, or an :class:`AttentionState` (or a tuple of its 2 or 4 tensors) whose tensors have
+    the ``shapes`` given (``window_k`` / ``window_v`` only for a bias clipped at K)."""
+    if initial_state is None:
+        return None
+    if not isinstance(initial_state, tuple) or len(initial_state) not in (2, 4):
+        raise TypeError(
+            "initial_state must be an AttentionState (kv, z[, window_k, window_v]) returned by an earlier call "
+            f"with output_final_state=True, got {type(initial_state).__name__}"
+        )
+    state = AttentionState(*initial_state)
+    for name, want in shapes.items():
+        x = getattr(state, name)
+        doc = str(want)
+        if x is None:
+            raise ValueError(f"initial_state.{name} must be a tensor of shape {doc} for this call, got None")
+        check_tensor(f"initial_state.{name}", x, len(want), doc)
+        if tuple(x.shape) != want:
+            raise ValueError(f"initial_state.{name} must have shape {doc} for this call, got {tuple(x.shape)}")
+        if x.device != device:
+            raise ValueError(f"initial_state.{name} must be on the device of q ({device}), got {x.device}")
+    extra = [n for n in ("window_k", "window_v") if n not in shapes and getattr(state, n) is not None]
+    if extra:
+        raise ValueError(
+            f"initial_state holds {extra}, the window of a relative-position bias clipped at K, but this call "
+            "has no clipped bias: a state only continues a call of the same kind"
+        )
+    return state
