@@ -58,7 +58,7 @@ def test_state_size_does_not_grow_with_context():
     with torch.no_grad():
         short = model(torch.randint(0, 61, (1, 8))).past_key_values
         long = model(torch.randint(0, 61, (1, 60))).past_key_values
-    sizes = lambda c: [getattr(l, n).shape for l in c.layers for n in l.tensors()]  # noqa: E731
+    sizes = lambda c: [x.shape for l in c.layers for x in l.get_state() if x is not None]  # noqa: E731
     assert sizes(short) == sizes(long)
 
 
@@ -100,14 +100,14 @@ def test_rpe_attention_matches_dense_reference_and_decoding():
         q, k, v = attn.project(h)
         want = attn.output(dense_attention(q, k, v, rpe_bias=attn.rpe(n).double(), causal=True, eps=attn.eps), h.dtype)
         # and the constant-size decoding (old state weighted c_{-K} + window of K - 1 keys)
-        from hf_kernattn.modeling.cache import LinearAttentionState
+        from hf_kernattn.modeling.cache import LinearGPTCacheLayer
 
-        state = LinearAttentionState()
+        state = LinearGPTCacheLayer(window=3)
         steps = [attn(h[:, :1], past_key_values=state)]
         steps += [attn(h[:, t : t + 1], past_key_values=state) for t in range(1, n)]
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-8)
     torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=1e-10, rtol=1e-8)
-    assert state.window_keys.shape[2] == 3  # K - 1, whatever the context length
+    assert state.get_state().window_k.shape[2] == 3  # K - 1, whatever the context length
 
 
 @pytest.mark.parametrize("variant", ["elu_absolute", "elu_rotary", "rpe_learned"])
@@ -197,8 +197,8 @@ def test_non_finite_padding_does_not_reach_real_rows_or_the_state(variant, poiso
             mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
             steps.append(model(nxt[:, t : t + 1], attention_mask=mask, past_key_values=cache).logits)
         for layer in cache.layers:
-            for name in layer.tensors():
-                assert torch.isfinite(getattr(layer, name)).all(), name
+            for name, x in layer.get_state()._asdict().items():
+                assert x is None or torch.isfinite(x).all(), name
         for i, r in enumerate(rows):
             alone = model(inputs_embeds=r[None])
             state = alone.past_key_values

@@ -44,16 +44,17 @@ def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
         )
 
 
-def normalize_mask(attention_mask: object, b: int, n: int, device) -> Optional[torch.Tensor]:
+def normalize_mask(attention_mask: object, b: int, n: int, device, inspect: bool = True) -> Optional[torch.Tensor]:
     """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded.
 
     Reading the values (the 0/1 check, "nothing padded") syncs with the device and cannot be
-    traced: while ``torch.compile`` / ``torch.export`` trace, the mask is converted unchecked and
-    kept even when it pads nothing (masking with an all-True mask changes no result)."""
+    traced: while ``torch.compile`` / ``torch.export`` trace, and when ``inspect`` is False (a
+    one-token decoding step: no host sync per token), the mask is converted unchecked and kept
+    even when it pads nothing (masking with an all-True mask changes no result)."""
     check_attention_mask(attention_mask, b, n)
     if attention_mask is None:
         return None
-    tracing = torch.compiler.is_compiling()
+    tracing = torch.compiler.is_compiling() or not inspect
     if not tracing and attention_mask.dtype != torch.bool:
         bad = (attention_mask != 0) & (attention_mask != 1)
         if bool(bad.any()):

@@ -368,6 +368,9 @@ def kernelized_attention(
     ones, also those of later calls through the returned state; otherwise all), and never an
     earlier row or a row of another sequence or head, in the outputs or their gradients.
     Padded positions may hold anything.
+
+    Host syncs: the mask values and a clipped bias are checked in eager mode, except in a
+    one-token step from a state (decoding), whose mask is used unchecked.
     """
     check_tensor("q", q, 4, "(batch, heads, seq, features)")
     check_tensor("k", k, 4, "(batch, heads, seq, features)")
@@ -430,7 +433,8 @@ def kernelized_attention(
     if window is not None:
         shapes.update(window_k=(b, h, window, m), window_v=(b, h, window, d))
     initial_state = check_state(initial_state, shapes, q.device)
-    key_mask = normalize_mask(attention_mask, b, n, q.device)
+    # a one-token step from a state (decoding) reads no mask values: no host sync per token
+    key_mask = normalize_mask(attention_mask, b, n, q.device, inspect=initial_state is None or n > 1)
     request = dict(
         causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip,
         state=stateful, split=q_den is not None,

@@ -2,19 +2,23 @@
 
 Causal linear attention is an RNN (Katharopoulos et al. 2020): after tokens ``0..t`` a layer
 needs only ``S = sum_j k_j v_j^T`` ``(B, H, M, D)`` and ``z = sum_j k_j`` ``(B, H, M)``, so a
-decoding step costs the same at any context length. This module stores those per layer.
+decoding step costs the same at any context length. With rotary features ``S`` holds the
+rotated keys and ``z`` the positive ones; with a learned relative-position bias clipped at
+``K = max_relative_position`` the state also holds the window of the last ``K - 1`` keys and
+values (every older key carries ``c_{-K}`` and lives in ``S``, ``z``): exact, and still constant
+per token. The attention core computes and returns this state
+(``kernels_common.AttentionState``); this module only stores it.
 
-With rotary features, ``S`` accumulates the *rotated* keys (numerator) and ``z`` the
-un-rotated ones (denominator). With a learned relative-position bias clipped at
-``K = max_relative_position`` every key older than ``K`` positions carries the same weight
-``c_{-K}``, so the state is ``(S, z)`` over those keys plus a window of the last ``K - 1``
-keys and values, each weighted by its own ``c_r``: exact, and still constant per token.
+Each layer's state lives in a :class:`LinearGPTCacheLayer`, a ``transformers``
+:class:`~transformers.cache_utils.LinearAttentionLayer` whose recurrent states are ``S``, ``z``
+and, with the bias, the window's keys and values: fixed shapes from the first token on (the
+window starts zero-filled: a zero key adds nothing), updated in place by ``copy_`` while
+decoding. What transformers' caches offer works on it: ``reset()``, ``reorder_cache(beam_idx)``
+(beam search), ``batch_repeat_interleave`` / ``batch_select_indices`` (expanding a returned
+state), ``offload()`` / ``prefetch()``, and the layer format ``cache.layers[i].recurrent_states``.
 
-The object is a ``transformers`` :class:`~transformers.Cache` so ``generate()`` treats it as a
-cache: ``get_seq_length()`` (continuing generation), ``reorder_cache(beam_idx)`` in place (beam
-search), ``batch_repeat_interleave`` / ``batch_select_indices`` (expanding a returned state).
-It is not compileable and never asks for a 4D mask. Left padding: padded positions have their
-keys and values zeroed before they enter ``S``, ``z`` or the window, so they never count.
+Left padding: padded positions have their keys and values zeroed before they enter ``S``, ``z``
+or the window, so they never count.
 """
 
 from __future__ import annotations
@@ -22,91 +26,86 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, LinearAttentionLayer
+
+from .kernels_common import AttentionState
 
 
-class LinearAttentionState:
-    """The decoding state of one layer.
+class LinearGPTCacheLayer(LinearAttentionLayer):
+    """One layer's decoding state: recurrent states ``0`` = S ``(B, H, M, D)``, ``1`` = z
+    ``(B, H, M)`` and, for a relative-position bias clipped at K (``window = K - 1``), ``2`` = the
+    window's keys ``(B, H, K - 1, M)``, ``3`` = its values ``(B, H, K - 1, D)``.
 
-    Attributes:
-        state: ``S`` ``(B, H, M, D)`` sum of ``k_j v_j^T`` over keys that left the window, float32+.
-        normalizer: ``z`` ``(B, H, M)`` sum of ``k_j`` over the same keys.
-        window_keys: ``(B, H, W, M)`` the most recent keys (RPE only; ``W <= window``), or None.
-        window_values: ``(B, H, W, D)`` their values, or None.
+    Args:
+        window: ``K - 1`` for a bias clipped at ``K``; None without a bias.
     """
 
-    def __init__(self) -> None:
-        self.state: Optional[torch.Tensor] = None
-        self.normalizer: Optional[torch.Tensor] = None
-        self.window_keys: Optional[torch.Tensor] = None
-        self.window_values: Optional[torch.Tensor] = None
+    def __init__(self, window: Optional[int] = None) -> None:
+        super().__init__(number_of_states=2 if window is None else 4)
+        self.window = window
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(window={self.window}, initialized={self.is_initialized})"
 
     @property
     def is_initialized(self) -> bool:
-        return self.state is not None
+        return bool(self.has_previous_state[0])
 
-    def tensors(self) -> list[str]:
-        return [n for n in ("state", "normalizer", "window_keys", "window_values") if getattr(self, n) is not None]
+    def get_state(self) -> Optional[AttentionState]:
+        """The state to continue from (None before the first tokens)."""
+        if not self.is_initialized:
+            return None
+        return AttentionState(*(self.recurrent_states[i] for i in range(self.number_of_states)))
 
-    def apply(self, fn) -> None:
-        """Replace each held tensor ``x`` by ``fn(x)`` (batch dim first)."""
-        for name in self.tensors():
-            setattr(self, name, fn(getattr(self, name)))
+    def set_state(self, state: AttentionState) -> None:
+        """Store the state after the latest tokens: copied in place into the layer's tensors,
+        except while autograd records through it (training across calls), where the tensors are
+        replaced so that the graph of the earlier call keeps the values it saw."""
+        tensors = state[: self.number_of_states]
+        self.device, self.dtype = tensors[0].device, tensors[0].dtype
+        replace = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+        for i, x in enumerate(tensors):
+            if replace or not self.is_recurrent_states_initialized[i] or self.recurrent_states[i].shape != x.shape:
+                self.recurrent_states[i] = x if replace else x.clone()
+                self.is_recurrent_states_initialized[i] = True
+            else:
+                self.update_recurrent_state(x, i)
+        self.has_previous_state[0] = True
 
-    def push(
-        self,
-        k_num: torch.Tensor,
-        k_den: torch.Tensor,
-        v: torch.Tensor,
-        window: int,
-    ) -> None:
-        """Add keys/values (already masked: padded rows zero) of ``N`` new tokens.
+    def _apply_batch(self, fn) -> None:
+        for i in range(self.number_of_states):
+            if self.is_recurrent_states_initialized[i]:
+                self.recurrent_states[i] = fn(self.recurrent_states[i])
 
-        Args:
-            k_num: ``(B, H, N, M)`` keys for the numerator state (rotated when rotary).
-            k_den: ``(B, H, N, M)`` keys for the normalizer (un-rotated).
-            v: ``(B, H, N, D)``.
-            window: how many most recent keys to keep apart (``K - 1`` with RPE, else 0).
-                With a window, ``k_num`` and ``k_den`` must be the same tensor.
-        """
-        b, h, _, m = k_num.shape
-        d = v.shape[-1]
-        if self.state is None:
-            self.state = k_num.new_zeros(b, h, m, d)
-            self.normalizer = k_num.new_zeros(b, h, m)
-        if window > 0:
-            if self.window_keys is not None:
-                k_num = torch.cat([self.window_keys, k_num], dim=2)
-                v = torch.cat([self.window_values, v], dim=2)
-            overflow = max(0, k_num.shape[2] - window)
-            old_k, old_v = k_num[:, :, :overflow], v[:, :, :overflow]
-            self.window_keys = k_num[:, :, overflow:]
-            self.window_values = v[:, :, overflow:]
-            k_num, k_den, v = old_k, old_k, old_v
-            if overflow == 0:
-                return
-        if k_num.shape[2] == 1:
-            self.state = self.state + k_num[:, :, 0, :, None] * v[:, :, 0, None, :]
-            self.normalizer = self.normalizer + k_den[:, :, 0]
-        else:
-            self.state = self.state + k_num.transpose(-1, -2) @ v
-            self.normalizer = self.normalizer + k_den.sum(dim=2)
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: keep the rows ``beam_idx``."""
+        self._apply_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times, as generate expands inputs."""
+        self._apply_batch(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices``."""
+        self._apply_batch(lambda x: x[indices.to(x.device)])
 
 
 class LinearGPTCache(Cache):
-    """Per-layer recurrent states plus the number of positions seen (padding included).
+    """Per-layer recurrent states (:class:`LinearGPTCacheLayer`) plus the number of positions
+    seen (padding included) and, per row, of real tokens (the next position id).
 
     Args:
         num_layers: number of decoder layers.
-        window: keys kept apart per layer for a clipped relative-position bias (``K - 1``; 0 without RPE).
+        window: keys kept apart per layer for a relative-position bias clipped at ``K``
+            (``K - 1``); None (the default) without a bias.
     """
 
-    def __init__(self, num_layers: int, window: int = 0) -> None:
-        if not isinstance(num_layers, int) or num_layers < 1:
+    def __init__(self, num_layers: int, window: Optional[int] = None) -> None:
+        if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        if not isinstance(window, int) or window < 0:
-            raise ValueError(f"window must be an int >= 0, got {window!r}")
-        super().__init__(layers=[LinearAttentionState() for _ in range(num_layers)])
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+            raise ValueError(f"window must be None (no relative-position bias) or an int >= 0 (K - 1), got {window!r}")
+        super().__init__(layers=[LinearGPTCacheLayer(window) for _ in range(num_layers)])
         self.window = window
         self.seen_tokens = 0
         # per row: how many real (non-padded) tokens entered the state; gives the next position id.
@@ -131,10 +130,6 @@ class LinearGPTCache(Cache):
     @property
     def is_sliding(self) -> list[bool]:  # type: ignore[override]
         return [False] * len(self.layers)
-
-    @property
-    def is_linear(self) -> list[bool]:  # type: ignore[override]
-        return [True] * len(self.layers)
 
     @property
     def is_dummy(self) -> list[bool]:  # type: ignore[override]
@@ -164,28 +159,28 @@ class LinearGPTCache(Cache):
             self.real_tokens = self.real_tokens + attention_mask_new.to(device=device, dtype=torch.long).sum(dim=-1)
         self.seen_tokens += num_tokens
 
-    def _apply_batch(self, fn) -> None:
-        for layer in self.layers:
-            layer.apply(fn)
+    def _apply_to_counts(self, fn) -> None:
         if self.real_tokens is not None:
             self.real_tokens = fn(self.real_tokens)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: keep the rows ``beam_idx`` ``(B,)`` (in place)."""
-        self._apply_batch(lambda x: x.index_select(0, beam_idx.to(x.device)))
+        """Beam search: keep the rows ``beam_idx`` ``(B,)``."""
+        super().reorder_cache(beam_idx)
+        self._apply_to_counts(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row ``repeats`` times (in place), as generate expands inputs."""
-        self._apply_batch(lambda x: x.repeat_interleave(repeats, dim=0))
+        """Repeat every row ``repeats`` times, as generate expands inputs."""
+        super().batch_repeat_interleave(repeats)
+        self._apply_to_counts(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows ``indices`` (in place)."""
-        self._apply_batch(lambda x: x[indices.to(x.device)])
+        """Keep only the rows ``indices``."""
+        super().batch_select_indices(indices)
+        self._apply_to_counts(lambda x: x[indices.to(x.device)])
 
     def reset(self) -> None:
-        """Forget everything (the object can be reused for a new prompt)."""
-        for i in range(len(self.layers)):
-            self.layers[i] = LinearAttentionState()
+        """Forget everything (the object and its tensors can be reused for a new prompt)."""
+        super().reset()
         self.seen_tokens = 0
         self.real_tokens = None
 
@@ -201,6 +196,7 @@ class LinearGPTCache(Cache):
         new.seen_tokens = self.seen_tokens
         new.real_tokens = None if self.real_tokens is None else self.real_tokens.clone()
         for src, dst in zip(self.layers, new.layers):
-            for name in src.tensors():
-                setattr(dst, name, getattr(src, name).clone())
+            state = src.get_state()
+            if state is not None:
+                dst.set_state(AttentionState(*(None if x is None else x.clone() for x in state)))
         return new

@@ -1,10 +1,12 @@
 """Linear GPT: a decoder-only causal LM with kernelized (linear) attention.
 
-Trains in parallel (the shared :class:`KernelizedSelfAttention` with ``causal=True`` through
-the backend registry: ``attn_backend``, whose ``auto`` rule is documented with the config's
-shared attention fields, also for a learned relative-position bias) and decodes
-as an RNN with a constant-size state per layer (Katharopoulos et al. 2020), wired into
-``transformers``' ``generate()`` through :class:`LinearGPTCache` (``past_key_values``).
+Trains in parallel and decodes as an RNN with a constant-size state per layer (Katharopoulos
+et al. 2020): both are one call of the shared core (:func:`kernelized_attention` with
+``causal=True``), which continues from the layer's state and returns the next one; the state is
+stored in :class:`LinearGPTCache` (``past_key_values``), wired into ``transformers``'
+``generate()``. ``attn_backend`` (the ``auto`` rule is documented with the config's shared
+attention fields) picks the backend of calls without a state; calls with one use it when it can
+carry a state, ``auto`` otherwise.
 
 Blocks are GPT-2 style (pre-LayerNorm, attention, MLP). Positions are either a learned
 absolute table (default), rotations applied to the feature-mapped queries and keys
@@ -15,8 +17,9 @@ Rotary on features (RoFormer, Su et al. 2021, linear-attention form)::
 
     out_i = sum_{j<=i} (R_i phi(q_i) . R_j phi(k_j)) v_j / (sum_{j<=i} phi(q_i) . phi(k_j) + eps)
 
-The rotated features are signed, so the denominator uses the un-rotated (positive) ones; the
-state then carries ``S = sum R_j phi(k_j) v_j^T`` and ``z = sum phi(k_j)``.
+The rotated features are signed, so the denominator uses the un-rotated (positive) ones (the
+core's separate denominator features ``q_den``, ``k_den``); the state then carries
+``S = sum R_j phi(k_j) v_j^T`` and ``z = sum phi(k_j)``.
 """
 
 from __future__ import annotations
@@ -32,12 +35,10 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import KernelizedSelfAttention
-from .backends import kernelized_attention
-from .cache import LinearAttentionState, LinearGPTCache
+from .backends import get_backend, kernelized_attention
+from .cache import LinearGPTCache, LinearGPTCacheLayer
 from .configuration_linear_gpt import LinearGPTConfig
 from .feature_maps import FeatureMap, feature_maps_step
-from .kernels_common import mask_keys, shifted_bias, with_ones_column
-from .kernels_linear import causal_linear_sums, recurrent_step
 from .positional import RelativePositionBias1D
 from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
 
@@ -62,11 +63,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class LinearGPTAttention(KernelizedSelfAttention):
-    """Causal kernelized self-attention with a recurrent decoding path.
+    """Causal kernelized self-attention whose state carries over between calls.
 
-    Parallel form (no state yet, no rotary): the shared :func:`kernelized_attention`, with the
-    layer's ``rpe_bias`` when ``rpe="learned"``. With a state (decoding, continuation) the new
-    tokens read ``(S, z)`` (and the RPE window) and are then folded into it.
+    One call of the core for every case: project, apply the positions (rotary: rotated
+    features in the numerator, the positive ones in the denominator; ``rpe="learned"``: the
+    layer's bias clipped at K), then :func:`kernelized_attention` with the layer's state, which
+    returns the state after these tokens. Training, prefill, continuation with many new tokens
+    and one-token decoding differ only in the state they start from.
     """
 
     def __init__(self, config: LinearGPTConfig, layer_idx: int) -> None:
@@ -77,15 +80,18 @@ class LinearGPTAttention(KernelizedSelfAttention):
             if config.rpe == "learned"
             else None
         )
-        self.window = config.max_relative_position - 1 if self.rpe is not None else 0
+        # keys a decoding state keeps apart for the bias clipped at K (None: no bias)
+        self.window = config.max_relative_position - 1 if self.rpe is not None else None
         self.dropout = nn.Dropout(config.attn_pdrop)
+        # a call with a state needs a backend that carries one: the configured one if it can
+        self.state_backend = self.backend if self.backend == "auto" or get_backend(self.backend).state else "auto"
 
     def forward(  # type: ignore[override]
         self,
         hidden_states: torch.Tensor,
         key_mask: Optional[torch.Tensor] = None,
         rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        past_key_values: Optional[LinearAttentionState] = None,
+        past_key_values: Optional[LinearGPTCacheLayer] = None,
         projection: Optional[torch.Tensor] = None,
         recompute: Optional[bool] = None,
     ) -> torch.Tensor:
@@ -93,116 +99,55 @@ class LinearGPTAttention(KernelizedSelfAttention):
             hidden_states: ``(B, N, C)``.
             key_mask: ``(B, N)`` bool, True = real token, or None (no padding).
             rotary: ``(cos, sin)`` each ``(B, 1, N, M/2)`` when rotary positions are used.
-            past_key_values: this layer's :class:`LinearAttentionState` (updated in place), or None.
+            past_key_values: this layer's :class:`LinearGPTCacheLayer`: the new tokens continue
+                from its state, which is then replaced by the state after them; or None.
             projection: the random-feature projection to use (None: the feature map's current one).
-            recompute: for the parallel form (no earlier state: training, prefill), recompute
-                the projections, feature maps and kernel in the backward pass instead of storing
+            recompute: for calls without an earlier state (training, prefill), recompute the
+                projections, feature maps and kernel in the backward pass instead of storing
                 their intermediates. None: ``recompute_attention`` of the config; False: never
-                (inside a gradient-checkpointed block); True: always. Steps that continue from a
-                state never recompute.
+                (inside a gradient-checkpointed block); True: always. Calls that continue from
+                a state never recompute.
         Returns:
             ``(B, N, C)``.
         """
         if recompute is not None and not isinstance(recompute, bool):
             raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
-        state = past_key_values
-        if state is None or not state.is_initialized:
-            # parallel form: nothing to read from a state; the new keys are stored afterwards
-            if projection is None:
-                projection = self.feature_map.projection
-            recompute = self.recompute if recompute is None else recompute
-            if recompute and torch.is_grad_enabled():
-                out, k_num, k, v = torch.utils.checkpoint.checkpoint(
-                    self._parallel, hidden_states, key_mask, rotary, projection, use_reentrant=False
-                )
-            else:
-                out, k_num, k, v = self._parallel(hidden_states, key_mask, rotary, projection)
-            if state is not None:
-                state.push(k_num, k, v, self.window)
-            return self.output(self.dropout(out), hidden_states.dtype)
-
-        q, k, v, q_num, k_num = self._features(hidden_states, key_mask, rotary, projection)
-        if self.rpe is not None:
-            out = self._rpe_steps(q, k, v, state)
-            return self.output(self.dropout(out), hidden_states.dtype)
-        if not self.rotary and q.shape[2] == 1:
-            out, s_new, z_new = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state.state, state.normalizer, self.eps)
-            state.state, state.normalizer = s_new, z_new
-            return self.output(self.dropout(out[:, :, None]), hidden_states.dtype)
-        out = self._state_sums(q, k, v, q_num, k_num, state)
-        state.push(k_num, k, v, self.window)
+        layer = past_key_values
+        initial_state = layer.get_state() if layer is not None else None
+        if projection is None:
+            projection = self.feature_map.projection
+        recompute = (self.recompute if recompute is None else recompute) and initial_state is None
+        args = (hidden_states, key_mask, rotary, projection, initial_state, layer is not None)
+        if recompute and torch.is_grad_enabled():
+            out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
+        else:
+            out, state = self._attend(*args)
+        if state is not None:
+            layer.set_state(state)
         return self.output(self.dropout(out), hidden_states.dtype)
 
-    def _features(self, hidden_states, key_mask, rotary, projection):
-        """Query/key features (padded keys and values zeroed) and their rotated forms for the
-        numerator (the same tensors without rotary): ``q, k, v, q_num, k_num``."""
-        # padded keys are masked below: only real ones must lie in the feature map's valid range
+    def _attend(self, hidden_states, key_mask, rotary, projection, initial_state, output_final_state):
+        """Projections, positions and the core: the attention ``(B, H, N, D)`` and, when asked,
+        the state after these tokens."""
+        # padded keys are masked by the core: only real ones must lie in the feature map's valid range
         q, k, v = self.project(hidden_states, projection, attention_mask=key_mask)
-        k, v = mask_keys(k, v, key_mask)
-        q_num, k_num = q, k
+        extra = {}
         if self.rotary:
             cos, sin = rotary
-            q_num, k_num = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return q, k, v, q_num, k_num
-
-    def _parallel(self, hidden_states, key_mask, rotary, projection):
-        """The parallel form from no earlier state: the attention ``(B, H, N, D)`` and the
-        tensors a decoding state stores (``k_num, k, v``)."""
-        q, k, v, q_num, k_num = self._features(hidden_states, key_mask, rotary, projection)
+            extra = dict(q_den=q, k_den=k)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        bias = clip = None
         if self.rpe is not None:
-            # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed backend
-            out = kernelized_attention(
-                q, k, v, rpe_bias=self.rpe(q.shape[2]).to(q.dtype), causal=True, backend=self.backend, eps=self.eps,
-                rpe_clip=self.rpe.max_relative_position,
-            )
-        elif not self.rotary:
-            out = kernelized_attention(q, k, v, causal=True, backend=self.backend, eps=self.eps)
-        else:
-            out = self._state_sums(q, k, v, q_num, k_num, None)
-        return out, k_num, k, v
-
-    def _state_sums(self, q, k, v, q_num, k_num, state: Optional[LinearAttentionState]) -> torch.Tensor:
-        """Causal attention of the new tokens over the state and themselves (no RPE): ``(B, H, N, D)``."""
-        if self.rotary:
-            num = causal_linear_sums(q_num, k_num, v)
-            den = causal_linear_sums(q, k, torch.ones_like(v[..., :1]))
-        else:
-            y = causal_linear_sums(q, k, with_ones_column(v))
-            num, den = y[..., :-1], y[..., -1:]
-        if state is not None:
-            num = num + q_num @ state.state
-            den = den + (q @ state.normalizer[..., None])
-        return num / (den + self.eps)
-
-    def _rpe_steps(self, q, k, v, state: LinearAttentionState) -> torch.Tensor:
-        """Decode ``N`` tokens one by one with the clipped RPE: ``(B, H, N, D)``.
-
-        Keys older than K positions all carry ``c_{-K}`` and live in ``(S, z)``; the last ``K - 1``
-        keys live in the window with their own weights ``c_r``; the current key gets ``c_0``.
-        """
-        big_k = self.rpe.max_relative_position
-        # as the core does: exponentiate b - max b over the causal offsets -K..0 (every coefficient
-        # <= 1, so a large bias cannot overflow) and scale eps by exp(-max b): the shift cancels
-        bias, eps_h = shifted_bias(self.rpe.weight.to(q.dtype), big_k + 1, True, self.eps)  # (H, 2K+1), entry r + K
-        c = torch.exp(bias)
-        eps = eps_h[None, :, None]  # (1, H, 1)
-        c_old = c[:, 0][None, :, None]  # (1, H, 1)
-        outs = []
-        for t in range(q.shape[2]):
-            q_t, k_t, v_t = q[:, :, t], k[:, :, t : t + 1], v[:, :, t : t + 1]
-            if state.window_keys is not None:
-                keys = torch.cat([state.window_keys, k_t], dim=2)
-                vals = torch.cat([state.window_values, v_t], dim=2)
-            else:
-                keys, vals = k_t, v_t
-            w = keys.shape[2]
-            weights = c[:, big_k + 1 - w : big_k + 1][None]  # offsets -(w-1)..0: (1, H, w)
-            s = (keys @ q_t[..., None])[..., 0] * weights  # (B, H, w)
-            num = (s[..., None] * vals).sum(dim=2) + c_old * (q_t[:, :, None, :] @ state.state)[:, :, 0]
-            den = s.sum(dim=-1, keepdim=True) + c_old * (q_t * state.normalizer).sum(dim=-1, keepdim=True)
-            outs.append(num / (den + eps))
-            state.push(k_t, k_t, v_t, self.window)
-        return torch.stack(outs, dim=2)
+            # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed
+            # backend; a state reaches K positions back, so a call with one takes the table itself
+            clip = self.rpe.max_relative_position
+            bias = (self.rpe.weight if output_final_state else self.rpe(q.shape[2])).to(q.dtype)
+        result = kernelized_attention(
+            q, k, v, rpe_bias=bias, causal=True, attention_mask=key_mask, eps=self.eps, rpe_clip=clip,
+            backend=self.state_backend if output_final_state else self.backend,
+            initial_state=initial_state, output_final_state=output_final_state, **extra,
+        )
+        return result if output_final_state else (result, None)
 
 
 class LinearGPTMLP(nn.Module):
@@ -235,7 +180,7 @@ class LinearGPTBlock(GradientCheckpointingLayer):
         hidden_states: torch.Tensor,
         key_mask: Optional[torch.Tensor] = None,
         rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        past_key_values: Optional[LinearAttentionState] = None,
+        past_key_values: Optional[LinearGPTCacheLayer] = None,
         projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """``(B, N, C) -> (B, N, C)``; ``past_key_values`` is this layer's state (or None);
@@ -334,20 +279,20 @@ def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> 
     if len(cache.layers) != cfg.num_hidden_layers:
         raise ValueError(f"past_key_values has {len(cache.layers)} layers, the model {cfg.num_hidden_layers}")
     if cache.window != attn.window:
-        def describe(w: int) -> str:
+        def describe(w: Optional[int]) -> str:
             return (f"a relative-position window of {w} keys (rpe='learned', max_relative_position={w + 1})"
-                    if w else "no relative-position window (rpe='none')")
+                    if w is not None else "no relative-position window (rpe='none')")
         raise ValueError(
             f"past_key_values was made by a model with {describe(cache.window)}; this model has "
             f"{describe(attn.window)}: a decoding state only continues in the model that made it"
         )
     if cache.batch_size is not None and cache.batch_size != batch:
         raise ValueError(f"past_key_values holds a batch of {cache.batch_size} rows, the inputs have {batch}")
-    state = cache.layers[0].state
+    state = cache.layers[0].get_state()
     want = (attn.num_heads, attn.feature_map.num_features, attn.head_dim)
-    if state is not None and tuple(state.shape[1:]) != want:
+    if state is not None and tuple(state.kv.shape[1:]) != want:
         raise ValueError(
-            f"past_key_values holds states of (heads, feature size, head size) = {tuple(state.shape[1:])}, this "
+            f"past_key_values holds states of (heads, feature size, head size) = {tuple(state.kv.shape[1:])}, this "
             f"model needs {want}: a decoding state only continues in the model that made it"
         )
 
