@@ -136,19 +136,24 @@ def test_a_short_first_call_keeps_a_full_window():
 
 
 def test_a_non_finite_key_poisons_later_calls_through_the_state():
-    """A NaN in a real key makes NaN its own row, the later rows of that call and every row of
-    later calls (they see it), never an earlier row or another sequence; a NaN in a padded slot
-    reaches nothing."""
-    for backend, clip in (("causal_chunked", None), ("windowed", 3), ("recurrent", 3), ("recurrent", None)):
+    """A NaN/inf in a real key or value makes its own row, the later rows of that call and every
+    row of later calls (they see it) non-finite, never an earlier row, another head or another
+    sequence; a non-finite padded slot reaches nothing. Once in a piece of several tokens (its
+    rows are NaN exactly), once in a one-token step (which reads no mask values and isolates
+    nothing: its only row sees it, and an inf value stays inf)."""
+    for backend, clip in (("causal_chunked", None), ("windowed", 3), ("recurrent", 3), ("recurrent", None), ("auto", 3)):
         q, k, v, _, _, mask = _inputs(seed=5)
-        k[0, 1, 3] = math.nan  # real key, sequence 0, head 1, piece 1
+        k[0, 1, 3] = math.nan  # real key, sequence 0, head 1, in the first piece (6 tokens)
+        v[0, 2, 6] = math.inf  # real value, sequence 0, head 2, the one-token piece
         k[1, :, 2] = math.inf  # padded slot of sequence 1
+        v[1, :, 1] = math.nan  # and another
         table = None if clip is None else torch.zeros(H, 2 * clip + 1, dtype=torch.float64)
         out, state = _split_run((q, k, v, None, None), mask, backend, table, clip)
-        assert torch.isnan(out[0, 1, 3:]).all(), backend
-        assert torch.isfinite(out[0, 1, :3]).all() and torch.isfinite(out[0, [0, 2]]).all(), backend
-        assert torch.isfinite(out[1]).all(), backend
-        assert torch.isnan(state.kv[0, 1]).all() and torch.isfinite(state.kv[1]).all()
+        assert torch.isnan(out[0, 1, 3:]).all() and not torch.isfinite(out[0, 2, 6:]).any(), backend
+        assert torch.isfinite(out[0, 1, :3]).all() and torch.isfinite(out[0, 2, :6]).all(), backend
+        assert torch.isfinite(out[0, 0]).all() and torch.isfinite(out[1]).all(), backend
+        assert not torch.isfinite(state.kv[0, 1:]).any() and torch.isfinite(state.kv[0, 0]).all()
+        assert torch.isfinite(state.kv[1]).all()
 
 
 def test_banded_op_with_earlier_context_equals_its_plain_reference():

@@ -365,9 +365,10 @@ def kernelized_attention(
 
     Non-finite inputs stay where they are: a NaN/inf in a query, or in the key or value of a
     real position, makes NaN exactly the rows that see it (its own row; when causal the later
-    ones, also those of later calls through the returned state; otherwise all), and never an
-    earlier row or a row of another sequence or head, in the outputs or their gradients.
-    Padded positions may hold anything.
+    ones; otherwise all), and never an earlier row or a row of another sequence or head, in the
+    outputs or their gradients. Through a returned state every row of later calls sees it and is
+    non-finite too (NaN; an inf that a one-token step, which isolates nothing, carried into the
+    state may stay inf). Padded positions may hold anything.
 
     Host syncs: the mask values and a clipped bias are checked in eager mode, except in a
     one-token step from a state (decoding), whose mask is used unchecked.
@@ -439,7 +440,9 @@ def kernelized_attention(
         causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip,
         state=stateful, split=q_den is not None,
     )
-    q, k, v, q_den, k_den, poisoned, bad_key = isolate_non_finite(q, k, v, key_mask, causal, q_den, k_den)
+    poisoned = bad_key = None
+    if initial_state is None or n > 1:  # a one-token step's only row sees all it reads: nothing to isolate
+        q, k, v, q_den, k_den, poisoned, bad_key = isolate_non_finite(q, k, v, key_mask, causal, q_den, k_den)
     name = choose_backend(n=n, **request) if backend == "auto" else backend
     dt = compute_dtype_for(q)  # the dtype rule
     if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
@@ -476,9 +479,11 @@ def kernelized_attention(
         result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
         out, state = result if output_final_state else (result, None)
         nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
-        out = torch.where(poisoned[..., None], nan, out).to(out_dtype)
-        if state is None:
-            return out
+        if poisoned is not None:
+            out = torch.where(poisoned[..., None], nan, out)
+        out = out.to(out_dtype)
+        if state is None or bad_key is None:
+            return out if state is None else (out, state)
         # a non-finite real key was replaced by zeros here; every later row sees it, in later calls too
         seen = bad_key[..., None, None]
         state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:])
