@@ -246,6 +246,12 @@ class AttentionSchema:
         check_head_size(hidden_size, num_attention_heads)
         return values
 
+    @staticmethod
+    def apply(config: Any, values: dict[str, Any]) -> None:
+        """Set the shared fields ``values`` (from :meth:`take`) on ``config``."""
+        for name, value in values.items():
+            setattr(config, name, value)
+
     def field_doc(self, name: str) -> str:
         """The documentation of one shared field, identical in every family (no default in it)."""
         return _wrap(f"{name}: {_BY_NAME[name].doc}", "        ", "            ")

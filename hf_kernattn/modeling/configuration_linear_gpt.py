@@ -143,8 +143,7 @@ class LinearGPTConfig(PreTrainedConfig):
         self.embd_pdrop = embd_pdrop
         self.resid_pdrop = resid_pdrop
         self.attn_pdrop = attn_pdrop
-        for name, value in attention.items():
-            setattr(self, name, value)
+        ATTENTION_SCHEMA.apply(self, attention)
         self.use_cache = use_cache
         self.pad_token_id = pad_token_id
         self.bos_token_id = bos_token_id

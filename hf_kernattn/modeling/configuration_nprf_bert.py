@@ -170,8 +170,7 @@ class NPRFBertConfig(PreTrainedConfig):
         self.position_embedding_type = position_embedding_type
         self.classifier_dropout = classifier_dropout
         self.tie_word_embeddings = tie_word_embeddings
-        for name, value in attention.items():
-            setattr(self, name, value)
+        ATTENTION_SCHEMA.apply(self, attention)
         self.rpe_shared_across_layers = rpe_shared_across_layers
         self.rpe_init_std = float(rpe_init_std)
         kwargs.setdefault("auto_map", dict(AUTO_MAP))

@@ -210,7 +210,6 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
     config_class = LinearGPTConfig
     config: LinearGPTConfig
     base_model_prefix = "transformer"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["LinearGPTBlock"]
     _is_stateful = True
 

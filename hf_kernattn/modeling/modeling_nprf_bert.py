@@ -28,6 +28,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.utils import ModelOutput
 
 from .attention import KernelizedSelfAttention
 from .attention_inputs import check_attention_mask
@@ -263,7 +264,6 @@ class NPRFBertPreTrainedModel(KernelizedPreTrainedModel):
     config_class = NPRFBertConfig
     config: NPRFBertConfig
     base_model_prefix = "nprf_bert"
-    supports_gradient_checkpointing = True
     _no_split_modules = ["NPRFBertLayer"]
     _keys_to_ignore_on_load_unexpected = [r"position_ids"]
 
@@ -360,11 +360,76 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         return BaseModelOutputWithPooling(last_hidden_state=hidden, pooler_output=pooled, hidden_states=all_hidden)
 
 
-class NPRFBertForMaskedLM(NPRFBertPreTrainedModel):
+class NPRFBertHeadModel(NPRFBertPreTrainedModel):
+    """What the task heads share: the encoder under ``nprf_bert`` and one ``forward`` that
+    encodes, applies the head (:meth:`head`) and, with ``labels``, its loss (:meth:`loss`,
+    through ``self.loss_function``), and returns :attr:`output_class` (or a tuple)."""
+
+    output_class: type = ModelOutput
+
+    def head(self, encoded: BaseModelOutputWithPooling) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def add_classifier(self, config: NPRFBertConfig, pooled: bool) -> None:
+        """The encoder (with the pooler when ``pooled``), dropout (``classifier_dropout``, else
+        ``hidden_dropout_prob``) and a linear layer to ``num_labels``."""
+        self.num_labels = config.num_labels
+        self.nprf_bert = NPRFBertModel(config, add_pooling_layer=pooled)
+        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
+        self.dropout = nn.Dropout(p)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def encode(self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_hidden_states,
+               output_attentions) -> BaseModelOutputWithPooling:
+        """The encoder's output (always as a ``ModelOutput``)."""
+        return self.nprf_bert(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
+            output_attentions=output_attentions,
+        )
+
+    def wrap(self, return_dict: Optional[bool], loss: Optional[torch.Tensor], hidden_states, **outputs):
+        """:attr:`output_class` with ``outputs``, or with ``return_dict=False`` the tuple
+        ``(loss?, *outputs, hidden_states?)`` as transformers models return it."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if not return_dict:
+            rest = tuple(outputs.values()) + ((hidden_states,) if hidden_states is not None else ())
+            return ((loss,) + rest) if loss is not None else rest
+        return self.output_class(loss=loss, hidden_states=hidden_states, **outputs)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        **kwargs,
+    ):
+        """Args as :meth:`NPRFBertModel.forward`, plus ``labels`` (see the class) and loss keyword
+        arguments for ``self.loss_function`` (``num_items_in_batch``: the loss is then the sum
+        over this batch divided by it, as the Trainer uses for gradient accumulation).
+        Returns :attr:`output_class` with ``loss``, ``logits`` and ``hidden_states``."""
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_hidden_states, output_attentions)
+        logits = self.head(out)
+        loss = self.loss(logits, labels, **kwargs) if labels is not None else None
+        return self.wrap(return_dict, loss, out.hidden_states, logits=logits)
+
+
+class NPRFBertForMaskedLM(NPRFBertHeadModel):
     """Encoder + BERT MLM head. ``labels (B, N)`` with -100 on unmasked positions give the
     cross-entropy loss; ``logits`` are ``(B, N, V)``."""
 
     _tied_weights_keys = {"lm_head.decoder.weight": "nprf_bert.embeddings.word_embeddings.weight"}
+    output_class = MaskedLMOutput
 
     def __init__(self, config: NPRFBertConfig) -> None:
         super().__init__(config)
@@ -378,89 +443,36 @@ class NPRFBertForMaskedLM(NPRFBertPreTrainedModel):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head.decoder = new_embeddings
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        **kwargs,
-    ) -> Union[MaskedLMOutput, tuple]:
-        """``labels``: ``(B, N)`` token ids, -100 where no loss is taken. Loss keyword arguments
-        (``num_items_in_batch``: the loss is then the sum over this batch divided by it, as the
-        Trainer uses for gradient accumulation) go to ``self.loss_function``."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        out = self.nprf_bert(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
-            output_attentions=output_attentions,
-        )
-        logits = self.lm_head(out.last_hidden_state)
-        loss = None
-        if labels is not None:
-            if tuple(labels.shape) != tuple(logits.shape[:2]):
-                raise ValueError(f"labels must have shape (batch, seq) = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-            loss = self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
-        if not return_dict:
-            rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
-            return ((loss,) + rest) if loss is not None else rest
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+    def head(self, encoded: BaseModelOutputWithPooling) -> torch.Tensor:
+        return self.lm_head(encoded.last_hidden_state)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        if tuple(labels.shape) != tuple(logits.shape[:2]):
+            raise ValueError(f"labels must have shape (batch, seq) = {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
+        return self.loss_function(logits, labels, vocab_size=self.config.vocab_size, **kwargs)
 
 
-class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel):
+class NPRFBertForSequenceClassification(NPRFBertHeadModel):
     """Pooled first token -> dropout -> linear: ``logits (B, num_labels)``.
 
-    The loss follows BERT's ``problem_type``: ``regression`` (MSE, ``num_labels == 1``, e.g.
-    STS-B), ``single_label_classification`` (cross-entropy on int labels ``(B,)``) or
-    ``multi_label_classification`` (BCE with logits on float labels ``(B, num_labels)``);
-    inferred from ``num_labels`` and the label dtype when unset.
+    ``labels``: ``(B,)`` class ids, ``(B,)``/``(B, 1)`` floats (regression) or ``(B, num_labels)``
+    0/1 floats (multi-label). The loss follows BERT's ``problem_type``: ``regression`` (MSE,
+    ``num_labels == 1``, e.g. STS-B), ``single_label_classification`` (cross-entropy on int labels
+    ``(B,)``) or ``multi_label_classification`` (BCE with logits on float labels
+    ``(B, num_labels)``); inferred from ``num_labels`` and the label dtype when unset.
     """
+
+    output_class = SequenceClassifierOutput
 
     def __init__(self, config: NPRFBertConfig) -> None:
         super().__init__(config)
-        self.num_labels = config.num_labels
-        self.nprf_bert = NPRFBertModel(config, add_pooling_layer=True)
-        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(p)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.add_classifier(config, pooled=True)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        **kwargs,
-    ) -> Union[SequenceClassifierOutput, tuple]:
-        """``labels``: ``(B,)`` class ids, ``(B,)``/``(B, 1)`` floats (regression) or
-        ``(B, num_labels)`` 0/1 floats (multi-label)."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        out = self.nprf_bert(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
-            output_attentions=output_attentions,
-        )
-        logits = self.classifier(self.dropout(out.pooler_output))
-        loss = None
-        if labels is not None:
-            loss = self._classification_loss(logits, labels, **kwargs)
-        if not return_dict:
-            rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
-            return ((loss,) + rest) if loss is not None else rest
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+    def head(self, encoded: BaseModelOutputWithPooling) -> torch.Tensor:
+        return self.classifier(self.dropout(encoded.pooler_output))
 
-    def _classification_loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
         """``self.loss_function`` (``problem_type`` inferred as BERT does when unset). With
         ``num_items_in_batch`` every problem type gives the sum of its per-item losses over this
         batch divided by it (transformers' regression and multi-label losses are means: they are
@@ -499,51 +511,29 @@ class NPRFBertForSequenceClassification(NPRFBertPreTrainedModel):
         return loss
 
 
-class NPRFBertForTokenClassification(NPRFBertPreTrainedModel):
+class NPRFBertForTokenClassification(NPRFBertHeadModel):
     """Per-token linear head: ``logits (B, N, num_labels)``; ``labels (B, N)`` with -100 ignored."""
+
+    output_class = TokenClassifierOutput
 
     def __init__(self, config: NPRFBertConfig) -> None:
         super().__init__(config)
-        self.num_labels = config.num_labels
-        self.nprf_bert = NPRFBertModel(config, add_pooling_layer=False)
-        p = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout_prob
-        self.dropout = nn.Dropout(p)
-        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.add_classifier(config, pooled=False)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        **kwargs,
-    ) -> Union[TokenClassifierOutput, tuple]:
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        out = self.nprf_bert(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
-            output_attentions=output_attentions,
-        )
-        logits = self.classifier(self.dropout(out.last_hidden_state))
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits, labels, self.config, **kwargs)
-        if not return_dict:
-            rest = (logits,) + ((out.hidden_states,) if out.hidden_states is not None else ())
-            return ((loss,) + rest) if loss is not None else rest
-        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+    def head(self, encoded: BaseModelOutputWithPooling) -> torch.Tensor:
+        return self.classifier(self.dropout(encoded.last_hidden_state))
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.loss_function(logits, labels, self.config, **kwargs)
 
 
-class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel):
+class NPRFBertForQuestionAnswering(NPRFBertHeadModel):
     """Extractive QA (SQuAD style): ``start_logits, end_logits (B, N)``; with ``start_positions``
     and ``end_positions (B,)`` the loss is the mean of the two cross-entropies (positions outside
     the input are ignored, as in BERT)."""
+
+    output_class = QuestionAnsweringModelOutput
 
     def __init__(self, config: NPRFBertConfig) -> None:
         super().__init__(config)
@@ -554,7 +544,7 @@ class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(
+    def forward(  # type: ignore[override]
         self,
         input_ids: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
@@ -568,12 +558,10 @@ class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel):
         output_attentions: Optional[bool] = None,
         **kwargs,
     ) -> Union[QuestionAnsweringModelOutput, tuple]:
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
-        out = self.nprf_bert(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states, return_dict=True,
-            output_attentions=output_attentions,
-        )
+        """Args as :meth:`NPRFBertModel.forward`, plus ``start_positions``, ``end_positions``
+        ``(B,)`` for the loss."""
+        out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
+                          output_hidden_states, output_attentions)
         logits = self.qa_outputs(out.last_hidden_state)
         start_logits, end_logits = (x.squeeze(-1).contiguous() for x in logits.split(1, dim=-1))
         loss = None
@@ -581,16 +569,12 @@ class NPRFBertForQuestionAnswering(NPRFBertPreTrainedModel):
             start_positions = start_positions.reshape(-1).to(start_logits.device)
             end_positions = end_positions.reshape(-1).to(end_logits.device)
             loss = self.loss_function(start_logits, end_logits, start_positions, end_positions, **kwargs)
-        if not return_dict:
-            rest = (start_logits, end_logits) + ((out.hidden_states,) if out.hidden_states is not None else ())
-            return ((loss,) + rest) if loss is not None else rest
-        return QuestionAnsweringModelOutput(
-            loss=loss, start_logits=start_logits, end_logits=end_logits, hidden_states=out.hidden_states
-        )
+        return self.wrap(return_dict, loss, out.hidden_states, start_logits=start_logits, end_logits=end_logits)
 
 
 __all__ = [
     "NPRFBertPreTrainedModel",
+    "NPRFBertHeadModel",
     "NPRFBertModel",
     "NPRFBertForMaskedLM",
     "NPRFBertForSequenceClassification",

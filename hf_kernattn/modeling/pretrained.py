@@ -49,6 +49,7 @@ class KernelizedPreTrainedModel(PreTrainedModel):
     """Base of every family's ``PreTrainedModel``: feature-map initialisation, the warning for
     checkpoints without random-feature buffers, and the refusal of ``output_attentions``."""
 
+    supports_gradient_checkpointing = True
     # Kernelized attention is its own attention: no eager/SDPA/flash switch, no attention weights.
     _supports_attention_backend = False
     _supports_sdpa = False
