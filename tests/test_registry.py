@@ -191,7 +191,9 @@ def test_register_backend_checks_what_it_takes():
 def test_auto_never_picks_a_decoding_backend(monkeypatch):
     """``decoding=True`` marks a step-by-step form: auto skips it for a whole sequence even when
     it is registered first and could run the call."""
-    monkeypatch.setattr(backends_mod, "_REGISTRY", {})
+    from hf_kernattn.modeling import registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", {})
 
     def fn(q, k, v, *, eps):
         return v
