@@ -78,8 +78,9 @@ def _cmd_backends(_args: argparse.Namespace) -> int:
     from hf_kernattn.modeling.backends import _REGISTRY
 
     for spec in _REGISTRY.values():
-        caps = [c for c in ("causal", "noncausal", "rpe_1d", "rpe_2d", "key_mask", "decoding") if getattr(spec, c)]
-        print(f"{spec.name:16s} {spec.complexity:38s} {','.join(caps):45s} {spec.description}")
+        caps = [c for c in ("causal", "noncausal", "rpe_1d", "rpe_2d", "key_mask", "state", "split_denominator",
+                            "decoding") if getattr(spec, c)]
+        print(f"{spec.name:16s} {spec.complexity:42s} {','.join(caps):70s} {spec.description}")
     return 0
 
 

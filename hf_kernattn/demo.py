@@ -14,8 +14,7 @@ def _step_attention(args: argparse.Namespace) -> None:
     """Attention core: the FFT path against exact softmax with a materialised RPE bias."""
     from .bench import attention
 
-    bench_args = attention.build_parser().parse_args(["--quick", "--out", args.out])
-    attention.run(bench_args)
+    attention.run(attention.build_parser().parse_args(["--quick", "--out", f"{args.out}/attention"]))
 
 
 def _step_linear_gpt(args: argparse.Namespace) -> None:
@@ -33,12 +32,10 @@ def _step_linear_gpt(args: argparse.Namespace) -> None:
     for n in (64, 4096):
         out = model.generate(torch.randint(1, 256, (1, n)), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
         state = out.past_key_values
-        size = sum(getattr(l, t).numel() * 4 for l in state.layers for t in l.tensors())
+        size = sum(x.numel() * x.element_size() for layer in state.layers for x in layer.get_state() if x is not None)
         print(f"prompt of {n:5d} tokens -> state after generate(): {type(state).__name__}, "
               f"{state.get_seq_length()} positions seen, {size / 1024:.1f} KiB (does not grow with the context)")
-    bench_args = argparse.ArgumentParser()
-    bench_generate.add_arguments(bench_args)
-    bench_generate.run(bench_args.parse_args(["--quick", "--out", f"{args.out}/generate"]))
+    bench_generate.run(bench_generate.build_parser().parse_args(["--quick", "--out", f"{args.out}/generate"]))
 
 
 # Ordered demo steps; families append theirs here.
@@ -49,7 +46,8 @@ STEPS: list[tuple[str, Callable[[argparse.Namespace], None]]] = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="bench_results/demo", help="folder for the CSVs and plots")
+    parser.add_argument("--out", default="bench_results/demo",
+                        help="folder for the CSVs and plots (each benchmark in a sub-folder named after it)")
 
 
 def run(args: argparse.Namespace) -> int:

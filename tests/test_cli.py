@@ -18,13 +18,14 @@ def test_backends_command_lists_every_backend(capsys):
 
 
 def test_bench_attention_small_run_writes_csv_and_plot(tmp_path, capsys):
-    code = main(["bench", "attention", "--ns", "256", "512", "--cases", "fft_rpe", "causal_chunked", "sdpa",
-                 "--repeats", "1", "--out", str(tmp_path)])
+    code = main(["bench", "attention", "--ns", "256", "512", "--cases", "fft_rpe", "windowed_rpe", "causal_chunked",
+                 "softmax_rpe", "--max-relative-position", "16", "--repeats", "1", "--out", str(tmp_path)])
     assert code == 0
     rows = list(csv.DictReader(open(tmp_path / "attention_bench.csv")))
     assert {(r["case"], int(r["n"])) for r in rows} == {
-        (c, n) for c in ("fft_rpe", "causal_chunked", "sdpa") for n in (256, 512)
+        (c, n) for c in ("fft_rpe", "windowed_rpe", "causal_chunked", "softmax_rpe") for n in (256, 512)
     }
+    assert "speed-up windowed vs softmax+RPE" in capsys.readouterr().out
     assert all(r["status"] == "ok" and float(r["time_s"]) > 0 for r in rows)
     assert (tmp_path / "attention_bench.png").stat().st_size > 1000
 

@@ -30,6 +30,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
+NAME = "approx"
 NORMS = (1.0, 2.0, 4.0)
 FEATURES = tuple(2**i for i in range(2, 11))  # 4 ... 1024
 PROJECTIONS = ("orthogonal", "gaussian")
@@ -45,7 +46,7 @@ def _sphere(n: int, d: int, radius: float, generator) -> "torch.Tensor":  # noqa
 
 def approximation_error(
     radius: float, num_features: int, projection: str, seed: int, head_dim: int = 64,
-    num_keys: int = 1024, num_queries: int = 1024,
+    num_keys: int = 1024, num_queries: int = 1024, device: str = "cpu",
 ) -> float:
     """Mean over queries of ``sum_j |A_ij - A_hat_ij|`` for one draw (see the module docstring).
 
@@ -57,10 +58,10 @@ def approximation_error(
     from ..modeling.feature_maps import FeatureMap
 
     gen = torch.Generator().manual_seed(10_000 + seed)
-    q = _sphere(num_queries, head_dim, radius, gen)
-    k = _sphere(num_keys, head_dim, radius, gen)
+    q = _sphere(num_queries, head_dim, radius, gen).to(device)
+    k = _sphere(num_keys, head_dim, radius, gen).to(device)
     fmap = FeatureMap(head_dim, feature_map="prf", num_random_features=num_features, projection=projection,
-                      normalize_qk=False, seed=seed).double().eval()
+                      normalize_qk=False, seed=seed).double().eval().to(device)
     scale = head_dim**0.25  # cancels the map's d ** -0.25: it then estimates exp(q . k)
     with torch.no_grad():
         exact = torch.softmax(q @ k.T, dim=-1)
@@ -72,12 +73,15 @@ def approximation_error(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-kernattn bench approx", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return parser
+    from .common import build_parser as common_parser
+
+    return common_parser(NAME, __doc__, add_arguments)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .common import add_common_arguments
+
+    add_common_arguments(parser, NAME, "2 seeds, 256 queries")
     parser.add_argument("--norms", type=float, nargs="+", default=list(NORMS), help="R, the norm of queries and keys")
     parser.add_argument("--features", type=int, nargs="+", default=list(FEATURES), help="m values")
     parser.add_argument("--projections", nargs="+", default=list(PROJECTIONS), choices=["orthogonal", "gaussian", "sphere"])
@@ -85,20 +89,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--keys", type=int, default=1024)
     parser.add_argument("--queries", type=int, default=1024)
-    parser.add_argument("--quick", action="store_true", help="2 seeds, 256 queries")
-    parser.add_argument("--out", default="bench_results/approximation", help="folder for CSV and PNG")
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from .common import format_table, plot_series, write_csv
 
+    torch.set_num_threads(args.threads)
     if args.quick:
         args.seeds, args.queries = min(args.seeds, 2), min(args.queries, 256)
     rows: list[dict[str, Any]] = []
     for projection in args.projections:
         for radius in args.norms:
             for m in args.features:
-                errs = [approximation_error(radius, m, projection, s, args.head_dim, args.keys, args.queries)
+                errs = [approximation_error(radius, m, projection, s, args.head_dim, args.keys, args.queries, args.device)
                         for s in range(args.seeds)]
                 mean = sum(errs) / len(errs)
                 std = math.sqrt(sum((e - mean) ** 2 for e in errs) / max(len(errs) - 1, 1))

@@ -6,6 +6,8 @@ the inputs):
 
 * ``fft_rpe``: our ``fft`` backend, non-causal, with a 1D relative-position bias ``(H, 2N-1)``
   (Luo et al. 2021, Algorithm 1), on feature-mapped ``q, k (B, H, N, M)`` and ``v (B, H, N, D)``.
+* ``windowed_rpe``: our ``windowed`` backend, non-causal, with a bias from a table clipped at
+  ``K = --max-relative-position`` (``rpe_clip=K``, as the models build it): exact in O(N K).
 * ``causal_chunked``: our ``causal_chunked`` backend (causal linear attention, no bias).
 * ``softmax_rpe``: what a user would otherwise run: exact softmax attention with the same bias,
   ``scaled_dot_product_attention`` with a float ``attn_mask``. The timed part includes building
@@ -20,12 +22,12 @@ the inputs):
 Softmax cases whose ``N x N`` matrices would exceed ``--max-nn-gb`` are skipped; a case that
 fails or exceeds ``--timeout`` is reported with its status and its larger N are skipped. One run
 writes ``attention_bench.csv`` and ``attention_bench.png`` (time and memory vs N, log-log, like
-Luo et al. 2021 Fig. 1a) and prints a Markdown table with the fft-vs-softmax ratios and the
-slope ``time(N) / time(N/2)``.
+Luo et al. 2021 Fig. 1a) and prints a Markdown table with the fft- and windowed-vs-softmax
+ratios and the slope ``time(N) / time(N/2)``.
 
 ``--crossover`` instead times, for N in 32 ... 1024 at M = D = 64, the dense (quadratic)
 backend against ``linear`` (non-causal), ``causal_chunked`` and ``fft`` (with a bias), and prints
-the largest N at which dense is still faster: the values of ``backends.AUTO_DENSE_MAX_N``.
+the largest N at which dense is still faster: the values of ``registry.AUTO_DENSE_MAX_N``.
 
 Workloads run in subprocesses that import this file as a top-level module together with the
 flat ``modeling`` folder (the layout a remote-code checkpoint uses), so each measurement pays for
@@ -36,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
 import time
 from pathlib import Path
@@ -50,9 +51,11 @@ def _info(message: str) -> None:
 
     logging.get_logger("hf_kernattn.bench.attention").info(message)
 
-CASES = ("fft_rpe", "causal_chunked", "softmax_rpe", "softmax_rpe_unfold", "sdpa")
+NAME = "attention"
+CASES = ("fft_rpe", "windowed_rpe", "causal_chunked", "softmax_rpe", "softmax_rpe_unfold", "sdpa")
 LABELS = {
     "fft_rpe": "fft + RPE (ours, O(N log N))",
+    "windowed_rpe": "windowed + RPE clipped at K (ours, O(N K))",
     "causal_chunked": "causal chunked (ours, O(N))",
     "softmax_rpe": "softmax + RPE (SDPA, float mask by index)",
     "softmax_rpe_unfold": "softmax + RPE (SDPA, float mask by unfold)",
@@ -87,12 +90,14 @@ def workload(
     dtype: str = "float32",
     device: str = "cpu",
     seed: int = 0,
+    clip: int = 128,
 ) -> Callable[[], None]:
     """Build the inputs of one case and return a zero-argument callable running one forward pass.
 
     Shapes: kernelized cases use ``q, k (batch, heads, n, features)`` (positive, as after a
-    PRF/elu map), ``v (batch, heads, n, head_dim)`` and ``rpe_bias (heads, 2n-1)``; softmax cases
-    use ``q, k, v (batch, heads, n, head_dim)`` and the same bias.
+    PRF/elu map), ``v (batch, heads, n, head_dim)`` and ``rpe_bias (heads, 2n-1)`` (for
+    ``windowed_rpe`` made from a table clipped at ``clip``); softmax cases use
+    ``q, k, v (batch, heads, n, head_dim)`` and the same bias.
     """
     import torch
 
@@ -101,12 +106,17 @@ def workload(
     kw = dict(dtype=dt, device=device)
     v = torch.randn(batch, heads, n, head_dim, **kw)
     bias = 0.1 * torch.randn(heads, 2 * n - 1, **kw)
-    if case in ("fft_rpe", "causal_chunked", "dense_rpe", "dense", "dense_causal", "linear"):
+    if case == "windowed_rpe":  # the bias of a table clipped at K, as the models build it
+        table = 0.1 * torch.randn(heads, 2 * clip + 1, **kw)
+        offsets = torch.arange(-(n - 1), n, device=device).clamp(-clip, clip) + clip
+        bias = table[:, offsets]
+    if case in ("fft_rpe", "windowed_rpe", "causal_chunked", "dense_rpe", "dense", "dense_causal", "linear"):
         attn = _kernelized_attention()
         q = torch.rand(batch, heads, n, features, **kw) + 0.05
         k = torch.rand(batch, heads, n, features, **kw) + 0.05
         calls = {
             "fft_rpe": dict(rpe_bias=bias, backend="fft"),
+            "windowed_rpe": dict(rpe_bias=bias, rpe_clip=clip, backend="windowed"),
             "dense_rpe": dict(rpe_bias=bias, backend="dense"),
             "causal_chunked": dict(causal=True, backend="causal_chunked"),
             "dense_causal": dict(causal=True, backend="dense"),
@@ -179,9 +189,10 @@ def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str
                        "status": f"skipped (N x N matrices ~{_nn_gb(case, n, args):.0f} GB > {args.max_nn_gb:g} GB)"}
             else:
                 kwargs = dict(case=case, n=n, batch=args.batch, heads=args.heads, features=args.features,
-                              head_dim=args.head_dim, dtype=args.dtype, device=args.device)
+                              head_dim=args.head_dim, dtype=args.dtype, device=args.device,
+                              clip=args.max_relative_position)
                 res = measure("attention:workload", kwargs, repeats=args.repeats, timeout_s=args.timeout,
-                              max_seconds=args.max_seconds, extra_path=_flat_path())
+                              max_seconds=args.max_seconds, extra_path=_flat_path(), threads=args.threads)
                 if res["status"] != "ok":
                     stopped[case] = f"N={n} {res['status'].split(':')[0]}"
             row.update(res)
@@ -211,6 +222,9 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         s["speed-up fft vs softmax+RPE (unfold mask)"] = unf["time_s"] / fft["time_s"] if ok_u else math.nan
         s["memory ratio softmax+RPE (unfold mask) / fft"] = (unf["peak_mb"] / fft["peak_mb"]
                                                              if ok_u and fft["peak_mb"] > 0 else math.nan)
+        win = by.get(("windowed_rpe", n))
+        ok_w = bool(win and soft and win["status"] == "ok" and soft["status"] == "ok")
+        s["speed-up windowed vs softmax+RPE"] = soft["time_s"] / win["time_s"] if ok_w else math.nan
         prev = by.get(("fft_rpe", n // 2))
         s["fft time(N)/time(N/2)"] = (fft["time_s"] / prev["time_s"]
                                       if fft and prev and fft["status"] == prev["status"] == "ok" else math.nan)
@@ -236,7 +250,7 @@ def plot(rows: list[dict[str, Any]], path: Path, args: argparse.Namespace) -> No
         plot_series(series, path, title=f"{ylabel.split(' (')[0]} vs N", xlabel="sequence length N",
                     ylabel=ylabel, ax=ax)
     fig.suptitle(f"batch {args.batch}, {args.heads} head(s), M={args.features} features, D={args.head_dim}, "
-                 f"{args.dtype}, {os.cpu_count()} CPU threads", fontsize=9)
+                 f"{args.dtype}, K={args.max_relative_position} (windowed), {args.threads} thread(s)", fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -303,31 +317,31 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-kernattn bench attention", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return parser
+    from .common import build_parser as common_parser
+
+    return common_parser(NAME, __doc__, add_arguments)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help=f"only N in {QUICK_NS}, 2 repeats, no unfold variant (the demo)")
+    from .common import add_common_arguments
+
+    add_common_arguments(parser, NAME, f"only N in {QUICK_NS}, 2 repeats, no unfold variant (the demo)")
     parser.add_argument("--ns", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_NS})")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--features", type=int, default=32, help="M, feature-map size of q and k")
     parser.add_argument("--head-dim", type=int, default=64, help="D, value (and softmax q/k) size")
+    parser.add_argument("--max-relative-position", type=int, default=128, help="K of the windowed case's clipped bias")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is killed")
     parser.add_argument("--max-seconds", type=float, default=40.0, help="stop repeating a case after this long")
     parser.add_argument("--max-nn-gb", type=float, default=6.0, help="skip softmax cases whose N x N matrices exceed this")
-    parser.add_argument("--out", default="bench_results/attention", help="folder for CSV and PNG")
     parser.add_argument("--crossover", action="store_true",
                         help="measure dense vs linear/causal_chunked/fft for small N (AUTO_DENSE_MAX_N)")
     parser.add_argument("--crossover-ns", type=int, nargs="+", default=list(CROSSOVER_NS))
     parser.add_argument("--crossover-dim", type=int, default=64, help="M = D for the crossover")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads for --crossover")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -349,17 +363,19 @@ def run(args: argparse.Namespace) -> int:
         if list(args.cases) == list(CASES):  # keep the demo short: one softmax+RPE variant
             args.cases = [c for c in CASES if c != "softmax_rpe_unfold"]
     _info(f"attention benchmark: N in {list(ns)}, batch {args.batch}, heads {args.heads}, M={args.features}, "
-          f"D={args.head_dim}, {args.dtype}")
+          f"D={args.head_dim}, K={args.max_relative_position} (windowed), {args.dtype}, {args.threads} thread(s)")
     rows = _measure_all(args, ns)
     summary = summarize(rows)
     csv_path = write_csv(rows, out / "attention_bench.csv")
     png_path = out / "attention_bench.png"
     plot(rows, png_path, args)
     cols = ["N"] + [f"{c} {u}" for c in args.cases for u in ("s", "MB")] + [
-        "speed-up fft vs softmax+RPE", "memory ratio softmax+RPE / fft", "speed-up fft vs softmax+RPE (unfold mask)",
-        "memory ratio softmax+RPE (unfold mask) / fft", "fft time(N)/time(N/2)"]
+        "speed-up fft vs softmax+RPE", "memory ratio softmax+RPE / fft", "speed-up windowed vs softmax+RPE",
+        "speed-up fft vs softmax+RPE (unfold mask)", "memory ratio softmax+RPE (unfold mask) / fft", "fft time(N)/time(N/2)"]
     if "softmax_rpe_unfold" not in args.cases:
         cols = [c for c in cols if "unfold" not in c]
+    if "windowed_rpe" not in args.cases:
+        cols = [c for c in cols if "windowed" not in c]
     print("\n" + format_table(summary, cols))
     statuses = [f"- {r['case']} N={r['n']}: {r['status']}" for r in rows if r["status"] != "ok"]
     if statuses:

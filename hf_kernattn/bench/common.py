@@ -11,10 +11,18 @@ so one run always produces a whole table.
 
 A workload is named ``"package.module:function"``; the function takes keyword arguments and
 returns a zero-argument callable that performs one run (inputs are built before it returns).
+
+Every benchmark module (``hf-kernattn bench NAME``) has the same entry points: ``NAME``,
+``add_arguments(parser)`` (its own flags after :func:`add_common_arguments`), ``build_parser()``
+and ``run(args) -> int``, and the same common flags: ``--out`` (default ``bench_results/NAME``),
+``--quick`` (a short subset), ``--threads`` (torch threads per measured process, default 1: a
+figure taken with one thread holds on a busy machine) and ``--device``. The demo writes each
+benchmark it runs into ``bench_results/demo/NAME``.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -71,6 +79,25 @@ for _ in range(spec["repeats"]):
         break
 print("RESULT " + json.dumps({"time_s": statistics.median(times), "peak_mb": max(peak, 0) / 2**20, "runs": len(times)}))
 """
+
+
+RESULTS_DIR = "bench_results"
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, name: str, quick: str) -> None:
+    """The flags every benchmark takes; ``quick`` says what ``--quick`` runs."""
+    parser.add_argument("--out", default=f"{RESULTS_DIR}/{name}", help=f"folder for the CSV and PNG (default {RESULTS_DIR}/{name})")
+    parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per measured process (default 1: figures that hold on a shared machine)")
+    parser.add_argument("--device", default="cpu", help="torch device of the measured models (default cpu)")
+
+
+def build_parser(name: str, doc: str, add_arguments) -> argparse.ArgumentParser:
+    """The stand-alone parser of benchmark ``name`` (``hf-kernattn bench NAME`` builds the same)."""
+    parser = argparse.ArgumentParser(prog=f"hf-kernattn bench {name}", description=doc.strip().splitlines()[0])
+    add_arguments(parser)
+    return parser
 
 
 def measure(

@@ -17,7 +17,6 @@ Writes ``encoder.csv`` and ``encoder.png`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +26,7 @@ from .common import format_table, measure, plot_series, write_csv
 
 logger = logging.get_logger(__name__)
 
+NAME = "encoder"
 FULL_NS = [512, 1024, 2048, 4096, 8192, 16384]
 QUICK_NS = [512, 1024, 2048]
 
@@ -100,9 +100,16 @@ def workload(
     return run
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from .common import build_parser as common_parser
+
+    return common_parser(NAME, __doc__, add_arguments)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="bench_out/encoder", help="folder for encoder.csv and encoder.png")
-    parser.add_argument("--quick", action="store_true", help=f"N in {QUICK_NS}, one layer, one timed run")
+    from .common import add_common_arguments
+
+    add_common_arguments(parser, NAME, f"N in {QUICK_NS}, one layer, one timed run")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_NS})")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--backend", default="auto", help="NPRF-BERT attn_backend (auto, fft, windowed, ...)")
@@ -115,9 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--features", type=int, default=64, help="PRF random features per head")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per case (median); one warm-up before")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads per measurement")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a case is reported as timed out")
-    parser.add_argument("--device", default="cpu")
 
 
 def _ratio(a: float, b: float) -> float:
@@ -187,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     fig.suptitle(f"NPRF-BERT vs BertModel+SDPA, {layers} layers, hidden {args.hidden}, {args.heads} heads, "
                  f"m={args.features}, K={args.max_relative_position}, backend {args.backend}, "
                  f"recompute {'off' if args.no_recompute else 'on'}, batch {args.batch}, "
-                 f"{args.device}, {os.cpu_count()} CPU cores", fontsize=9)
+                 f"{args.device}, {args.threads} thread(s)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "encoder.png", dpi=110)
     plt.close(fig)

@@ -17,6 +17,14 @@ size of the state itself (S, z per layer vs. keys and values per layer).
 
 Throughput: ``generate()`` for a batch of sequences of 784 tokens (Katharopoulos et al. 2020,
 Table 1: MNIST-sized images as pixel sequences), greedy, from a one-token prompt.
+
+Continuation (``--continuation`` runs only this): Linear GPT with a learned relative-position
+bias clipped at K (``--continuation-clips``, default 64 and 512) continuing from a returned state
+with ``--continuation-tokens`` (1024) new tokens in one call, against a stateless forward of the
+same tokens (``use_cache=False``). The state comes from a prefill of ``--continuation-prompt``
+(256) tokens outside the timed part. The two cases alternate (stateless, continuation,
+stateless, ...) over ``--rounds`` rounds, each in a fresh process; the ratio continuation /
+stateless is reported per round and as median [min-max].
 """
 
 from __future__ import annotations
@@ -32,21 +40,25 @@ from .common import format_table, measure, plot_series, write_csv
 
 logger = logging.get_logger(__name__)
 
+NAME = "generate"
 TARGET = "hf_kernattn.bench.generate"
 SHAPE = dict(hidden=512, layers=6, heads=8, vocab=256)
 MODELS = ("linear_state", "linear_nostate", "gpt2_kv")
 
 
-def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int, vocab: int):
+def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int, vocab: int, clip: int = 0):
+    """The model of one case; ``clip > 0``: Linear GPT with a learned bias clipped at ``clip`` and
+    no absolute positions."""
     import torch
 
     torch.manual_seed(0)
     if model.startswith("linear"):
         from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM
 
+        positions = dict(rpe="learned", max_relative_position=clip, position_embedding_type="none") if clip else {}
         cfg = LinearGPTConfig(
             vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-            intermediate_size=4 * hidden, max_position_embeddings=max_positions,
+            intermediate_size=4 * hidden, max_position_embeddings=max_positions, **positions,
         )
         return LinearGPTForCausalLM(cfg).eval()
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -140,6 +152,68 @@ def throughput_workload(
     return run
 
 
+CONTINUATION_MODES = ("stateless", "continuation")
+
+
+def continuation_workload(
+    mode: str, clip: int, new_tokens: int = 1024, prompt: int = 256, hidden: int = 512, layers: int = 6,
+    heads: int = 8, vocab: int = 256, device: str = "cpu",
+) -> Callable[[], None]:
+    """Linear GPT with a bias clipped at ``clip``: a callable running ``new_tokens`` tokens either
+    as a stateless forward (``mode="stateless"``) or in one call continuing from the state after
+    a ``prompt``-token prefill (``mode="continuation"``; the prefill is set-up, not timed)."""
+    import torch
+
+    if mode not in CONTINUATION_MODES:
+        raise ValueError(f"mode must be one of {list(CONTINUATION_MODES)}, got {mode!r}")
+    net = _build("linear_state", prompt + new_tokens + 1, hidden, layers, heads, vocab, clip=clip).to(device)
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (1, prompt + new_tokens), generator=gen).to(device)
+    torch.set_grad_enabled(False)
+    if mode == "stateless":
+        def run() -> None:
+            net(ids[:, prompt:], use_cache=False, logits_to_keep=1)
+
+        return run
+    state = net(ids[:, :prompt], use_cache=True, logits_to_keep=1).past_key_values
+
+    def run() -> None:
+        net(ids[:, prompt:], past_key_values=state.copy(), use_cache=True, logits_to_keep=1)
+
+    return run
+
+
+def continuation(args: argparse.Namespace, shape: dict) -> list[dict[str, Any]]:
+    """The continuation case (see the module docstring): one row per clip and round, then one
+    summary row per clip (``round = "median [min-max]"``)."""
+    import statistics
+
+    rows: list[dict[str, Any]] = []
+    for clip in args.continuation_clips:
+        ratios = []
+        for rnd in range(args.rounds):
+            times = {}
+            for mode in CONTINUATION_MODES:  # alternated within each round, each in a fresh process
+                res = measure(
+                    f"{TARGET}:continuation_workload",
+                    dict(mode=mode, clip=clip, new_tokens=args.continuation_tokens, prompt=args.continuation_prompt,
+                         device=args.device, **shape),
+                    repeats=args.repeats, threads=args.threads, timeout_s=900, max_seconds=60,
+                )
+                times[mode] = res["time_s"]
+            ratio = times["continuation"] / times["stateless"]
+            ratios.append(ratio)
+            rows.append({"clip": clip, "round": rnd, "tokens": args.continuation_tokens, "stateless_s": times["stateless"],
+                         "continuation_s": times["continuation"], "ratio": ratio})
+            logger.info(f"  continuation K={clip:4d} round {rnd}: stateless {times['stateless']:.3f} s, "
+                        f"continuation {times['continuation']:.3f} s, ratio {ratio:.2f}")
+        good = [r for r in ratios if r == r]
+        spread = (f"{statistics.median(good):.2f} [{min(good):.2f}-{max(good):.2f}]" if good else "nan")
+        rows.append({"clip": clip, "round": "median [min-max]", "tokens": args.continuation_tokens,
+                     "stateless_s": float("nan"), "continuation_s": float("nan"), "ratio": spread})
+    return rows
+
+
 def state_mb(model: str, context: int, batch: int, hidden: int, layers: int, heads: int) -> float:
     """Size of the decoding state in MB (float32): (S, z) per layer vs. keys + values per layer."""
     d = hidden // heads
@@ -150,7 +224,16 @@ def state_mb(model: str, context: int, batch: int, hidden: int, layers: int, hea
     return 0.0
 
 
+def build_parser() -> argparse.ArgumentParser:
+    from .common import build_parser as common_parser
+
+    return common_parser(NAME, __doc__, add_arguments)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .common import add_common_arguments
+
+    add_common_arguments(parser, NAME, "a small subset for the demo (about a minute; no continuation case)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192, 16384],
                         help="context lengths L for per-token decoding")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per timed run (state / KV models)")
@@ -166,10 +249,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--throughput-len", type=int, default=784)
     parser.add_argument("--throughput-nostate", action="store_true",
                         help="also run the throughput case without state (slow: quadratic in the length)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per measured process")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="a small subset for the demo (about a minute)")
-    parser.add_argument("--out", default="bench_results/generate", help="folder for CSV and PNG")
+    parser.add_argument("--continuation", action="store_true", help="run only the continuation case")
+    parser.add_argument("--continuation-clips", type=int, nargs="+", default=[64, 512],
+                        help="K of the learned bias in the continuation case")
+    parser.add_argument("--continuation-tokens", type=int, default=1024, help="new tokens continued in one call")
+    parser.add_argument("--continuation-prompt", type=int, default=256, help="prefill before the continuation")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of the continuation case")
+    parser.add_argument("--hidden", type=int, default=SHAPE["hidden"], help="model width (all cases)")
+    parser.add_argument("--layers", type=int, default=SHAPE["layers"], help="decoder layers (all cases)")
+    parser.add_argument("--heads", type=int, default=SHAPE["heads"], help="attention heads (all cases)")
 
 
 def _ratio(rows: list[dict[str, Any]], model: str, context: int, batch: int = 1) -> float:
@@ -188,16 +276,28 @@ def run(args: argparse.Namespace) -> int:
         args.repeats = 2
         args.throughput_batch, args.throughput_len = 4, 128
         args.extra_batch = 0
-    for name in ("new_tokens", "nostate_new_tokens", "repeats", "throughput_batch", "throughput_len", "threads"):
+    for name in ("new_tokens", "nostate_new_tokens", "repeats", "throughput_batch", "throughput_len", "threads",
+                 "continuation_tokens", "continuation_prompt", "rounds", "hidden", "layers", "heads"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
+    if args.hidden % args.heads:
+        raise ValueError(f"--hidden ({args.hidden}) must be a multiple of --heads ({args.heads})")
     if any(c < 2 for c in args.contexts):
         raise ValueError(f"--contexts must all be >= 2, got {args.contexts}")
+    if any(c < 1 for c in args.continuation_clips):
+        raise ValueError(f"--continuation-clips must all be >= 1, got {args.continuation_clips}")
     out = Path(args.out)
-    shape = SHAPE
-    rows: list[dict[str, Any]] = []
+    shape = dict(SHAPE, hidden=args.hidden, layers=args.layers, heads=args.heads)
     started = time.perf_counter()
+    cont_rows = [] if args.quick else continuation(args, shape)
+    if cont_rows:
+        write_csv(cont_rows, out / "continuation.csv")
+        print(format_table(cont_rows, ["clip", "round", "tokens", "stateless_s", "continuation_s", "ratio"]))
+    if args.continuation:
+        print(f"wrote {out / 'continuation.csv'} in {time.perf_counter() - started:.0f}s")
+        return 0
+    rows: list[dict[str, Any]] = []
     plan = []
     for model in MODELS:
         contexts = [c for c in args.contexts if model != "linear_nostate" or c <= args.max_nostate_context]
@@ -259,6 +359,10 @@ def run(args: argparse.Namespace) -> int:
         b = args.extra_batch
         summary.append({"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}, batch {b}",
                         "value": _ratio(rows, "gpt2_kv", ctx_hi, b) / _ratio(rows, "linear_state", ctx_hi, b)})
+    for r in cont_rows:
+        if r["round"] == "median [min-max]":
+            summary.append({"figure": f"continuation / stateless forward, {r['tokens']} tokens, K={r['clip']}",
+                            "value": r["ratio"]})
     if len(tp_rows) >= 2 and tp_rows[1]["tokens_per_s"] == tp_rows[1]["tokens_per_s"]:
         summary.append({"figure": f"throughput ratio linear/GPT-2 (batch {args.throughput_batch} x {args.throughput_len})",
                         "value": tp_rows[0]["tokens_per_s"] / tp_rows[1]["tokens_per_s"]})
@@ -293,9 +397,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args())
+    return run(build_parser().parse_args())
 
 
 if __name__ == "__main__":

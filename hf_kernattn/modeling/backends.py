@@ -307,6 +307,6 @@ register_backend(
 register_backend(
     "recurrent", recurrent_attention, takes=("rpe_bias", "rpe_clip", "eps") + SPLIT_ARGUMENTS + STATE_ARGUMENTS,
     causal=True, noncausal=False, rpe_1d=True, decoding=True, state=True, split_denominator=True,
-    complexity="O(M D) per token (O(K (M + D)) with a bias clipped at K)",
+    complexity="O(M D) per token, O(K (M + D)) clipped at K",
     description="RNN form, one token at a time (decoding)",
 )

@@ -1,0 +1,52 @@
+"""Every benchmark command has the same entry points, common flags and output-folder rule; the
+windowed attention case and the continuation case of ``bench generate`` run (tiny sizes, no
+timing asserted)."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+import hf_kernattn_cli as cli
+
+
+@pytest.mark.parametrize("name", sorted(cli.BENCHMARKS))
+def test_every_bench_module_has_the_same_entry_points_and_common_flags(name):
+    module = importlib.import_module(f"hf_kernattn.bench.{cli.BENCHMARKS[name]}")
+    assert module.NAME == name
+    assert callable(module.add_arguments) and callable(module.run)
+    parser = module.build_parser()
+    assert parser.prog == f"hf-kernattn bench {name}"
+    args = parser.parse_args([])
+    assert (args.out, args.threads, args.quick, args.device) == (f"bench_results/{name}", 1, False, "cpu")
+    # the command line builds the same parser
+    assert cli.build_parser().parse_args(["bench", name]).out == f"bench_results/{name}"
+
+
+def test_windowed_case_computes_the_clipped_bias_attention():
+    from hf_kernattn.bench import attention
+
+    run = attention.workload("windowed_rpe", n=48, heads=2, features=8, head_dim=4, clip=5)
+    run()  # one forward through the windowed backend with rpe_clip=5 (checked: the bias is clipped)
+
+
+def test_continuation_case_runs_both_modes_and_alternates(monkeypatch):
+    from hf_kernattn.bench import generate
+
+    shape = dict(hidden=16, layers=1, heads=2, vocab=256)
+    for mode in generate.CONTINUATION_MODES:
+        generate.continuation_workload(mode, clip=3, new_tokens=12, prompt=5, **{k: v for k, v in shape.items()})()
+    torch.set_grad_enabled(True)  # the workload switches autograd off for its (separate) process
+    calls = []
+
+    def fake_measure(target, kwargs, **_):
+        calls.append(kwargs["mode"])
+        return {"time_s": 2.0 if kwargs["mode"] == "continuation" else 1.0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
+
+    monkeypatch.setattr(generate, "measure", fake_measure)
+    args = generate.build_parser().parse_args(["--continuation", "--continuation-clips", "3", "--rounds", "2"])
+    rows = generate.continuation(args, shape)
+    assert calls == ["stateless", "continuation"] * 2
+    assert [r["ratio"] for r in rows] == [2.0, 2.0, "2.00 [2.00-2.00]"]
