@@ -217,3 +217,20 @@ def test_state_calls_refuse_what_they_cannot_do():
         ka(*x, table, True, rpe_clip=6, q_den=q_den[:, :, :4], k_den=k_den[:, :, :4])
     with pytest.raises(ValueError, match=r"backend 'fft' cannot do separate denominator features"):
         ka(*x, causal=True, backend="fft", q_den=q_den[:, :, :4], k_den=k_den[:, :, :4])
+
+
+def test_kernels_called_directly_refuse_a_state_or_split_they_cannot_honour():
+    """No kernel ignores an argument: a state without causality, a state with an unclipped bias,
+    or denominator features with a bias raise instead of being dropped."""
+    from hf_kernattn.modeling.kernels_linear import recurrent_attention
+    from hf_kernattn.modeling.kernels_windowed import windowed_attention
+
+    q, k, v, q_den, k_den, _ = _inputs(seed=4, signed_q=True)
+    table = torch.zeros(H, 2 * 3 + 1, dtype=torch.float64)
+    full = torch.zeros(H, 2 * N - 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match="need causal=True"):
+        windowed_attention(q, k, v, rpe_bias=table, rpe_clip=3, output_final_state=True)
+    with pytest.raises(ValueError, match="unclipped 1D bias"):
+        recurrent_attention(q, k, v, rpe_bias=full, output_final_state=True)
+    with pytest.raises(ValueError, match="cannot be combined with rpe_bias"):
+        recurrent_attention(q, k, v, rpe_bias=table, rpe_clip=3, q_den=q_den, k_den=k_den)

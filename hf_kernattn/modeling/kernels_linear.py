@@ -171,7 +171,11 @@ def recurrent_attention(
     state can be carried. Returns ``(B, H, N, D)``, with ``output_final_state``
     ``(out, AttentionState)``.
     """
+    if rpe_bias is not None and q_den is not None:
+        raise ValueError("separate denominator features (q_den, k_den) cannot be combined with rpe_bias")
     if rpe_bias is not None and rpe_clip is None:
+        if initial_state is not None or output_final_state:
+            raise ValueError("a state with an unclipped 1D bias does not exist: pass rpe_clip=K for a bias clipped at K")
         return _recurrent_full_bias(q, k, v, rpe_bias, eps)
     outs = []
     if rpe_bias is None:

@@ -215,6 +215,8 @@ def windowed_attention(
     values already zero. Returns ``(B, H, N, D)``; with ``output_final_state``
     ``(out, AttentionState)``.
     """
+    if not causal and (initial_state is not None or output_final_state):
+        raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")
     n, dt = q.shape[2], q.dtype
     big_k = int(rpe_clip)
     window = max(big_k - 1, 0)
