@@ -67,6 +67,7 @@ from hf_kernattn.training import (
     fingerprint_settings,
     make_accelerator,
     optimizer_grouped_parameters,
+    parse_overrides,
     resolve_checkpoint,
     run_fingerprint,
     train_loop,
@@ -115,30 +116,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-def _parse_overrides(text: Optional[str]) -> dict:
-    out: dict = {}
-    if not text:
-        return out
-    for item in text.split(","):
-        if "=" not in item:
-            raise ValueError(f"--config_overrides items must be key=value, got {item!r}")
-        key, value = (s.strip() for s in item.split("=", 1))
-        try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
-    return out
-
-
 def build_model(args: argparse.Namespace, tokenizer) -> NPRFBertForMaskedLM:
     if args.model_name_or_path is not None:
         config = AutoConfig.from_pretrained(args.model_name_or_path)
         if config.model_type in ("bert", "roberta"):
-            return convert_to_nprf_bert(args.model_name_or_path, head="masked_lm", **_parse_overrides(args.config_overrides))
+            return convert_to_nprf_bert(args.model_name_or_path, head="masked_lm", **parse_overrides(args.config_overrides))
         return AutoModelForMaskedLM.from_pretrained(args.model_name_or_path)
     fields = NPRFBertConfig.from_pretrained(args.config_name).to_dict() if args.config_name else {}
     fields.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    fields.update(_parse_overrides(args.config_overrides))
+    fields.update(parse_overrides(args.config_overrides))
     for key in ("model_type", "transformers_version", "architectures"):
         fields.pop(key, None)
     return NPRFBertForMaskedLM(NPRFBertConfig(**fields))

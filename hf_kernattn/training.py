@@ -430,6 +430,23 @@ def make_accelerator(args: argparse.Namespace, **kwargs):
     return Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=args.cpu, **kwargs)
 
 
+def parse_overrides(text: Optional[str], flag: str = "--config_overrides") -> dict:
+    """``key=value,...`` -> dict; values are read as JSON where they parse (numbers, booleans,
+    lists), else kept as strings. ``ValueError`` naming ``flag`` for an item without ``=``."""
+    out: dict = {}
+    if not text:
+        return out
+    for item in text.split(","):
+        if "=" not in item:
+            raise ValueError(f"{flag} items must be key=value, got {item!r}")
+        key, value = (s.strip() for s in item.split("=", 1))
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def check_text_files(paths: Iterable[str], flag: str) -> None:
     """Refuse missing, unreadable (not UTF-8) or empty text files, naming the file (and line)."""
     for path in paths:
