@@ -5,6 +5,7 @@
   exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 * ``hf-kernattn demo``: the README's main demo (``hf_kernattn/demo.py``).
 * ``hf-kernattn convert``: softmax checkpoint -> kernelized one (``hf_kernattn/convert.py``).
+* ``hf-kernattn push CHECKPOINT REPO_ID``: publish a saved checkpoint on the Hub (``hf_kernattn/hub.py``).
 
 This module lives next to the ``hf_kernattn`` package, not inside it: importing the package
 imports torch and transformers and registers every model family with the Auto classes (seconds),
@@ -36,7 +37,7 @@ BENCHMARKS = {
     "approx": "approximation",
 }
 # top-level command -> module under hf_kernattn
-COMMANDS = {"demo": "demo", "convert": "convert"}
+COMMANDS = {"demo": "demo", "convert": "convert", "push": "hub"}
 
 
 def _package_file(module: str) -> Optional[str]:

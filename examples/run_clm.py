@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import hf_kernattn  # noqa: E402  (registers Linear GPT with the Auto classes)
 from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM  # noqa: E402
+from hf_kernattn.cards import save_model_card  # noqa: E402
 from hf_kernattn.training import (  # noqa: E402
     NOT_FINGERPRINTED,
     EpochShuffleSampler,
@@ -52,6 +53,7 @@ from hf_kernattn.training import (  # noqa: E402
     fingerprint_settings,
     make_accelerator,
     optimizer_grouped_parameters,
+    push_if_asked,
     resolve_checkpoint,
     run_fingerprint,
     train_loop,
@@ -265,19 +267,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
         tokenizer.save_pretrained(out)
         (out / "eval_results.json").write_text(json.dumps({"final": final, "history": history["eval"],
                                                            "train_history": history["train"]}, indent=2))
-        card = Path(__file__).resolve().parents[1] / "model_cards" / "linear_gpt.md"
-        if card.exists():
-            cfg = unwrapped.config
-            text = card.read_text().format(
-                model_name=out.name, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-                num_attention_heads=cfg.num_attention_heads, feature_map=cfg.feature_map,
-                position_embedding_type=cfg.position_embedding_type, rpe=cfg.rpe, vocab_size=cfg.vocab_size,
-                train_data=", ".join(args.train_file or [args.dataset_name]), train_steps=step,
-                eval_loss=f"{final['eval_loss']:.4f}", perplexity=f"{final['perplexity']:.2f}",
-                repo_id=f"your-name/{out.name}",
-            )
-            (out / "README.md").write_text(text)
+        save_model_card(
+            unwrapped, out,
+            results=[{"task": "text-generation", "dataset": args.dataset_name or "local text", "split": "validation",
+                      "metric": "perplexity", "value": final["perplexity"]},
+                     {"task": "text-generation", "dataset": args.dataset_name or "local text", "split": "validation",
+                      "metric": "loss", "value": final["eval_loss"]}],
+            datasets=[args.dataset_name] if args.dataset_name else None,
+            training={"optimizer steps": step, "training data": ", ".join(args.train_file or [args.dataset_name])},
+        )
         accelerator.print(f"saved model, tokenizer and card to {out}")
+        push_if_asked(args, out, accelerator.print)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final

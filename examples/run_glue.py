@@ -75,7 +75,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import evaluate
 import hf_kernattn  # noqa: F401  (registers NPRF-BERT with the Auto classes)
+from hf_kernattn.cards import save_model_card
 from hf_kernattn.convert import convert_to_nprf_bert
+from hf_kernattn.hub import PushError, push_folder
 from hf_kernattn.metrics import GLUE_METRIC_PATH
 from hf_kernattn.training import decay_parameter_names, resolve_checkpoint, run_fingerprint, write_state_file
 
@@ -402,6 +404,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
             training_args.fp16 = True
     logger.info("mixed precision: %s", "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no")
     set_seed(training_args.seed)
+    # --push_to_hub publishes the final folder once, through hf_kernattn.hub (the card this script
+    # renders, the checkpoint's files only); the Trainer's own pushes at every save are off.
+    push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
 
     raw = load_raw(data_args, cache_dir=None)
     labelled = [raw[k] for k in raw if k != "test" and "label" in raw[k].column_names]
@@ -533,19 +538,33 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 for i, p in enumerate(np.atleast_1d(preds)):
                     f.write(f"{i}\t{p:.4f}\n" if is_regression else f"{i}\t{model.config.id2label[int(p)]}\n")
     if training_args.do_train and trainer.is_world_process_zero():
-        kwargs = {"finetuned_from": model_args.model_name_or_path, "tasks": "text-classification"}
-        if data_args.task_name:
-            kwargs.update(language="en", dataset_tags="nyu-mll/glue", dataset_args=data_args.task_name,
-                          dataset=f"GLUE {data_args.task_name.upper()}")
-        try:
-            trainer.create_model_card(**kwargs)
-        except Exception as err:  # model cards need nothing online, but never fail a finished run on one
-            logger.warning("could not write a model card: %s", err)
+        dataset = f"glue/{data_args.task_name}" if data_args.task_name else os.path.basename(data_args.train_file)
+        card_results = [
+            {"task": "text-classification", "dataset": dataset, "split": "validation",
+             "metric": key[len("eval_"):], "value": float(value)}
+            for key, value in results.items()
+            if key.startswith("eval_") and key not in NOT_METRICS and isinstance(value, (int, float))
+        ]
+        save_model_card(
+            trainer.model, training_args.output_dir, results=card_results, base_model=model_args.model_name_or_path,
+            datasets=["nyu-mll/glue"] if data_args.task_name else None,
+            training={"optimizer steps": trainer.state.global_step, "epochs": training_args.num_train_epochs,
+                      "learning rate": training_args.learning_rate},
+        )
         with open(os.path.join(training_args.output_dir, "run_glue_results.json"), "w") as f:
             json.dump(results, f, indent=2, default=float)
-        if training_args.push_to_hub:
-            trainer.push_to_hub(**kwargs)
+        if push_to_hub:
+            try:
+                url = push_folder(training_args.output_dir, training_args.hub_model_id or Path(training_args.output_dir).name,
+                                  private=bool(training_args.hub_private_repo), token=training_args.hub_token)
+                logger.info("pushed to %s", url)
+            except PushError as err:
+                logger.warning("not pushed: %s", err)
     return results
+
+
+# Trainer's evaluation entries that are not metrics of the model
+NOT_METRICS = {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_epoch"}
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ from transformers import (
 
 import hf_kernattn  # noqa: F401  (registers NPRF-BERT with the Auto classes)
 from hf_kernattn import NPRFBertConfig, NPRFBertForMaskedLM
+from hf_kernattn.cards import save_model_card
 from hf_kernattn.convert import convert_to_nprf_bert
 from hf_kernattn.training import (
     NOT_FINGERPRINTED,
@@ -68,6 +69,7 @@ from hf_kernattn.training import (
     make_accelerator,
     optimizer_grouped_parameters,
     parse_overrides,
+    push_if_asked,
     resolve_checkpoint,
     run_fingerprint,
     train_loop,
@@ -270,6 +272,15 @@ def main(argv: Optional[list[str]] = None) -> dict:
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "mlm_results.json"), "w") as f:
             json.dump({"results": results, "history": history["eval"], "train_history": history["train"]}, f, indent=1)
+        data_name = os.path.basename(args.train_file)
+        save_model_card(
+            unwrapped, args.output_dir,
+            results=[{"task": "fill-mask", "dataset": data_name, "split": "validation", "metric": "perplexity",
+                      "value": results["perplexity"]}] if "perplexity" in results else (),
+            base_model=args.model_name_or_path,
+            training={"optimizer steps": completed, "training data": data_name},
+        )
+        push_if_asked(args, args.output_dir, accelerator.print)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results

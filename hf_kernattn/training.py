@@ -355,7 +355,8 @@ SCHEDULER_TYPES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "co
                    "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
 # Flags that do not change what a run computes: a checkpoint may be resumed with other values.
 NOT_FINGERPRINTED = ("output_dir", "resume_from_checkpoint", "stop_after_steps", "checkpointing_steps",
-                     "with_tracking", "report_to", "preprocessing_num_workers")
+                     "with_tracking", "report_to", "preprocessing_num_workers", "push_to_hub", "hub_model_id",
+                     "hub_private_repo", "hub_token")
 
 
 def add_training_args(p: argparse.ArgumentParser, *, learning_rate: float, weight_decay: float,
@@ -389,6 +390,25 @@ def add_training_args(p: argparse.ArgumentParser, *, learning_rate: float, weigh
                    "(with accelerate launch --multi_gpu: gloo processes)")
     g.add_argument("--seed", type=int, default=42, help="seed of initialisation, data order, dropout and masking")
     g.add_argument("--output_dir", required=True, help="final model and checkpoints")
+    g.add_argument("--push_to_hub", action="store_true",
+                   help="publish the final model folder on the Hub (hf-kernattn push does the same later)")
+    g.add_argument("--hub_model_id", default=None, help="repository for --push_to_hub (default: the --output_dir name)")
+    g.add_argument("--hub_private_repo", action="store_true", help="create the --push_to_hub repository private")
+    g.add_argument("--hub_token", default=None, help="token for --push_to_hub (default: the one `hf auth login` saved)")
+
+
+def push_if_asked(args: argparse.Namespace, folder: str | os.PathLike, report: Callable[[str], None] = logger.info) -> None:
+    """``--push_to_hub``: publish the saved model ``folder`` (``hf_kernattn.hub.push_folder``).
+    A failed push (offline, no token) is reported in one line; the saved folder stays as it is."""
+    if not args.push_to_hub:
+        return
+    from .hub import PushError, push_folder
+
+    repo_id = args.hub_model_id or Path(folder).name
+    try:
+        report(f"pushed to {push_folder(folder, repo_id, private=args.hub_private_repo, token=args.hub_token)}")
+    except PushError as err:
+        report(f"not pushed: {err}")
 
 
 def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

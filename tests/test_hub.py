@@ -1,0 +1,158 @@
+"""Model cards and publishing: one card renderer for every family, and ``hf-kernattn push``
+through a stand-in for the Hub client (nothing reaches the network)."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import huggingface_hub
+import pytest
+import requests
+from huggingface_hub import ModelCard
+from huggingface_hub.errors import LocalTokenNotFoundError
+
+import hf_kernattn
+from hf_kernattn import LinearGPTForCausalLM, NPRFBertForMaskedLM
+from hf_kernattn.cards import render_model_card, save_model_card
+from hf_kernattn.cli import main
+from hf_kernattn.hub import PushError, files_to_push, push_folder
+
+from .conftest import tiny_linear_gpt_config, tiny_nprf_bert_config
+
+MODELING = Path(hf_kernattn.__file__).parent / "modeling"
+RESULTS = [
+    {"task": "text-generation", "dataset": "wikitext", "split": "validation", "metric": "perplexity", "value": 23.5},
+    {"task": "text-generation", "dataset": "wikitext", "split": "test", "metric": "loss", "value": 3.1},
+]
+
+
+def _code_bundle(entry_files: list[str]) -> set[str]:
+    """The modeling files reachable from ``entry_files`` through ``from .name import ...`` (read
+    with ast, independently of transformers' own copying)."""
+    seen, todo = set(), list(entry_files)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for node in ast.walk(ast.parse((MODELING / name).read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                todo.append(node.module + ".py")
+    return seen
+
+
+@pytest.mark.parametrize("model", [LinearGPTForCausalLM(tiny_linear_gpt_config()), NPRFBertForMaskedLM(tiny_nprf_bert_config())],
+                         ids=["linear_gpt", "nprf_bert"])
+def test_a_rendered_card_parses_back_with_exactly_the_results_passed_in(model, tmp_path):
+    path = save_model_card(model, tmp_path, results=RESULTS, datasets=["wikitext"], base_model="gpt2",
+                           training={"optimizer steps": 7}, repo_id="me/tiny")
+    card = ModelCard.load(path)
+    got = [(r.task_type, r.dataset_type, r.dataset_split, r.metric_type, r.metric_value) for r in card.data.eval_results]
+    assert got == [(r["task"], r["dataset"], r["split"], r["metric"], r["value"]) for r in RESULTS]
+    assert card.data.library_name == "transformers" and card.data.base_model == "gpt2"
+    assert card.data.datasets == ["wikitext"] and model.config.model_type in card.data.tags
+    assert "trust_remote_code=True" in card.text and "me/tiny" in card.text
+    assert f"`{model.config.feature_map}`" in card.text  # the attention settings
+    assert "Limitations" in card.text or "limitations" in card.text
+
+
+def test_card_arguments_are_checked():
+    with pytest.raises(ValueError, match="lacks \\['value'\\]"):
+        render_model_card(tiny_linear_gpt_config(), results=[{"task": "t", "dataset": "d", "metric": "m"}])
+    with pytest.raises(ValueError, match="no model card template for model_type 'bert'"):
+        render_model_card(SimpleNamespace(model_type="bert"))
+
+
+class FakeHub:
+    """Records what would be sent to the Hub; ``fail`` is raised by the first call."""
+
+    def __init__(self, fail: Exception | None = None):
+        self.calls, self.fail = [], fail
+
+    def _call(self, name, *args, **kwargs):
+        self.calls.append((name, args, kwargs))
+        if self.fail is not None:
+            raise self.fail
+
+    def create_repo(self, repo_id, **kwargs):
+        self._call("create_repo", repo_id, **kwargs)
+
+    def create_branch(self, repo_id, **kwargs):
+        self._call("create_branch", repo_id, **kwargs)
+
+    def upload_folder(self, **kwargs):
+        self._call("upload_folder", **kwargs)
+        return SimpleNamespace(commit_url=f"https://huggingface.co/{kwargs['repo_id']}/commit/0123")
+
+
+def _saved_linear_gpt(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A Hub-ready Linear GPT folder plus things that must stay local; returns the folder and
+    the file list a push must commit (derived independently of hf_kernattn.hub)."""
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    folder = tmp_path / "ckpt"
+    model = LinearGPTForCausalLM(tiny_linear_gpt_config())
+    model.save_pretrained(folder)
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, unk_token="<unk>")),
+                                  unk_token="<unk>")
+    tok_files = [Path(f).name for f in tok.save_pretrained(folder)]
+    save_model_card(model, folder, results=RESULTS)
+    (folder / "eval_results.json").write_text("{}")
+    (folder / "pytorch_model.bin").write_bytes(b"not pushed")
+    (folder / "step_3").mkdir()
+    (folder / "step_3" / "model.safetensors").write_bytes(b"")
+    code = _code_bundle(["configuration_linear_gpt.py", "modeling_linear_gpt.py"])
+    expected = ["README.md", "config.json", "generation_config.json", "model.safetensors", *code, *tok_files]
+    return folder, sorted(set(expected))
+
+
+def _digest(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_push_commits_exactly_the_checkpoint_files(tmp_path):
+    folder, expected = _saved_linear_gpt(tmp_path)
+    hub = FakeHub()
+    url = push_folder(folder, "me/tiny-gpt", private=True, revision="v1", commit_message="first", api=hub)
+    assert url == "https://huggingface.co/me/tiny-gpt/commit/0123"
+    (create, *_), (branch, *_), (upload, _, kwargs) = hub.calls
+    assert (create, branch, upload) == ("create_repo", "create_branch", "upload_folder")
+    assert hub.calls[0][2] == {"repo_type": "model", "private": True, "exist_ok": True}
+    assert hub.calls[1][2]["branch"] == "v1"
+    assert kwargs["revision"] == "v1" and kwargs["commit_message"] == "first" and kwargs["repo_id"] == "me/tiny-gpt"
+    assert sorted(kwargs["allow_patterns"]) == expected
+    assert files_to_push(folder) == expected
+
+
+@pytest.mark.parametrize("failure,message", [
+    (requests.exceptions.ConnectionError("no route"), "could not reach the Hugging Face Hub"),
+    (LocalTokenNotFoundError("no token"), "no Hugging Face token: log in with `hf auth login`"),
+])
+def test_push_offline_or_without_token_fails_with_one_line_and_keeps_the_folder(tmp_path, monkeypatch, capsys,
+                                                                                failure, message):
+    folder, _ = _saved_linear_gpt(tmp_path)
+    before = _digest(folder)
+    with pytest.raises(PushError, match=message):
+        push_folder(folder, "me/tiny-gpt", api=FakeHub(failure))
+    monkeypatch.setattr(huggingface_hub, "HfApi", lambda token=None: FakeHub(failure))
+    capsys.readouterr()
+    assert main(["push", str(folder), "me/tiny-gpt"]) == 1
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("hf-kernattn: error:")]
+    assert len(errors) == 1 and message in errors[0] and "unchanged" in errors[0] and "Traceback" not in err
+    assert _digest(folder) == before
+
+
+def test_push_refuses_what_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="is not a folder"):
+        push_folder(tmp_path / "missing", "me/x", api=FakeHub())
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="no safetensors weights \\(only pickled ones: \\['pytorch_model.bin'\\]"):
+        push_folder(tmp_path, "me/x", api=FakeHub())
+    with pytest.raises(ValueError, match="repo_id must be"):
+        push_folder(tmp_path, "a/b/c", api=FakeHub())
