@@ -202,6 +202,33 @@ SHARED_ATTENTION_FIELDS: tuple[SharedField, ...] = (
 SHARED_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SHARED_ATTENTION_FIELDS)
 _BY_NAME = {f.name: f for f in SHARED_ATTENTION_FIELDS}
 
+# Which code wrote a checkpoint. Every config records the version of the code holding it (the
+# code that saves it) and the checkpoint format; loading a config of a newer format than this
+# code reads fails with a message naming both versions. A field added later gets a default that
+# reproduces the behaviour of checkpoints written before it existed.
+LIBRARY_VERSION = "0.1.0"  # equals hf_kernattn.__version__ (checked by a test)
+CHECKPOINT_FORMAT = 1
+
+
+def take_version_fields(kwargs: dict) -> dict[str, Any]:
+    """Remove ``hf_kernattn_version`` and ``checkpoint_format`` (as a loaded ``config.json``
+    holds them) from ``kwargs``; ``ValueError`` naming both versions when the checkpoint's format
+    is newer than this code reads. Returns the values this code records: its own version and
+    format (a checkpoint saved again records the code that saved it)."""
+    written_by = kwargs.pop("hf_kernattn_version", None)
+    fmt = kwargs.pop("checkpoint_format", CHECKPOINT_FORMAT)
+    if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
+        raise ValueError(f"checkpoint_format must be an int >= 1, got {fmt!r}")
+    if fmt > CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"this checkpoint was written by hf-kernattn {written_by or 'unknown'} in checkpoint format {fmt}; "
+            f"this code is hf-kernattn {LIBRARY_VERSION} and reads formats up to {CHECKPOINT_FORMAT}: upgrade "
+            "hf-kernattn, or load the checkpoint with its own code (trust_remote_code=True, without hf_kernattn "
+            "registered for this model type)"
+        )
+    return {"hf_kernattn_version": LIBRARY_VERSION, "checkpoint_format": CHECKPOINT_FORMAT}
+
+
 DOC_MARKER = "@shared-attention-fields@"
 _DOC_WIDTH = 96
 
@@ -237,13 +264,15 @@ class AttentionSchema:
     def take(self, kwargs: dict, *, hidden_size: int, num_attention_heads: int) -> dict[str, Any]:
         """Remove the shared fields from ``kwargs`` (a config's ``**kwargs``), fill the family's
         defaults, check every value (each field once, then the head size the fields are used
-        with), and return ``{name: value}`` for the config to set."""
+        with), and return ``{name: value}`` for the config to set, with the version fields of
+        :func:`take_version_fields`."""
         values = {}
         for field in SHARED_ATTENTION_FIELDS:
             value = kwargs.pop(field.name, self.default(field.name))
             field.check(field.name, value)
             values[field.name] = field.convert(value) if field.convert is not None else value
         check_head_size(hidden_size, num_attention_heads)
+        values.update(take_version_fields(kwargs))
         return values
 
     @staticmethod

@@ -9,6 +9,8 @@
 * No attention weights: kernelized attention never forms the ``N x N`` attention matrix, so
   ``output_attentions=True`` is refused with a ``ValueError`` (in the config and in ``forward``),
   as ``transformers`` refuses it for attention implementations that cannot return weights.
+* Safe loading: weights come from safetensors files only, unless the caller asks for pickled
+  ones explicitly (``use_safetensors=False``, with a warning).
 * Input checks that read tensor values (``int(x.min())``, ``bool(mask.any())``) force a host
   sync and break ``torch.export`` / ``torch.compile`` (data-dependent guards); they run in eager
   mode only (:func:`eager_checks`).
@@ -75,7 +77,18 @@ class KernelizedPreTrainedModel(PreTrainedModel):
     def from_pretrained(cls, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``, plus a warning when the checkpoint lacked the
         random-feature buffers (they are then drawn from ``feature_seed``, which reproduces the
-        saved model only if it used the same seed and never redrew its features)."""
+        saved model only if it used the same seed and never redrew its features).
+
+        Weights load from safetensors only: pickled weights (``pytorch_model.bin``) are refused
+        unless the caller passes ``use_safetensors=False`` explicitly, which is warned about
+        (unpickling a file can run code from it; load only files you trust)."""
+        if kwargs.get("use_safetensors") is None:
+            kwargs["use_safetensors"] = True
+        elif kwargs["use_safetensors"] is False:
+            logger.warning(
+                "use_safetensors=False: the weights may be loaded from a pickle file (pytorch_model.bin), "
+                "which runs the unpickler on it; load only files you trust"
+            )
         want_info = bool(kwargs.get("output_loading_info", False))
         kwargs["output_loading_info"] = True
         model, info = super().from_pretrained(*args, **kwargs)
