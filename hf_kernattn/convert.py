@@ -305,11 +305,17 @@ def convert_to_nprf_bert(
         "unused_source_keys": sorted(k for k in state if k not in used and not k.endswith("position_ids")),
     }
     if output_dir is not None:
+        from .cards import save_model_card
+
         out = Path(output_dir)
         model.save_pretrained(out)
         for name in _TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
+        save_model_card(model, out, base_model=str(checkpoint_dir), training={
+            "converted from": f"`{checkpoint_dir}` ({model_type})", "tensors copied": len(copied),
+            "initialised": ", ".join(model.conversion_report["initialised"]) or "none",
+        })
     return model
 
 

@@ -156,3 +156,43 @@ def test_push_refuses_what_is_not_a_checkpoint(tmp_path):
         push_folder(tmp_path, "me/x", api=FakeHub())
     with pytest.raises(ValueError, match="repo_id must be"):
         push_folder(tmp_path, "a/b/c", api=FakeHub())
+
+
+def test_convert_writes_a_card_naming_the_base_model(tmp_path):
+    from transformers import BertConfig, BertForMaskedLM
+
+    from hf_kernattn.convert import convert_to_nprf_bert
+
+    src = tmp_path / "bert"
+    BertForMaskedLM(BertConfig(vocab_size=30, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=32, max_position_embeddings=16)).save_pretrained(src)
+    convert_to_nprf_bert(src, tmp_path / "nprf")
+    card = ModelCard.load(tmp_path / "nprf" / "README.md")
+    assert card.data.base_model == str(src) and "Converted from" in card.text and "tensors copied" in card.text
+
+
+def test_edited_checkpoint_code_runs_only_with_trust_remote_code(tmp_path):
+    """transformers' rule, which our checkpoints follow: the code in a checkpoint runs only with
+    trust_remote_code=True. Where hf_kernattn is installed its own classes load the weights and
+    the checkpoint's code is not run at all."""
+    import shutil
+
+    import transformers
+
+    from .remote import run_without_package
+
+    folder = tmp_path / "edited"
+    shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoints" / "linear_gpt", folder)
+    code = folder / "modeling_linear_gpt.py"
+    code.write_text(code.read_text() + "\nprint('EDITED CODE RAN')\n")
+    out = run_without_package(f"""
+import transformers
+try:
+    transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})
+except ValueError as err:
+    print("REFUSED", "trust_remote_code" in str(err))
+transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True)
+""", cwd=str(tmp_path))
+    assert out.count("REFUSED True") == 1 and out.index("REFUSED True") < out.index("EDITED CODE RAN")
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)  # the package's classes
+    assert type(model).__module__ == "hf_kernattn.modeling.modeling_linear_gpt"
