@@ -293,3 +293,49 @@ def test_kernels_refuse_arguments_they_do_not_take():
     for fn, kwargs in calls:
         with pytest.raises(TypeError, match="unexpected keyword argument"):
             fn(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("clip", [0, 1, 2, 3, 20])
+def test_manhattan_equals_the_literal_formula_with_gradients(clip):
+    """The O(N K^2) far/near split of a 2D bias of the clipped Manhattan distance equals the
+    literal dense formula (float64), outputs and the gradients of q, k, v and the per-distance
+    table, with padding; K = 20 exceeds every distance of the 5 x 7 grid."""
+    from hf_kernattn.modeling.kernels_manhattan import manhattan_table
+
+    g = torch.Generator().manual_seed(11 + clip)
+    hg, wg = 5, 7
+    n = hg * wg
+    q, k, v, _, mask = _inputs(n, seed=12 + clip)
+    dist = 0.7 * torch.randn(H, clip + 1, generator=g, dtype=torch.float64)
+    weight = torch.randn(B, H, n, D, generator=g, dtype=torch.float64)
+    results = []
+    for run in ("manhattan", "reference"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, dist)]
+        table = manhattan_table(xs[3], hg, wg)
+        if run == "manhattan":
+            out = hf_kernattn.kernelized_attention(*xs[:3], table, attention_mask=mask, grid=(hg, wg), rpe_clip=clip,
+                                                   backend="manhattan")
+        else:
+            out = literal_reference(*xs[:3], table, False, mask, (hg, wg))
+        real = mask.bool()[:, None, :, None]
+        results.append((out, torch.autograd.grad((torch.where(real, out, 0.0) * weight).sum(), xs)))
+    (out, grads), (ref, ref_grads) = results
+    real = mask.bool()[:, None, :, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], rtol=0, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-11)
+
+
+def test_manhattan_declaration_is_checked_and_auto_uses_it():
+    from hf_kernattn.modeling.kernels_manhattan import manhattan_table
+    from hf_kernattn.modeling.registry import choose_backend
+
+    q, k, v, bias, _ = _inputs(6, seed=13, grid=(2, 3))
+    with pytest.raises(ValueError, match=r"not a function of the clipped Manhattan distance min\(\|dy\| \+ \|dx\|, 1\)"):
+        hf_kernattn.kernelized_attention(q, k, v, bias, grid=(2, 3), rpe_clip=1)
+    with pytest.raises(ValueError, match="'manhattan' cannot do calls without a 2D rpe_bias declared clipped"):
+        hf_kernattn.kernelized_attention(q, k, v, bias, grid=(2, 3), backend="manhattan")
+    table = manhattan_table(torch.zeros(H, 2, dtype=torch.float64), 2, 3)
+    assert hf_kernattn.kernelized_attention(q, k, v, table, grid=(2, 3), rpe_clip=1).shape == v.shape
+    assert choose_backend(n=1024, causal=False, rpe="2d", key_mask=False, device="cpu", rpe_clip=4) == "manhattan"
+    assert choose_backend(n=64, causal=False, rpe="2d", key_mask=False, device="cpu", rpe_clip=4) == "dense"

@@ -26,7 +26,21 @@ from .reference import literal_reference
 MODULE_CASES = [
     ("dense", False, True), ("linear", False, False), ("causal_chunked", True, False),
     ("fft", False, True), ("fft", True, True), ("windowed", False, True), ("recurrent", True, True),
+    ("manhattan", False, "2d"),
 ]
+
+
+def _bias(rpe, n: int, heads: int = 2):
+    """The case's bias arguments: a 1D table clipped at 3, or a 2D bias of the Manhattan
+    distance clipped at 2 on a grid of n tokens, as a module (its parameter gets the gradient)."""
+    from hf_kernattn.modeling.kernels_manhattan import manhattan_table
+
+    if rpe == "2d":
+        grid = {9: (3, 3), 40: (5, 8)}[n]
+        table = torch.nn.Parameter(0.5 * torch.randn(heads, 3, generator=torch.Generator().manual_seed(5)))
+        return table, lambda: dict(rpe_bias=manhattan_table(table, *grid), grid=grid, rpe_clip=2)
+    table = hf_kernattn.RelativePositionBias1D(heads, 3, init_std=0.5)
+    return table.weight, lambda: dict(rpe_bias=table(n), rpe_clip=3) if rpe else {}
 
 
 def _module_config(**kw):
@@ -49,21 +63,21 @@ def test_attention_module_forward_backward_under_bf16_autocast(backend, causal, 
     attn = hf_kernattn.KernelizedSelfAttention(
         _module_config(feature_map=feature_map, attn_backend=backend), causal=causal
     )
-    table = hf_kernattn.RelativePositionBias1D(2, 3, init_std=0.5)
     n = 9
+    table, bias = _bias(rpe, n)
     x = torch.randn(2, n, 16, generator=torch.Generator().manual_seed(1))
     mask = torch.ones(2, n, dtype=torch.long)
     mask[1, -2:] = 0
     results = []
     for autocast in (False, True):
-        attn.zero_grad(), table.zero_grad()
+        attn.zero_grad()
+        table.grad = None
         xs = x.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            bias = table(n) if rpe else None
-            out = attn(xs, attention_mask=mask, rpe_bias=bias, rpe_clip=3 if rpe else None)
+            out = attn(xs, attention_mask=mask, **bias())
             loss = out.float().pow(2).sum()
         loss.backward()
-        grads = [xs.grad, attn.q_proj.weight.grad, attn.v_proj.weight.grad] + ([table.weight.grad] if rpe else [])
+        grads = [xs.grad, attn.q_proj.weight.grad, attn.v_proj.weight.grad] + ([table.grad] if rpe else [])
         results.append((out.detach().float(), [g.clone() for g in grads]))
     (ref, ref_grads), (out, grads) = results
     for got, want in [(out, ref)] + list(zip(grads, ref_grads)):
@@ -83,12 +97,11 @@ def test_attention_core_ignores_autocast(backend, causal, rpe):
     q = torch.rand(2, 2, n, 6, generator=g).requires_grad_(True)
     k = torch.rand(2, 2, n, 6, generator=g).requires_grad_(True)
     v = torch.randn(2, 2, n, 5, generator=g).requires_grad_(True)
-    table = hf_kernattn.RelativePositionBias1D(2, 3, init_std=0.5)
+    _, bias = _bias(rpe, n)
     results = []
     for autocast in (False, True):
-        bias = table(n) if rpe else None
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = hf_kernattn.kernelized_attention(q, k, v, bias, causal, backend=backend, rpe_clip=3 if rpe else None)
+            out = hf_kernattn.kernelized_attention(q, k, v, causal=causal, backend=backend, **bias())
         assert out.dtype == torch.float32
         grads = torch.autograd.grad(out.pow(2).sum(), [q, k, v])
         results.append((out, grads))

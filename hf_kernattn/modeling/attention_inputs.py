@@ -97,7 +97,7 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
         if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
             raise ValueError(f"rpe_bias must have shape {want}; a 3D bias needs grid=(height, width)")
         check_tensor("rpe_bias", rpe_bias, 2, want)
-        widths = {2 * n - 1} | ({2 * rpe_clip + 1} if rpe_clip is not None else set())
+        widths = {2 * n - 1} | ({2 * rpe_clip + 1} if rpe_clip is not None else set())  # 1D only
         if rpe_bias.shape[0] != h or rpe_bias.shape[1] not in widths:
             raise ValueError(f"rpe_bias must have shape {want}, got {tuple(rpe_bias.shape)}")
         return "1d"
@@ -109,12 +109,28 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
     return "2d"
 
 
-def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_clip: int) -> None:
-    """``rpe_clip`` needs a 1D bias, and a full ``(H, 2N-1)`` one must be constant beyond ``+-K``."""
-    if rpe != "1d":
-        raise ValueError("rpe_clip needs a 1D rpe_bias of shape (heads, 2*seq-1)")
-    if torch.compiler.is_compiling() or rpe_bias.shape[-1] != 2 * n - 1:
-        return  # traced: the declaration is trusted; a (H, 2K+1) table is clipped by construction
+def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_clip: int,
+                       grid: Optional[Sequence[int]] = None) -> None:
+    """``rpe_clip`` needs a bias that really is clipped at K: a full 1D bias ``(H, 2N-1)``
+    constant beyond ``+-K``, or a 2D bias that depends only on ``min(|dy| + |dx|, K)`` (the
+    clipped Manhattan distance). Checked in eager mode only."""
+    if rpe is None:
+        raise ValueError("rpe_clip needs a 1D rpe_bias (heads, 2*seq-1) or, with grid, a 2D one")
+    if torch.compiler.is_compiling():
+        return  # traced: the declaration is trusted
+    if rpe == "2d":
+        from .kernels_manhattan import manhattan_distances, manhattan_table
+
+        with torch.no_grad():
+            rebuilt = manhattan_table(manhattan_distances(rpe_bias, grid[0], grid[1], rpe_clip), grid[0], grid[1])
+            if not torch.equal(rebuilt, rpe_bias):
+                raise ValueError(
+                    f"rpe_bias is not a function of the clipped Manhattan distance min(|dy| + |dx|, {rpe_clip}), "
+                    f"so rpe_clip={rpe_clip} does not hold for this 2D bias"
+                )
+        return
+    if rpe_bias.shape[-1] != 2 * n - 1:
+        return  # a (H, 2K+1) table is clipped by construction
     clip = min(rpe_clip, n - 1)
     with torch.no_grad():
         left = rpe_bias[:, : n - 1 - clip]

@@ -55,6 +55,7 @@ from .kernels_common import (
 from .kernels_dense import dense_attention
 from .kernels_fft import fft_attention, fft_error_bound
 from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
+from .kernels_manhattan import manhattan_attention
 from .kernels_windowed import windowed_attention
 from .registry import (  # noqa: F401  (the registry's public names are also this module's)
     _REGISTRY,
@@ -134,7 +135,9 @@ def kernelized_attention(
         rpe_clip: optional ``K``: declares the 1D bias constant for offsets beyond ``+-K`` (a
             clipped table, as :class:`RelativePositionBias1D` makes). Enables the O(N K)
             ``windowed`` backend; gradients of the clipped region then land on entries ``+-K``
-            (the gradient of the table is unchanged). Checked in eager mode: a bias that is
+            (the gradient of the table is unchanged). With a 2D bias it declares a bias of the
+            clipped Manhattan distance ``min(|dy| + |dx|, K)`` (Horn et al.), which enables the
+            O(N K^2) ``manhattan`` backend. Checked in eager mode: a bias that is
             not constant there raises ``ValueError`` (while ``torch.compile`` / ``torch.export``
             trace, the declaration is trusted).
         q_den, k_den: keyword-only, optional ``(B, H, N, M')`` features for the denominator:
@@ -205,9 +208,7 @@ def kernelized_attention(
     elif grid_t is not None:
         grid_t = None  # a grid without a bias changes nothing
     if rpe_clip is not None:
-        if rpe_bias is None:
-            raise ValueError("rpe_clip needs a 1D rpe_bias of shape (heads, 2*seq-1)")
-        check_clipped_bias(rpe_bias, rpe, n, rpe_clip)
+        check_clipped_bias(rpe_bias, rpe, n, rpe_clip, grid_t)
     if q_den is not None and rpe is not None:
         raise ValueError("separate denominator features (q_den, k_den) cannot be combined with rpe_bias")
     if stateful and rpe is not None and rpe_clip is None:
@@ -215,7 +216,7 @@ def kernelized_attention(
             "a state with a relative-position bias needs rpe_clip=K (a bias clipped at K): with an unclipped bias "
             "every key keeps its own weight for ever, so no constant-size state exists"
         )
-    if rpe_clip is not None:
+    if rpe_clip is not None and rpe == "1d":
         clipped_table(rpe_bias, n, rpe_clip, continuing=initial_state is not None)  # only the check here
     window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
     m_den = m if q_den is None else q_den.shape[-1]
@@ -258,9 +259,9 @@ def kernelized_attention(
             return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den, window)
         bias = None
         if rpe_bias is not None:
-            table = rpe_clip is not None and "rpe_clip" in spec.takes
+            table = rpe == "1d" and rpe_clip is not None and "rpe_clip" in spec.takes
             bias = (clipped_table(rpe_bias, n, rpe_clip, initial_state is not None) if table
-                    else full_bias(rpe_bias, n, rpe_clip)).to(dt)
+                    else full_bias(rpe_bias, n, rpe_clip if rpe == "1d" else None)).to(dt)
         given = dict(
             rpe_bias=bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), rpe_clip=rpe_clip,
             q_den=q_den, k_den=k_den, initial_state=initial_state, output_final_state=output_final_state,
@@ -303,6 +304,11 @@ register_backend(
     causal=True, noncausal=True, rpe_1d=True, needs_rpe_clip=True, state=True,
     complexity="O(N K (M + D) + N M D)",
     description="exact for a bias clipped at K (rpe_clip): dense near the diagonal, running sums beyond",
+)
+register_backend(
+    "manhattan", manhattan_attention, takes=("rpe_bias", "grid", "rpe_clip", "eps"), causal=False, noncausal=True,
+    rpe_2d=True, needs_rpe_clip=True, complexity="O(N K^2 (M + D) + N M D)",
+    description="exact for a 2D bias of the clipped Manhattan distance: near offsets one by one, all keys beyond",
 )
 register_backend(
     "recurrent", recurrent_attention, takes=("rpe_bias", "rpe_clip", "eps") + SPLIT_ARGUMENTS + STATE_ARGUMENTS,

@@ -43,8 +43,9 @@ class BackendSpec:
         state: continues from ``initial_state`` and returns the final state (causal calls;
             with a bias only a clipped one).
         split_denominator: takes separate denominator features ``q_den``, ``k_den``.
-        needs_rpe_clip: only runs a 1D bias declared clipped (``rpe_clip``). A backend that
-            takes ``rpe_clip`` receives a clipped bias as its table ``(H, 2K+1)``.
+        needs_rpe_clip: only runs a bias declared clipped (``rpe_clip``): a 1D bias constant
+            beyond ``+-K``, or a 2D bias of the clipped Manhattan distance. A backend that takes
+            ``rpe_clip`` receives a clipped 1D bias as its table ``(H, 2K+1)``.
         devices: device types it runs on.
         complexity: a short note for docs and error messages, e.g. ``"O(N)"``.
         description: one line for ``hf-kernattn backends``.
@@ -76,8 +77,9 @@ class BackendSpec:
             lacks.append("a state (initial_state / output_final_state)")
         if split and not self.split_denominator:
             lacks.append("separate denominator features (q_den, k_den)")
-        if self.needs_rpe_clip and (rpe != "1d" or rpe_clip is None):
-            lacks.append("calls without a 1D rpe_bias declared clipped by rpe_clip")
+        if self.needs_rpe_clip and (rpe is None or rpe_clip is None):
+            kind = "1D " if self.rpe_1d and not self.rpe_2d else "2D " if self.rpe_2d and not self.rpe_1d else ""
+            lacks.append(f"calls without a {kind}rpe_bias declared clipped by rpe_clip")
         if causal and not self.causal:
             lacks.append("causal=True")
         if not causal and not self.noncausal:
@@ -204,6 +206,9 @@ AUTO_WINDOWED_MIN_RATIO = 2
 # (:func:`fft_error_bound`, relative to the values) is at most this; otherwise it takes the exact
 # ``windowed`` backend for a clipped bias, or the FFT computed in float64.
 AUTO_FFT_MAX_ERROR = 1e-4
+# With a 2D bias of the clipped Manhattan distance (rpe_clip with a grid) the manhattan backend,
+# O(N K^2), is chosen once the grid has at least this many tokens (below, dense is cheap).
+AUTO_MANHATTAN_MIN_N = 256
 
 
 def choose_backend(
@@ -219,6 +224,8 @@ def choose_backend(
         order = decoders + [preferred] if n == 1 else [preferred]
     elif rpe == "1d" and rpe_clip is not None and n >= max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * rpe_clip):
         order = ["windowed"]
+    elif rpe == "2d" and rpe_clip is not None and n >= AUTO_MANHATTAN_MIN_N:
+        order = ["manhattan"]
     else:
         if rpe is not None:
             preferred, limit = "fft", AUTO_DENSE_MAX_N["rpe"]
