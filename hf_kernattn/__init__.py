@@ -21,6 +21,7 @@ import transformers as _transformers
 
 from .modeling import configuration_linear_gpt as _configuration_linear_gpt
 from .modeling import configuration_nprf_bert as _configuration_nprf_bert
+from .modeling import configuration_relative_performer_vit as _configuration_relative_performer_vit
 
 # --- Linear GPT ---
 from .modeling.configuration_linear_gpt import LinearGPTConfig
@@ -36,6 +37,14 @@ from .modeling.modeling_nprf_bert import (
     NPRFBertForTokenClassification,
     NPRFBertModel,
     NPRFBertPreTrainedModel,
+)
+
+# --- relative-performer ViT ---
+from .modeling.configuration_relative_performer_vit import RelativePerformerViTConfig
+from .modeling.modeling_relative_performer_vit import (
+    RelativePerformerViTForImageClassification,
+    RelativePerformerViTModel,
+    RelativePerformerViTPreTrainedModel,
 )
 
 
@@ -57,6 +66,7 @@ def _register_family(config_module) -> None:
 
 _register_family(_configuration_linear_gpt)
 _register_family(_configuration_nprf_bert)
+_register_family(_configuration_relative_performer_vit)
 
 _NPRF_BERT_ALL = [
     "NPRFBertConfig",
@@ -88,3 +98,9 @@ __all__ = [
     "register_backend",
 ]
 __all__ += _NPRF_BERT_ALL  # NPRF-BERT
+__all__ += [
+    "RelativePerformerViTConfig",
+    "RelativePerformerViTForImageClassification",
+    "RelativePerformerViTModel",
+    "RelativePerformerViTPreTrainedModel",
+]

@@ -35,9 +35,12 @@ class KernelizedSelfAttention(nn.Module):
         layer_idx: index of the layer (also offsets the feature seed so layers draw different
             projections).
         causal: mask future keys.
+        extra_features: width of position features concatenated to every head's queries and
+            keys before the feature map (``project(..., extra=...)``), e.g. the ViT's rotary
+            position features; 0: none.
     """
 
-    def __init__(self, config, layer_idx: int = 0, causal: bool = False) -> None:
+    def __init__(self, config, layer_idx: int = 0, causal: bool = False, extra_features: int = 0) -> None:
         super().__init__()
         hidden, heads = config.hidden_size, config.num_attention_heads
         if hidden % heads != 0:
@@ -58,8 +61,9 @@ class KernelizedSelfAttention(nn.Module):
         self.k_proj = nn.Linear(hidden, hidden, bias=bias)
         self.v_proj = nn.Linear(hidden, hidden, bias=bias)
         self.o_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.extra_features = int(extra_features)
         self.feature_map = FeatureMap(
-            head_dim=self.head_dim,
+            head_dim=self.head_dim + self.extra_features,
             feature_map=config.feature_map,
             num_random_features=config.num_random_features,
             projection=config.feature_projection,
@@ -77,16 +81,23 @@ class KernelizedSelfAttention(nn.Module):
         hidden_states: torch.Tensor,
         projection: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(B, N, C)`` -> query features ``(B, H, N, M)``, key features ``(B, H, N, M)``,
         values ``(B, H, N, D)``. Features are float32 at least (float64 stays float64).
         ``projection``: the random-feature projection to use (None: the feature map's current one).
         ``attention_mask``: ``(B, N)``, 1 real / 0 padding: only real keys must lie in the
-        feature map's valid range (see ``feature_maps.py``)."""
-        q = self.feature_map(self._split(self.q_proj(hidden_states)), is_query=True, projection=projection)
-        k = self.feature_map(
-            self._split(self.k_proj(hidden_states)), is_query=False, projection=projection, key_mask=attention_mask
-        )
+        feature map's valid range (see ``feature_maps.py``). ``extra``: ``(query_extra,
+        key_extra)``, each broadcastable to ``(B, H, N, extra_features)``, concatenated to the
+        projected queries and keys before the feature map."""
+        q, k = self._split(self.q_proj(hidden_states)), self._split(self.k_proj(hidden_states))
+        if (extra is None) != (self.extra_features == 0):
+            raise ValueError(f"extra must be given exactly when extra_features > 0 (here {self.extra_features})")
+        if extra is not None:
+            q = torch.cat([q, extra[0].to(q.dtype).expand(*q.shape[:3], -1)], dim=-1)
+            k = torch.cat([k, extra[1].to(k.dtype).expand(*k.shape[:3], -1)], dim=-1)
+        q = self.feature_map(q, is_query=True, projection=projection)
+        k = self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask)
         v = self._split(self.v_proj(hidden_states)).to(q.dtype)
         return q, k, v
 
@@ -105,6 +116,7 @@ class KernelizedSelfAttention(nn.Module):
         rpe_clip: Optional[int] = None,
         recompute: Optional[bool] = None,
         projection: Optional[torch.Tensor] = None,
+        extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
@@ -122,6 +134,7 @@ class KernelizedSelfAttention(nn.Module):
                 redraw installs a new tensor, so a redraw before the backward changes nothing
                 (an enclosing checkpointed layer can read the buffer outside its checkpoint and
                 pass it here for the same guarantee).
+            extra: position features concatenated before the feature map (see :meth:`project`).
         Returns:
             ``(B, N, C)``.
         """
@@ -130,7 +143,7 @@ class KernelizedSelfAttention(nn.Module):
         recompute = self.recompute if recompute is None else recompute
         if projection is None:
             projection = self.feature_map.projection
-        args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection)
+        args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection, extra)
         if recompute and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
         else:
@@ -145,9 +158,10 @@ class KernelizedSelfAttention(nn.Module):
         grid: Optional[Sequence[int]],
         rpe_clip: Optional[int],
         projection: Optional[torch.Tensor] = None,
+        extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
         """``(B, N, C)`` -> projections, feature maps, kernel: ``(B, H, N, d)`` before ``o_proj``."""
-        q, k, v = self.project(hidden_states, projection, attention_mask)
+        q, k, v = self.project(hidden_states, projection, attention_mask, extra)
         if rpe_bias is not None:
             rpe_bias = rpe_bias.to(q.dtype)
         return kernelized_attention(

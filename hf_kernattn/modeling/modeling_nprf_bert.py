@@ -35,7 +35,7 @@ from .attention_inputs import check_attention_mask
 from .configuration_nprf_bert import NPRFBertConfig
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D
-from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
+from .pretrained import KernelizedPreTrainedModel, classification_loss, eager_checks, refuse_output_attentions
 
 
 class NPRFBertEmbeddings(nn.Module):
@@ -473,42 +473,7 @@ class NPRFBertForSequenceClassification(NPRFBertHeadModel):
         return self.classifier(self.dropout(encoded.pooler_output))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
-        """``self.loss_function`` (``problem_type`` inferred as BERT does when unset). With
-        ``num_items_in_batch`` every problem type gives the sum of its per-item losses over this
-        batch divided by it (transformers' regression and multi-label losses are means: they are
-        rescaled here), so gradient accumulation over micro-batches equals the full batch."""
-        labels = labels.to(logits.device)
-        problem = self.config.problem_type
-        if problem is None:
-            if self.num_labels == 1:
-                problem = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                problem = "single_label_classification"
-            else:
-                problem = "multi_label_classification"
-            self.config.problem_type = problem
-        if problem not in ("regression", "single_label_classification", "multi_label_classification"):
-            raise ValueError(
-                "problem_type must be 'regression', 'single_label_classification' or "
-                f"'multi_label_classification', got {problem!r}"
-            )
-        if problem == "multi_label_classification" and tuple(labels.shape) != tuple(logits.shape):
-            raise ValueError(
-                f"labels for multi_label_classification must have shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
-            )
-        if problem == "single_label_classification":
-            return self.loss_function(labels, logits, self.config, **kwargs)
-        labels = labels.to(logits.dtype)
-        if problem == "regression" and self.num_labels == 1:
-            labels = labels.reshape(logits.shape[:1])
-            logits = logits.reshape(logits.shape[:1])
-        loss = self.loss_function(labels, logits, self.config)  # a mean over labels.numel() items
-        num_items = kwargs.get("num_items_in_batch")
-        if num_items is not None:
-            if torch.is_tensor(num_items):
-                num_items = num_items.to(loss.device)
-            loss = loss * labels.numel() / num_items
-        return loss
+        return classification_loss(self, logits, labels, **kwargs)
 
 
 class NPRFBertForTokenClassification(NPRFBertHeadModel):

@@ -7,16 +7,29 @@ beyond the table are clipped to its last entry (Shaw et al. 2018), which defines
 any sequence length: a model trained on short sequences runs on longer ones with the far
 offsets sharing one weight. The 2D table does the same per axis on a token grid.
 
+:class:`ManhattanDistanceBias` is a learnable per-head bias of the clipped Manhattan distance
+``min(|dy| + |dx|, K)`` on a token grid, on some heads only (Horn et al. 2021, strategy 2), and
+:class:`RotaryPositionFeatures` the position features of their strategy 1: sinusoids of the grid
+coordinates at learned length scales, rotated by learned 2x2 blocks ``[[a, b], [-b, a]]`` on the
+query side only, so that their dot product depends only on the relative position.
+
 The attention kernels consume the bias as ``(H, 2N-1)`` (1D) or ``(H, 2Hg-1, 2Wg-1)`` (2D):
 entry ``r + N - 1`` holds ``b_r`` (see DESIGN.md).
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 from torch import nn
 
-RPE_KINDS = ("none", "learned", "learned_2d")
+from .kernels_manhattan import manhattan_table
+
+# "learned": a 1D table (NPRF-BERT, Linear GPT); the relative-performer ViT's position options:
+# "fft_2d" (a 2D table by 2D FFT), "rotary_features", "clipped" (Manhattan distance), "absolute".
+RPE_KINDS = ("none", "learned", "learned_2d", "fft_2d", "rotary_features", "clipped", "absolute")
 
 
 def check_rpe_args(rpe: str, max_relative_position: int) -> None:
@@ -98,3 +111,89 @@ class RelativePositionBias2D(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, max_relative_position={self.max_relative_position}"
+
+
+class ManhattanDistanceBias(nn.Module):
+    """Learnable bias ``b_{min(|dy| + |dx|, K)}`` per head on a token grid, on the first
+    ``relative_heads`` heads; the other heads get no bias (content only).
+
+    Args:
+        num_heads: H.
+        max_distance: K; distances >= K share the last entry.
+        relative_heads: heads with the bias (default: half of them, at least one).
+    """
+
+    def __init__(self, num_heads: int, max_distance: int, relative_heads: Optional[int] = None) -> None:
+        super().__init__()
+        relative_heads = max(1, num_heads // 2) if relative_heads is None else relative_heads
+        if not isinstance(max_distance, int) or isinstance(max_distance, bool) or max_distance < 0:
+            raise ValueError(f"max_distance must be an int >= 0, got {max_distance!r}")
+        if not isinstance(relative_heads, int) or not 1 <= relative_heads <= num_heads:
+            raise ValueError(f"relative_heads must be an int in [1, num_heads={num_heads}], got {relative_heads!r}")
+        self.num_heads, self.max_distance, self.relative_heads = num_heads, max_distance, relative_heads
+        self.weight = nn.Parameter(torch.zeros(relative_heads, max_distance + 1))
+
+    def distances(self) -> torch.Tensor:
+        """``(H, K+1)``: the learned rows, then zeros for the content-only heads."""
+        rest = self.weight.new_zeros(self.num_heads - self.relative_heads, self.max_distance + 1)
+        return torch.cat([self.weight, rest], dim=0)
+
+    def forward(self, grid_height: int, grid_width: int) -> torch.Tensor:
+        """Returns ``rpe_bias`` of shape ``(H, 2 * grid_height - 1, 2 * grid_width - 1)``."""
+        return manhattan_table(self.distances(), grid_height, grid_width)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, max_distance={self.max_distance}, relative_heads={self.relative_heads}"
+
+
+class RotaryPositionFeatures(nn.Module):
+    """Position features whose query-key dot product depends only on the relative position.
+
+    For a grid cell ``(y, x)``, each axis ``p`` in ``(y, x)`` and learned length scale ``s_l``
+    (``num_scales`` per axis) the key side is ``u = [cos(p / s_l), sin(p / s_l)]`` and the query
+    side ``R u`` with a learned ``R = [[a, b], [-b, a]]`` per head, axis and scale. Then
+    ``R u_i . u_j = a cos((p_i - p_j) / s) + b sin((p_i - p_j) / s)``: a function of the offset
+    alone. Concatenated to the content queries and keys before the feature map, the
+    position-position term of ``q'_i . k'_j`` is therefore translation-invariant; its norms
+    (``|u| = 1``, ``|R u|^2 = a^2 + b^2``) do not depend on the position either.
+
+    Args:
+        num_heads: H.
+        num_scales: L length scales per axis; the features have ``4 L`` entries.
+        max_scale: the scales start log-spaced from 1 to ``max_scale`` patches.
+    """
+
+    def __init__(self, num_heads: int, num_scales: int, max_scale: float = 16.0) -> None:
+        super().__init__()
+        if not isinstance(num_scales, int) or isinstance(num_scales, bool) or num_scales < 1:
+            raise ValueError(f"num_scales must be a positive int, got {num_scales!r}")
+        self.num_heads, self.num_scales, self.max_scale = num_heads, num_scales, float(max_scale)
+        self.log_scales = nn.Parameter(torch.zeros(2, num_scales))  # (axis, scale)
+        self.rotation = nn.Parameter(torch.zeros(num_heads, 2, num_scales, 2))  # (a, b) per head, axis, scale
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Scales log-spaced over ``[1, max_scale]``; rotations the identity (a = 1, b = 0)."""
+        steps = torch.linspace(0.0, math.log(self.max_scale), self.num_scales)
+        self.log_scales.copy_(steps.expand(2, -1))
+        self.rotation.zero_()
+        self.rotation[..., 0] = 1.0
+
+    @property
+    def num_features(self) -> int:
+        return 4 * self.num_scales
+
+    def forward(self, coords: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``coords (N, 2)`` float grid positions (y, x) -> query features ``(H, N, 4L)`` and key
+        features ``(1, N, 4L)``."""
+        angles = coords[:, :, None] / torch.exp(self.log_scales)[None]  # (N, axis, L)
+        cos, sin = angles.cos(), angles.sin()
+        a, b = self.rotation[..., 0], self.rotation[..., 1]  # (H, axis, L)
+        key = torch.stack([cos, sin], dim=-1)  # (N, axis, L, 2)
+        query = torch.stack([a[:, None] * cos + b[:, None] * sin, -b[:, None] * cos + a[:, None] * sin], dim=-1)
+        n = coords.shape[0]
+        return query.reshape(self.num_heads, n, -1), key.reshape(1, n, -1)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, num_scales={self.num_scales}"

@@ -47,6 +47,46 @@ def refuse_output_attentions(name: str, output_attentions: Optional[bool], confi
         raise ValueError(NO_ATTENTION_WEIGHTS.format(name=name))
 
 
+def classification_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
+    """The loss of a sequence/image classification head through ``model.loss_function``
+    (``problem_type`` inferred as BERT does when unset). With
+    ``num_items_in_batch`` every problem type gives the sum of its per-item losses over this
+    batch divided by it (transformers' regression and multi-label losses are means: they are
+    rescaled here), so gradient accumulation over micro-batches equals the full batch."""
+    labels = labels.to(logits.device)
+    problem = model.config.problem_type
+    if problem is None:
+        if model.config.num_labels == 1:
+            problem = "regression"
+        elif labels.dtype in (torch.long, torch.int):
+            problem = "single_label_classification"
+        else:
+            problem = "multi_label_classification"
+        model.config.problem_type = problem
+    if problem not in ("regression", "single_label_classification", "multi_label_classification"):
+        raise ValueError(
+            "problem_type must be 'regression', 'single_label_classification' or "
+            f"'multi_label_classification', got {problem!r}"
+        )
+    if problem == "multi_label_classification" and tuple(labels.shape) != tuple(logits.shape):
+        raise ValueError(
+            f"labels for multi_label_classification must have shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
+        )
+    if problem == "single_label_classification":
+        return model.loss_function(labels, logits, model.config, **kwargs)
+    labels = labels.to(logits.dtype)
+    if problem == "regression" and model.config.num_labels == 1:
+        labels = labels.reshape(logits.shape[:1])
+        logits = logits.reshape(logits.shape[:1])
+    loss = model.loss_function(labels, logits, model.config)  # a mean over labels.numel() items
+    num_items = kwargs.get("num_items_in_batch")
+    if num_items is not None:
+        if torch.is_tensor(num_items):
+            num_items = num_items.to(loss.device)
+        loss = loss * labels.numel() / num_items
+    return loss
+
+
 class KernelizedPreTrainedModel(PreTrainedModel):
     """Base of every family's ``PreTrainedModel``: feature-map initialisation, the warning for
     checkpoints without random-feature buffers, and the refusal of ``output_attentions``."""
@@ -113,4 +153,5 @@ class KernelizedPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
 
-__all__ = ["KernelizedPreTrainedModel", "eager_checks", "refuse_output_attentions", "NO_ATTENTION_WEIGHTS"]
+__all__ = ["KernelizedPreTrainedModel", "classification_loss", "eager_checks", "refuse_output_attentions",
+           "NO_ATTENTION_WEIGHTS"]
