@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_kernattn import LinearGPTConfig, NPRFBertConfig
+from hf_kernattn import LinearGPTConfig, NPRFBertConfig, RelativePerformerViTConfig
 
 # vocabulary sizes of the tiny models (test inputs draw token ids below these)
 V_BERT, V_GPT = 40, 53
@@ -39,6 +39,18 @@ def tiny_linear_gpt_config(**overrides) -> LinearGPTConfig:
     )
     base.update(overrides)
     return LinearGPTConfig(**base)
+
+
+def tiny_relative_performer_vit_config(**overrides) -> RelativePerformerViTConfig:
+    """A 2-layer, 4-head, width-32 relative-performer ViT on 16 x 16 single-channel images in
+    4 x 4 patches (a 4 x 4 grid), 3 labels, 2D FFT bias clipped at 3 with a non-zero init."""
+    base = dict(
+        image_size=16, patch_size=4, num_channels=1, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=3, max_relative_position=3, num_random_features=16, rpe_init_std=0.5,
+        initializer_range=0.3,
+    )
+    base.update(overrides)
+    return RelativePerformerViTConfig(**base)
 
 
 def tiny_attention_config(**overrides) -> SimpleNamespace:
