@@ -28,10 +28,12 @@ from .remote import run_without_package
 
 ROOT = Path(__file__).parent / "fixtures" / "checkpoints"
 MODELING = Path(hf_kernattn.__file__).parent / "modeling"
-FAMILIES = {"linear_gpt": "AutoModelForCausalLM", "nprf_bert": "AutoModelForMaskedLM"}
+FAMILIES = {"linear_gpt": "AutoModelForCausalLM", "nprf_bert": "AutoModelForMaskedLM",
+            "relative_performer_vit": "AutoModelForImageClassification"}
 ENTRY_FILES = {
     "linear_gpt": ["configuration_linear_gpt.py", "modeling_linear_gpt.py"],
     "nprf_bert": ["configuration_nprf_bert.py", "modeling_nprf_bert.py"],
+    "relative_performer_vit": ["configuration_relative_performer_vit.py", "modeling_relative_performer_vit.py"],
 }
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -91,8 +93,18 @@ def test_fixture_records_its_writer_and_holds_only_safe_files_and_our_code(name)
     data_files = [f for f in files if not f.endswith(".py")]
     assert data_files == ["config.json", "expected.safetensors"] + (["generation_config.json"] if name == "linear_gpt" else []) \
         + ["model.safetensors"]
-    # the code bundle: exactly our modeling files that the family's entry files import
-    assert {f for f in files if f.endswith(".py")} == _bundle(ENTRY_FILES[name])
+    # the code it was written with: our modeling files only (their names), the family's entry files among them
+    code = {f for f in files if f.endswith(".py")}
+    assert set(ENTRY_FILES[name]) <= code <= {p.name for p in MODELING.glob("*.py")} - {"__init__.py"}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_a_saved_checkpoint_bundles_exactly_the_modeling_files_its_family_imports(name, tmp_path):
+    """The code bundle save_pretrained writes: the family's configuration and modeling files
+    and the modeling files they import (read with ast), nothing else."""
+    model = transformers.AutoModel.from_pretrained(ROOT / name)
+    model.save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.glob("*.py")} == _bundle(ENTRY_FILES[name])
 
 
 def test_a_checkpoint_of_a_newer_format_fails_naming_both_versions(tmp_path):

@@ -15,12 +15,12 @@ from huggingface_hub import ModelCard
 from huggingface_hub.errors import LocalTokenNotFoundError
 
 import hf_kernattn
-from hf_kernattn import LinearGPTForCausalLM, NPRFBertForMaskedLM
+from hf_kernattn import LinearGPTForCausalLM, NPRFBertForMaskedLM, RelativePerformerViTForImageClassification
 from hf_kernattn.cards import render_model_card, save_model_card
 from hf_kernattn.cli import main
 from hf_kernattn.hub import PushError, files_to_push, push_folder
 
-from .conftest import tiny_linear_gpt_config, tiny_nprf_bert_config
+from .conftest import tiny_linear_gpt_config, tiny_nprf_bert_config, tiny_relative_performer_vit_config
 
 MODELING = Path(hf_kernattn.__file__).parent / "modeling"
 RESULTS = [
@@ -44,8 +44,9 @@ def _code_bundle(entry_files: list[str]) -> set[str]:
     return seen
 
 
-@pytest.mark.parametrize("model", [LinearGPTForCausalLM(tiny_linear_gpt_config()), NPRFBertForMaskedLM(tiny_nprf_bert_config())],
-                         ids=["linear_gpt", "nprf_bert"])
+@pytest.mark.parametrize("model", [LinearGPTForCausalLM(tiny_linear_gpt_config()), NPRFBertForMaskedLM(tiny_nprf_bert_config()),
+                                   RelativePerformerViTForImageClassification(tiny_relative_performer_vit_config())],
+                         ids=["linear_gpt", "nprf_bert", "relative_performer_vit"])
 def test_a_rendered_card_parses_back_with_exactly_the_results_passed_in(model, tmp_path):
     path = save_model_card(model, tmp_path, results=RESULTS, datasets=["wikitext"], base_model="gpt2",
                            training={"optimizer steps": 7}, repo_id="me/tiny")
