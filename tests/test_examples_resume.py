@@ -119,6 +119,25 @@ def write_pairs_csv(path: Path, n: int, seed: int) -> Path:
     return path
 
 
+def image_folders(tmp: Path) -> tuple[Path, Path]:
+    """Two tiny image folders (train: 12 images per class, validation: 4), two classes whose
+    images differ in brightness, written as PNG files."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    dirs = []
+    for split, count in (("train", 12), ("validation", 4)):
+        for label, base in (("dark", 40), ("light", 200)):
+            folder = tmp / "images" / split / label
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = np.clip(base + rng.normal(0, 30, (12 + i % 3, 12, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels, mode="RGB").save(folder / f"{i}.png")
+        dirs.append(tmp / "images" / split)
+    return dirs[0], dirs[1]
+
+
 def script_args(script: str, tmp: Path) -> tuple[list[str], int]:
     """Arguments of a tiny run crossing an epoch boundary after the stop, and the stop step."""
     if script == "run_clm":
@@ -138,6 +157,15 @@ def script_args(script: str, tmp: Path) -> tuple[list[str], int]:
                 "--max_seq_length", "16", "--max_train_steps", "12", "--per_device_train_batch_size", "4",
                 "--gradient_accumulation_steps", "2", "--eval_steps", "3", "--checkpointing_steps", "100", "--cpu",
                 "--learning_rate", "1e-3", "--num_warmup_steps", "2"], 5
+    if script == "run_image_classification":
+        # 24 images, 4 per batch: 6 steps per epoch (3 with 2 processes); crop and flip draws.
+        train, validation = image_folders(tmp)
+        return ["--train_dir", str(train), "--validation_dir", str(validation),
+                "--config_overrides", "image_size=8,patch_size=2,hidden_size=16,num_hidden_layers=1,num_attention_heads=2,"
+                                      "intermediate_size=32,num_random_features=8,max_relative_position=3,"
+                                      "hidden_dropout_prob=0.1",
+                "--max_train_steps", "12", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
+                "--eval_steps", "3", "--checkpointing_steps", "100", "--cpu", "--learning_rate", "1e-3"], 5
     return ["--model_name_or_path", str(tiny_nprf_classifier(tmp)),
             "--train_file", str(write_pairs_csv(tmp / "train.csv", 40, 0)),
             "--validation_file", str(write_pairs_csv(tmp / "dev.csv", 16, 1)),
@@ -167,6 +195,8 @@ def eval_history(script: str, folder: Path) -> list:
         return json.loads((folder / "eval_results.json").read_text())["history"]
     if script == "run_mlm":
         return json.loads((folder / "mlm_results.json").read_text())["history"]
+    if script == "run_image_classification":
+        return json.loads((folder / "eval_results.json").read_text())["history"]
     state = json.loads((folder / "trainer_state.json").read_text())
     return [{k: v for k, v in e.items() if not k.endswith(("runtime", "per_second"))}
             for e in state["log_history"] if "eval_loss" in e]
@@ -174,7 +204,7 @@ def eval_history(script: str, folder: Path) -> list:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("nproc", [1, 2])
-@pytest.mark.parametrize("script", ["run_clm", "run_mlm", "run_glue"])
+@pytest.mark.parametrize("script", ["run_clm", "run_mlm", "run_glue", "run_image_classification"])
 def test_resume_is_exact(script, nproc, tmp_path):
     res = run_three_times(script, tmp_path, nproc)
     assert res["stopped"].get("stopped") is True, res["stopped"]
@@ -184,6 +214,18 @@ def test_resume_is_exact(script, nproc, tmp_path):
     out = tmp_path / "out"
     history_full, history_resumed = eval_history(script, out / "full"), eval_history(script, out / "resumed")
     assert len(history_full) >= 3 and history_resumed == history_full
+    if script == "run_image_classification":
+        # the final folder is Hub-ready: weights, config with auto_map, code, image processor, card
+        from huggingface_hub import ModelCard
+
+        folder = out / "full"
+        files = {p.name for p in folder.iterdir()}
+        assert {"model.safetensors", "config.json", "preprocessor_config.json", "README.md",
+                "modeling_relative_performer_vit.py"} <= files
+        assert "AutoModelForImageClassification" in json.loads((folder / "config.json").read_text())["auto_map"]
+        (result,) = ModelCard.load(folder / "README.md").data.eval_results
+        assert (result.task_type, result.metric_type, result.metric_value) == (
+            "image-classification", "accuracy", full["eval_accuracy"])
     if script != "run_glue":
         # Our checkpoints: JSON and safetensors only, one random-state file per process.
         files = {p.name for p in (out / "resumed" / "step_5").iterdir()}
