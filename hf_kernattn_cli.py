@@ -35,6 +35,7 @@ BENCHMARKS = {
     "generate": "generate",
     "encoder": "encoder",
     "approx": "approximation",
+    "vision": "vision",
 }
 # top-level command -> module under hf_kernattn
 COMMANDS = {"demo": "demo", "convert": "convert", "push": "hub"}

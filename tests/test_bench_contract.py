@@ -50,3 +50,10 @@ def test_continuation_case_runs_both_modes_and_alternates(monkeypatch):
     rows = generate.continuation(args, shape)
     assert calls == ["stateless", "continuation"] * 2
     assert [r["ratio"] for r in rows] == [2.0, 2.0, "2.00 [2.00-2.00]"]
+
+
+def test_vision_case_runs_both_models_on_a_small_grid():
+    from hf_kernattn.bench import vision
+
+    for model in vision.MODELS:
+        vision.workload(model, grid=8, hidden=16, heads=2, intermediate=32, features=8)()
