@@ -47,6 +47,7 @@ from hf_kernattn.cards import save_model_card  # noqa: E402
 from hf_kernattn.training import (  # noqa: E402
     NOT_FINGERPRINTED,
     EpochShuffleSampler,
+    finish_run,
     add_training_args,
     check_text_files,
     check_training_args,
@@ -251,18 +252,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         fingerprint=fingerprint, settings=settings, save_extra=tokenizer.save_pretrained, resume=resume, report=accelerator.print, desc="train",
     )
     step, history = result["step"], result["history"]
-    if result["stopped"]:
-        accelerator.print(f"stopped after step {step} (--stop_after_steps); resume with --resume_from_checkpoint latest")
-        accelerator.end_training()
+    final, unwrapped = finish_run(accelerator, args, model, evaluate, result, out)
+    if final is None:
         return {"step": step, "stopped": True}
-    final = evaluate() | {"step": step}
-    accelerator.print("final " + json.dumps(final))
-    if args.with_tracking:
-        accelerator.log({f"final_{k}": v for k, v in final.items() if k != "step"}, step=step)
-
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(out, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out)
         (out / "eval_results.json").write_text(json.dumps({"final": final, "history": history["eval"],

@@ -62,6 +62,7 @@ from hf_kernattn.cards import save_model_card
 from hf_kernattn.training import (
     NOT_FINGERPRINTED,
     EpochShuffleSampler,
+    finish_run,
     add_training_args,
     check_training_args,
     fingerprint_settings,
@@ -308,18 +309,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         report=accelerator.print, desc="train",
     )
     step, history = result["step"], result["history"]
-    if result["stopped"]:
-        accelerator.print(f"stopped after step {step} (--stop_after_steps); resume with --resume_from_checkpoint latest")
-        accelerator.end_training()
+    final, unwrapped = finish_run(accelerator, args, model, evaluate, result, out)
+    if final is None:
         return {"step": step, "stopped": True}
-    final = evaluate() | {"step": step}
-    accelerator.print("final " + json.dumps(final))
-    if args.with_tracking:
-        accelerator.log({f"final_{k}": v for k, v in final.items() if k != "step"}, step=step)
-
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(out, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         processor.save_pretrained(out)
         (out / "eval_results.json").write_text(json.dumps({"final": final, "history": history["eval"],

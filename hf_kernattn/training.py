@@ -609,3 +609,24 @@ def train_loop(
             epoch, batch_in_epoch = epoch + 1, 0
     bar.close()
     return {"step": step, "history": history, "stopped": step < max_train_steps}
+
+
+def finish_run(accelerator, args: argparse.Namespace, model: nn.Module, evaluate: Callable[[], dict], result: dict,
+               output_dir: str | os.PathLike):
+    """The end of an Accelerate example run after :func:`train_loop`: when ``--stop_after_steps``
+    stopped it, say how to resume, end training and return ``(None, None)``; otherwise evaluate
+    once more, log the final figures, save the model (weights, config and code) into
+    ``output_dir`` from the main process and return ``(final metrics, unwrapped model)``."""
+    step = result["step"]
+    if result["stopped"]:
+        accelerator.print(f"stopped after step {step} (--stop_after_steps); resume with --resume_from_checkpoint latest")
+        accelerator.end_training()
+        return None, None
+    final = evaluate() | {"step": step}
+    accelerator.print("final " + json.dumps(final))
+    if args.with_tracking:
+        accelerator.log({f"final_{k}": v for k, v in final.items() if k != "step"}, step=step)
+    accelerator.wait_for_everyone()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    return final, unwrapped
