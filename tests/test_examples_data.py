@@ -221,3 +221,22 @@ def test_copy_task_writes_to_outputs_by_default(tmp_path):
     assert (tmp_path / "outputs" / "copy_task" / "copy_task.png").exists()
     assert (tmp_path / "outputs" / "copy_task" / "copy_task.csv").exists()
     assert not (tmp_path / "docs").exists(), "the committed figure folder was written"
+
+
+def test_shift_robustness_small_run_writes_its_table_and_plot(tmp_path):
+    """The shift experiment at toy size: every output is written, and with no positions at all
+    (and mean pooling) a shift by a whole patch permutes identical background patches, so the
+    accuracy is exactly the centred one."""
+    import csv
+
+    from tests.test_examples_resume import load_script
+
+    mod = load_script("shift_robustness")
+    rows = mod.main(["--output_dir", str(tmp_path), "--options", "none", "absolute", "--seeds", "1", "--epochs", "1",
+                     "--hidden_size", "16", "--num_attention_heads", "2", "--num_random_features", "8",
+                     "--canvas", "24", "--max_shift", "4", "--threads", "1"])
+    acc = {(r["option"], r["shift"]): r["accuracy"] for r in rows}
+    assert acc[("none", 4)] == acc[("none", 0)] == acc[("none", -4)]
+    for name in ("shift_robustness.csv", "shift_robustness.png", "shift_robustness.md"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert len(list(csv.DictReader(open(tmp_path / "shift_robustness.csv")))) == 2 * 9
