@@ -273,3 +273,14 @@ print(json.dumps({"logits": logits.tolist(), "labels": labels}))
     got = json.loads(run_without_package(code, cwd=str(tmp_path)).strip().splitlines()[-1])
     assert got["logits"] == want
     assert got["labels"] == [model.config.id2label[int(i)] for i in torch.tensor(want).argmax(-1)]
+
+
+@pytest.mark.parametrize("rpe", ["fft_2d", "clipped", "rotary_features", "absolute"])
+def test_torch_export_matches_eager(rpe):
+    """The forward exports with torch.export (no data-dependent Python reads while tracing) and
+    the exported program gives the eager logits (the same operations: exact)."""
+    model = _model(RelativePerformerViTForImageClassification, rpe=rpe)
+    pixels = torch.randn(2, 1, 16, 16, generator=torch.Generator().manual_seed(4))
+    exported = torch.export.export(model, (pixels,))
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(pixels).logits, model(pixel_values=pixels).logits, rtol=0, atol=0)
