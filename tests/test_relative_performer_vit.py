@@ -153,7 +153,7 @@ def test_bad_images_and_configs_raise_clear_errors():
         (torch.randn(2, 3, 16, 16), ValueError, r"num_channels=1, height, width\).*got 3 channels"),
         (torch.randn(2, 1, 18, 16), ValueError, r"multiples of patch_size=4.*got 18 x 16"),
         (torch.randn(1, 16, 16), ValueError, r"must have shape \(batch, num_channels=1"),
-        (torch.zeros(1, 1, 16, 16, dtype=torch.long), ValueError, "floating-point tensor"),
+        (torch.zeros(1, 1, 16, 16, dtype=torch.long), ValueError, r"floating-point tensor .* of shape \(batch, num_channels=1"),
         (np.zeros((1, 1, 16, 16), dtype=np.float32), TypeError, "must be a torch.Tensor"),
     ]
     for pixels, error, match in cases:

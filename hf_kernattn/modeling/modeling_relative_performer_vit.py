@@ -55,7 +55,8 @@ def check_pixel_values(pixel_values: object, config: RelativePerformerViTConfig)
     if pixel_values.dim() != 4:
         raise ValueError(f"pixel_values must have shape {want}, got {tuple(pixel_values.shape)}")
     if not pixel_values.is_floating_point():
-        raise ValueError(f"pixel_values must be a floating-point tensor (as image processors return), got {pixel_values.dtype}")
+        raise ValueError(f"pixel_values must be a floating-point tensor (as image processors return) of shape {want}, "
+                         f"got {pixel_values.dtype}")
     b, channels, h, w = pixel_values.shape
     if b < 1:
         raise ValueError(f"pixel_values must hold at least one image, got shape {tuple(pixel_values.shape)}")
