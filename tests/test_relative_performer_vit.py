@@ -55,6 +55,27 @@ def test_grid_bias_paths_equal_the_dense_reference_in_a_full_forward_and_backwar
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-9, msg=name)
 
 
+def test_clipped_bias_is_the_clipped_manhattan_distance_on_a_share_of_the_heads():
+    """rpe="clipped" gives, for every query/key pair of a 3 x 5 grid, the learned entry
+    b[h, min(|dy| + |dx|, K)] on the first relative_heads heads (half by default) and 0 on the
+    others (content only): read back from the 2D bias by the core's offset convention and compared
+    with a literal loop over pairs (exact: pure indexing)."""
+    model = _model(rpe="clipped", max_relative_position=3, rpe_init_std=1.0)
+    table = model.layers[0].positions.table
+    assert tuple(table.weight.shape) == (2, 4)  # 4 heads: half of them, K + 1 entries
+    hg, wg = 3, 5
+    with torch.no_grad():
+        bias = table(hg, wg)
+    assert tuple(bias.shape) == (4, 2 * hg - 1, 2 * wg - 1)
+    for i in range(hg * wg):
+        for j in range(hg * wg):
+            dy, dx = j // wg - i // wg, j % wg - i % wg
+            got = bias[:, dy + hg - 1, dx + wg - 1]
+            want = torch.cat([table.weight[:, min(abs(dy) + abs(dx), 3)], torch.zeros(2)])
+            assert torch.equal(got, want), (i, j)
+    assert _model(rpe="clipped", relative_heads=3).layers[0].positions.table.weight.shape[0] == 3
+
+
 def _placed(content: torch.Tensor, at: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A 24 x 24 image (6 x 6 patches) with ``content`` (2 x 3 patches) at patch ``at`` and noise
     elsewhere, marked as padding by the patch mask."""
