@@ -68,6 +68,11 @@ _register_family(_configuration_linear_gpt)
 _register_family(_configuration_nprf_bert)
 _register_family(_configuration_relative_performer_vit)
 
+# attn_implementation="kernelized" for stock transformers models
+from . import drop_in as drop_in  # noqa: E402
+
+drop_in.register()
+
 _NPRF_BERT_ALL = [
     "NPRFBertConfig",
     "NPRFBertForMaskedLM",
