@@ -27,27 +27,34 @@ def _model(cls=RelativePerformerViTModel, seed=0, **overrides):
     return cls(tiny(**overrides)).eval()
 
 
-def _grads(model, pixels):
+def _grads(model, pixels, **inputs):
     """Pooled output and the gradients of every parameter for a fixed non-uniform loss."""
     model.zero_grad()
-    out = model(pixel_values=pixels).pooler_output
+    out = model(pixel_values=pixels, **inputs).pooler_output
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
 @pytest.mark.parametrize("rpe,fast", [("fft_2d", "fft"), ("clipped", "manhattan")])
-def test_grid_bias_paths_equal_the_dense_reference_in_a_full_forward_and_backward(rpe, fast):
+def test_grid_bias_paths_equal_the_dense_reference_in_a_full_forward_and_backward(rpe, fast, pooling):
     """The 2D FFT path (fft_2d) and the O(N K^2) Manhattan path (clipped) inside the whole model
     equal the dense 2D reference (float64): outputs and the gradient of every parameter, the
-    bias tables included. Rounding of FFTs of 2 x 7 x 7 points: 1e-9 absolute."""
+    bias tables included; with mean pooling the second image has padded patches (patch_mask 0:
+    its last two grid rows), with cls pooling the class token's row is padded to the grid's
+    width. Float64 rounding of the FFTs of grids up to 8 x 6 tokens is ~1e-14: 1e-9 absolute."""
     pixels = torch.randn(2, 1, 28, 24, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    inputs = {}
+    if pooling == "mean":
+        inputs["patch_mask"] = torch.ones(2, 7, 6, dtype=torch.long)
+        inputs["patch_mask"][1, 5:] = 0
     results = {}
     for backend in (fast, "dense"):
-        model = _model(rpe=rpe, attn_backend=backend).double().train()
+        model = _model(rpe=rpe, attn_backend=backend, pooling=pooling).double().train()
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
                 module.p = 0.0
-        results[backend] = _grads(model, pixels)
+        results[backend] = _grads(model, pixels, **inputs)
     (out, grads), (ref, ref_grads) = results[fast], results["dense"]
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-9)
     assert grads.keys() == ref_grads.keys() and any("table" in n for n in grads)
