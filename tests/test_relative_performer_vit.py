@@ -312,3 +312,48 @@ def test_torch_export_matches_eager(rpe):
     exported = torch.export.export(model, (pixels,))
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(pixels).logits, model(pixel_values=pixels).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rpe", ["fft_2d", "rotary_features"])
+def test_gradient_checkpointing_gives_the_same_gradients(rpe):
+    """transformers' gradient checkpointing (the layers are GradientCheckpointingLayer) recomputes
+    each layer in backward with the random features of its forward (redrawn at every training
+    step here): the same pooled output and parameter gradients as without it (float64; the same
+    operations in the same order: 1e-12)."""
+    pixels = torch.randn(2, 1, 16, 12, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    results = []
+    for checkpointing in (False, True):
+        model = _model(rpe=rpe, feature_redraw_interval=1).double().train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            assert all(layer.gradient_checkpointing for layer in model.layers)
+        results.append(_grads(model, pixels))
+    (out, grads), (ref, ref_grads) = results[1], results[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_tuples_hidden_states_and_num_items_in_batch():
+    """return_dict=False gives the dict's fields in order; output_hidden_states gives every
+    layer's input and the final output; with num_items_in_batch the loss is the sum of per-item
+    losses over this batch divided by it (what gradient accumulation needs), for each problem type."""
+    model = _model(RelativePerformerViTForImageClassification)
+    pixels = torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(6))
+    labels = torch.tensor([0, 2, 1, 1])
+    with torch.no_grad():
+        as_dict = model(pixel_values=pixels, labels=labels, output_hidden_states=True)
+        as_tuple = model(pixel_values=pixels, labels=labels, output_hidden_states=True, return_dict=False)
+        summed = model(pixel_values=pixels, labels=labels, num_items_in_batch=10).loss
+    assert len(as_dict.hidden_states) == model.config.num_hidden_layers + 1
+    assert torch.equal(as_tuple[0], as_dict.loss) and torch.equal(as_tuple[1], as_dict.logits)
+    assert all(torch.equal(a, b) for a, b in zip(as_tuple[2], as_dict.hidden_states))
+    torch.testing.assert_close(as_dict.hidden_states[-1].mean(1), model.vit(pixels).pooler_output)
+    want = torch.nn.functional.cross_entropy(as_dict.logits, labels, reduction="sum") / 10
+    torch.testing.assert_close(summed, want)
+    model = _model(RelativePerformerViTForImageClassification, num_labels=1)
+    target = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    with torch.no_grad():
+        out = model(pixel_values=pixels, labels=target, num_items_in_batch=10)
+    torch.testing.assert_close(out.loss, torch.nn.functional.mse_loss(out.logits[:, 0], target, reduction="sum") / 10)
