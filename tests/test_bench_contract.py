@@ -57,3 +57,51 @@ def test_vision_case_runs_both_models_on_a_small_grid():
 
     for model in vision.MODELS:
         vision.workload(model, grid=8, hidden=16, heads=2, intermediate=32, features=8)()
+
+
+def test_attention_run_writes_the_windowed_case_to_its_csv(tmp_path):
+    # a real (tiny) run: each case measured in its own process, as the full benchmark does
+    import csv
+
+    from hf_kernattn.bench import attention
+
+    args = attention.build_parser().parse_args([
+        "--out", str(tmp_path), "--ns", "64", "--cases", "fft_rpe", "windowed_rpe", "--features", "8",
+        "--head-dim", "4", "--max-relative-position", "5", "--repeats", "1", "--max-seconds", "1"])
+    assert attention.run(args) == 0
+    with open(tmp_path / "attention_bench.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert {"case", "n", "time_s", "peak_mb", "status"} <= set(rows[0])
+    assert [(r["case"], r["n"], r["status"]) for r in rows] == [("fft_rpe", "64", "ok"), ("windowed_rpe", "64", "ok")]
+    assert (tmp_path / "attention_bench.png").exists()
+
+
+def test_generate_continuation_only_writes_its_csv(tmp_path, monkeypatch):
+    # the real continuation workloads at toy sizes, run in this process instead of a fresh one
+    # (start-up of a process importing transformers would dominate a test this small)
+    import csv
+    import time
+
+    from hf_kernattn.bench import generate
+
+    def in_process(target, kwargs, **_):
+        assert target.endswith(":continuation_workload")
+        fn = generate.continuation_workload(**kwargs)
+        t0 = time.perf_counter()
+        fn()
+        torch.set_grad_enabled(True)
+        return {"time_s": time.perf_counter() - t0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
+
+    monkeypatch.setattr(generate, "measure", in_process)
+    args = generate.build_parser().parse_args([
+        "--continuation", "--out", str(tmp_path), "--hidden", "16", "--layers", "1", "--heads", "2",
+        "--continuation-clips", "3", "8", "--continuation-tokens", "12", "--continuation-prompt", "5",
+        "--rounds", "2", "--repeats", "1"])
+    assert generate.run(args) == 0
+    with open(tmp_path / "continuation.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["clip", "round", "tokens", "stateless_s", "continuation_s", "ratio"]
+    assert [(r["clip"], r["round"]) for r in rows] == [
+        ("3", "0"), ("3", "1"), ("3", "median [min-max]"), ("8", "0"), ("8", "1"), ("8", "median [min-max]")]
+    assert all(float(r["ratio"]) > 0 for r in rows if r["round"] != "median [min-max]")
+    assert not (tmp_path / "decode_latency.csv").exists()  # --continuation runs only this case
