@@ -25,11 +25,32 @@ def test_every_bench_module_has_the_same_entry_points_and_common_flags(name):
     assert cli.build_parser().parse_args(["bench", name]).out == f"bench_results/{name}"
 
 
-def test_windowed_case_computes_the_clipped_bias_attention():
+def test_windowed_case_computes_the_clipped_bias_attention(monkeypatch):
     from hf_kernattn.bench import attention
 
-    run = attention.workload("windowed_rpe", n=48, heads=2, features=8, head_dim=4, clip=5)
-    run()  # one forward through the windowed backend with rpe_clip=5 (checked: the bias is clipped)
+    from hf_kernattn import kernelized_attention
+
+    seen = {}
+
+    def recording(q, k, v, **kwargs):
+        seen.update(q=q, k=k, v=v, **kwargs)
+        return kernelized_attention(q, k, v, **kwargs)
+
+    n, clip = 48, 5
+    monkeypatch.setattr(attention, "_kernelized_attention", lambda: recording)
+    attention.workload("windowed_rpe", n=n, heads=2, features=8, head_dim=4, clip=clip, dtype="float64")()
+    assert (seen["backend"], seen["rpe_clip"]) == ("windowed", clip)
+    bias = seen["rpe_bias"]  # (H, 2n-1), offset j - i = index - (n - 1)
+    assert bias.shape == (2, 2 * n - 1)
+    # clipped at K: every offset beyond +-K carries the value at +-K, offsets inside differ
+    assert torch.equal(bias[:, : n - 1 - clip], bias[:, n - 1 - clip : n - clip].expand(2, n - 1 - clip))
+    assert torch.equal(bias[:, n + clip :], bias[:, n - 1 + clip : n + clip].expand(2, n - 1 - clip))
+    assert len(torch.unique(bias[0, n - 1 - clip : n + clip])) == 2 * clip + 1
+    # and the windowed backend computes that attention exactly (float64: rounding only, ~1e-15)
+    dense = kernelized_attention(seen["q"], seen["k"], seen["v"], rpe_bias=bias, backend="dense")
+    torch.testing.assert_close(
+        kernelized_attention(seen["q"], seen["k"], seen["v"], rpe_bias=bias, rpe_clip=clip, backend="windowed"),
+        dense, rtol=1e-10, atol=1e-12)
 
 
 def test_continuation_case_runs_both_modes_and_alternates(monkeypatch):
