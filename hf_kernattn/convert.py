@@ -1,4 +1,6 @@
-"""Convert a softmax BERT or RoBERTa checkpoint (a local directory or a Hub model id) into NPRF-BERT.
+"""Convert a softmax checkpoint (a local directory or a Hub model id) into a kernelized family:
+BERT and RoBERTa into NPRF-BERT (below), GPT-2 into Linear GPT (:func:`convert_to_linear_gpt`),
+through one mechanism (:func:`_finish_conversion`: exact copies, a report, a Hub-ready save).
 
 Copied: word / token-type / absolute-position embeddings and their LayerNorm, the q/k/v/output
 projections of every layer, the feed-forward weights, both LayerNorms per layer, the pooler and
@@ -44,7 +46,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("bert", "roberta")
+SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2")
 HEADS = ("auto", "base", "masked_lm", "sequence_classification", "token_classification", "question_answering")
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
@@ -90,17 +92,21 @@ def _resolve_checkpoint(checkpoint: str | Path, revision: Optional[str] = None) 
     return folder
 
 
-def _read_config(src: Path) -> dict[str, Any]:
+def _read_config(src: Path, supported: tuple[str, ...] = ("bert", "roberta")) -> dict[str, Any]:
     path = src / "config.json"
     if not path.is_file():
-        raise ValueError(f"checkpoint_dir {str(src)!r} has no config.json; expected a BERT or RoBERTa checkpoint directory")
+        raise ValueError(f"checkpoint_dir {str(src)!r} has no config.json; expected a checkpoint directory of one of "
+                         f"{list(supported)}")
     cfg = json.loads(path.read_text())
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in supported:
         raise ValueError(
-            f"cannot convert model_type={model_type!r} (architectures={cfg.get('architectures')}); "
-            f"supported source architectures: {list(SUPPORTED_MODEL_TYPES)} (BERT and RoBERTa encoders)"
+            f"cannot convert model_type={model_type!r} (architectures={cfg.get('architectures')}) here; "
+            f"supported source architectures: {list(supported)} (all conversions: {list(SUPPORTED_MODEL_TYPES)}: "
+            "BERT and RoBERTa encoders into NPRF-BERT, GPT-2 into Linear GPT)"
         )
+    if model_type == "gpt2":
+        return cfg
     if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
         raise ValueError("cannot convert a decoder / cross-attention BERT: NPRF-BERT is a bidirectional encoder")
     pet = cfg.get("position_embedding_type", "absolute")
@@ -196,6 +202,7 @@ def convert_to_nprf_bert(
     *,
     head: str = "auto",
     revision: Optional[str] = None,
+    base_model: Optional[str] = None,
     **attention_overrides: Any,
 ):
     """Build an NPRF-BERT model from a BERT or RoBERTa checkpoint.
@@ -210,6 +217,7 @@ def convert_to_nprf_bert(
         head: ``"auto"`` (from the checkpoint's ``architectures``), ``"base"``, ``"masked_lm"``,
             ``"sequence_classification"``, ``"token_classification"`` or ``"question_answering"``.
         revision: branch, tag or commit of a Hub model id (ignored for a local directory).
+        base_model: the name the model card gives the source (default: ``checkpoint_dir``).
         **attention_overrides: NPRF-BERT config fields to set (``num_random_features``,
             ``max_relative_position``, ``feature_map``, ``attn_backend``, ``num_labels``, ...).
             Head weights the source lacks (e.g. a classifier when converting a pre-trained
@@ -272,37 +280,51 @@ def convert_to_nprf_bert(
     src_prefix = f"{model_type}." if any(k.startswith(f"{model_type}.") for k in state) else ""
     dst_prefix = "" if head == "base" else "nprf_bert."
     pairs = _key_map(model_type, config.num_hidden_layers, head, src_prefix, dst_prefix)
+    return _finish_conversion(
+        model, state, pairs, src, base_model or checkpoint_dir, output_dir, model_type, head, cfg,
+        transform=lambda dst, value: value[offset:] if dst.endswith("position_embeddings.weight") and offset else value,
+        required=lambda dst: dst.startswith(dst_prefix + "embeddings.") or dst.startswith(dst_prefix + "layers."),
+        zero=lambda name: name.endswith("rpe.weight"),  # exp(0) = 1: start from plain (position-free) kernel attention
+        tied="lm_head.decoder.weight",
+    )
+
+
+def _finish_conversion(model, state, pairs, src, base_model, output_dir, model_type, head, cfg, *,
+                       transform, required, zero, tied):
+    """What every conversion shares: copy ``state[src_key]`` (after ``transform(dst, value)``)
+    into each target key of ``pairs`` exactly, refusing a missing key that is ``required`` or a
+    shape mismatch; zero the new tensors ``zero`` names; tie; attach ``conversion_report``
+    (copied, initialised, unused source keys); with ``output_dir`` save the model Hub-ready with
+    the source tokenizer files and a model card naming the base model."""
     target = model.state_dict()
     copied, used = [], set()
     with torch.no_grad():
         for dst, srck in pairs.items():
             if srck not in state:
-                if dst == "lm_head.decoder.weight":  # tied: comes with the word embeddings
+                if dst == tied:  # tied: comes with the word embeddings
                     continue
-                if not dst.startswith(dst_prefix + "embeddings.") and not dst.startswith(dst_prefix + "layers."):
+                if not required(dst):
                     continue  # a head / pooler the source does not have: stays initialised (fine-tune it)
                 raise ValueError(
-                    f"checkpoint has no {srck!r}: not a complete {model_type} encoder "
+                    f"checkpoint has no {srck!r}: not a complete {model_type} model "
                     f"(architectures={cfg.get('architectures')})"
                 )
-            value = state[srck]
-            if dst.endswith("position_embeddings.weight") and offset:
-                value = value[offset:]
+            value = transform(dst, state[srck])
             if tuple(value.shape) != tuple(target[dst].shape):
                 raise ValueError(f"shape mismatch for {dst!r} <- {srck!r}: {tuple(target[dst].shape)} vs {tuple(value.shape)}")
             target[dst].copy_(value.to(target[dst].dtype))
             copied.append(dst)
             used.add(srck)
         for name, tensor in target.items():
-            if name.endswith("rpe.weight"):
-                tensor.zero_()  # exp(0) = 1: start from plain (position-free) kernel attention
+            if zero(name):
+                tensor.zero_()
     model.tie_weights()
     model.conversion_report = {
         "source_model_type": model_type,
         "head": head,
         "copied": copied,
-        "initialised": sorted(k for k in target if k not in copied and k != "lm_head.decoder.weight"),
-        "unused_source_keys": sorted(k for k in state if k not in used and not k.endswith("position_ids")),
+        "initialised": sorted(k for k in target if k not in copied and k != tied),
+        "unused_source_keys": sorted(k for k in state if k not in used and not k.endswith(("position_ids", ".attn.bias", ".attn.masked_bias"))),
     }
     if output_dir is not None:
         from .cards import save_model_card
@@ -312,16 +334,113 @@ def convert_to_nprf_bert(
         for name in _TOKENIZER_FILES:
             if (src / name).is_file():
                 shutil.copy2(src / name, out / name)
-        save_model_card(model, out, base_model=str(checkpoint_dir), training={
-            "converted from": f"`{checkpoint_dir}` ({model_type})", "tensors copied": len(copied),
+        save_model_card(model, out, base_model=str(base_model), training={
+            "converted from": f"`{base_model}` ({model_type})", "tensors copied": len(copied),
             "initialised": ", ".join(model.conversion_report["initialised"]) or "none",
         })
     return model
 
 
+# GPT-2 config fields -> Linear GPT config fields
+_GPT2_FIELDS = {
+    "vocab_size": "vocab_size", "n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+    "activation_function": "hidden_act", "n_positions": "max_position_embeddings",
+    "layer_norm_epsilon": "layer_norm_epsilon", "initializer_range": "initializer_range", "embd_pdrop": "embd_pdrop",
+    "resid_pdrop": "resid_pdrop", "attn_pdrop": "attn_pdrop", "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
+}
+
+
+def convert_to_linear_gpt(
+    checkpoint_dir: str | Path,
+    output_dir: Optional[str | Path] = None,
+    *,
+    revision: Optional[str] = None,
+    base_model: Optional[str] = None,
+    **attention_overrides: Any,
+):
+    """Build a Linear GPT from a GPT-2 checkpoint (a directory or a Hub model id).
+
+    Copied exactly: token and position embeddings, every block's LayerNorms, the query, key and
+    value projections (GPT-2's fused ``c_attn`` Conv1D split in three and transposed into
+    ``nn.Linear`` layout), the output projection, the MLP and the final LayerNorm; the LM head is
+    tied to the embeddings as in GPT-2. New: the random features (drawn from ``feature_seed``).
+    The default feature map is ``prf``, positive random features estimating GPT-2's own kernel
+    ``exp(q . k / sqrt(d))``, so the converted model starts close to the original (closer with
+    more features, ``num_random_features``) and decodes with a constant-size state.
+
+    Args and returns as :func:`convert_to_nprf_bert` (``attention_overrides``: Linear GPT config
+    fields). ``ValueError`` for GPT-2 variants it cannot reproduce (unscaled or layer-scaled
+    attention, cross-attention).
+    """
+    from .modeling.configuration_linear_gpt import LinearGPTConfig
+    from .modeling.modeling_linear_gpt import LinearGPTForCausalLM
+
+    src = _resolve_checkpoint(checkpoint_dir, revision)
+    cfg = _read_config(src, ("gpt2",))
+    for field, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                      ("add_cross_attention", False), ("reorder_and_upcast_attn", False)):
+        if cfg.get(field, ok) != ok:
+            raise ValueError(f"cannot convert a GPT-2 with {field}={cfg[field]!r}; supported: {field}={ok!r}")
+    state = _read_state_dict(src)
+    fields = {dst: cfg[s] for s, dst in _GPT2_FIELDS.items() if s in cfg}
+    fields["intermediate_size"] = cfg.get("n_inner") or 4 * fields["hidden_size"]
+    fields.update(feature_map="prf", num_random_features=256, normalize_qk=False)
+    unknown = set(attention_overrides) - set(LinearGPTConfig().to_dict())
+    if unknown:
+        raise ValueError(f"unknown Linear GPT config fields in overrides: {sorted(unknown)}")
+    fields.update(attention_overrides)
+    fields["position_embedding_type"] = "absolute"
+    model = LinearGPTForCausalLM(LinearGPTConfig(**fields)).eval()
+    hidden = model.config.hidden_size
+    prefix = "transformer." if any(k.startswith("transformer.") for k in state) else ""
+    pairs: dict[str, str] = {}
+    slices: dict[str, slice] = {}
+    for name in ("wte", "wpe"):
+        pairs[f"transformer.{name}.weight"] = f"{prefix}{name}.weight"
+    for part in ("weight", "bias"):
+        pairs[f"transformer.ln_f.{part}"] = f"{prefix}ln_f.{part}"
+    for i in range(model.config.num_hidden_layers):
+        s, d = f"{prefix}h.{i}", f"transformer.h.{i}"
+        for part in ("weight", "bias"):
+            for ln in ("ln_1", "ln_2"):
+                pairs[f"{d}.{ln}.{part}"] = f"{s}.{ln}.{part}"
+            for j, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                pairs[f"{d}.attn.{proj}.{part}"] = f"{s}.attn.c_attn.{part}"
+                slices[f"{d}.attn.{proj}.{part}"] = slice(j * hidden, (j + 1) * hidden)
+            pairs[f"{d}.attn.o_proj.{part}"] = f"{s}.attn.c_proj.{part}"
+            pairs[f"{d}.mlp.c_fc.{part}"] = f"{s}.mlp.c_fc.{part}"
+            pairs[f"{d}.mlp.c_proj.{part}"] = f"{s}.mlp.c_proj.{part}"
+    pairs["lm_head.weight"] = "lm_head.weight"
+
+    def transform(dst: str, value: torch.Tensor) -> torch.Tensor:
+        if dst in slices:  # fused q, k, v: the output columns of c_attn
+            value = value[..., slices[dst]]
+        if dst.endswith(".weight") and (".attn." in dst or ".mlp." in dst):
+            value = value.t()  # Conv1D (in, out) -> nn.Linear (out, in)
+        return value
+
+    return _finish_conversion(
+        model, state, pairs, src, base_model or checkpoint_dir, output_dir, "gpt2", "causal_lm", cfg, transform=transform,
+        required=lambda dst: dst.startswith("transformer."), zero=lambda name: False, tied="lm_head.weight",
+    )
+
+
+def convert(checkpoint_dir: str | Path, output_dir: Optional[str | Path] = None, **kwargs):
+    """Convert a softmax checkpoint into the family that fits it: BERT and RoBERTa into NPRF-BERT
+    (:func:`convert_to_nprf_bert`), GPT-2 into Linear GPT (:func:`convert_to_linear_gpt`)."""
+    src = _resolve_checkpoint(checkpoint_dir, kwargs.get("revision"))
+    model_type = _read_config(src, SUPPORTED_MODEL_TYPES)["model_type"]
+    kwargs.pop("revision", None)  # resolved above: the converters get the local folder
+    if model_type == "gpt2":
+        kwargs.pop("head", None)
+        return convert_to_linear_gpt(src, output_dir, base_model=str(checkpoint_dir), **kwargs)
+    return convert_to_nprf_bert(src, output_dir, base_model=str(checkpoint_dir), **kwargs)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint_dir", help="BERT or RoBERTa checkpoint: a directory (save_pretrained output) or a Hub model id")
-    parser.add_argument("output_dir", help="where to save the NPRF-BERT checkpoint (+ tokenizer files)")
+    parser.add_argument("checkpoint_dir", help="BERT, RoBERTa or GPT-2 checkpoint: a directory (save_pretrained output) or a Hub model id")
+    parser.add_argument("output_dir", help="where to save the NPRF-BERT / Linear GPT checkpoint (+ tokenizer files)")
     parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id")
     parser.add_argument("--head", choices=HEADS, default="auto", help="which head to build (default: from architectures)")
     parser.add_argument("--num-random-features", type=int, default=None, help="PRF features per head (default 64)")
@@ -345,7 +464,7 @@ def run(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
-    model = convert_to_nprf_bert(args.checkpoint_dir, args.output_dir, head=args.head, revision=args.revision, **overrides)
+    model = convert(args.checkpoint_dir, args.output_dir, head=args.head, revision=args.revision, **overrides)
     rep = model.conversion_report
     print(f"converted {rep['source_model_type']} -> {type(model).__name__} (head={rep['head']})")
     print(f"copied {len(rep['copied'])} tensors; left at initialisation: {rep['initialised']}")
