@@ -1,6 +1,6 @@
 """Convert a softmax checkpoint (a local directory or a Hub model id) into a kernelized family:
 BERT and RoBERTa into NPRF-BERT (below), GPT-2 into Linear GPT (:func:`convert_to_linear_gpt`),
-through one mechanism (:func:`_finish_conversion`: exact copies, a report, a Hub-ready save).
+ViT into the relative-performer ViT (:func:`convert_to_relative_performer_vit`), through one mechanism (:func:`_finish_conversion`: exact copies, a report, a Hub-ready save).
 
 Copied: word / token-type / absolute-position embeddings and their LayerNorm, the q/k/v/output
 projections of every layer, the feed-forward weights, both LayerNorms per layer, the pooler and
@@ -46,7 +46,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2")
+SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2", "vit")
 HEADS = ("auto", "base", "masked_lm", "sequence_classification", "token_classification", "question_answering")
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
@@ -103,9 +103,9 @@ def _read_config(src: Path, supported: tuple[str, ...] = ("bert", "roberta")) ->
         raise ValueError(
             f"cannot convert model_type={model_type!r} (architectures={cfg.get('architectures')}) here; "
             f"supported source architectures: {list(supported)} (all conversions: {list(SUPPORTED_MODEL_TYPES)}: "
-            "BERT and RoBERTa encoders into NPRF-BERT, GPT-2 into Linear GPT)"
+            "BERT and RoBERTa encoders into NPRF-BERT, GPT-2 into Linear GPT, ViT into the relative-performer ViT)"
         )
-    if model_type == "gpt2":
+    if model_type in ("gpt2", "vit"):
         return cfg
     if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
         raise ValueError("cannot convert a decoder / cross-attention BERT: NPRF-BERT is a bidirectional encoder")
@@ -426,12 +426,98 @@ def convert_to_linear_gpt(
     )
 
 
+# ViT config fields copied into RelativePerformerViTConfig (same names)
+_VIT_FIELDS = (
+    "image_size", "patch_size", "num_channels", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "intermediate_size", "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
+    "layer_norm_eps", "id2label", "label2id", "problem_type",
+)
+
+
+def convert_to_relative_performer_vit(
+    checkpoint_dir: str | Path,
+    output_dir: Optional[str | Path] = None,
+    *,
+    revision: Optional[str] = None,
+    base_model: Optional[str] = None,
+    **attention_overrides: Any,
+):
+    """Build a relative-performer ViT from a ViT checkpoint (``ViTModel`` or
+    ``ViTForImageClassification``; a directory or a Hub model id).
+
+    Copied exactly: the patch embedding, the position table (the class token's row is added to
+    the class token, as ViT adds it), every layer's LayerNorms, q/k/v/output projections and MLP,
+    the final LayerNorm and the classifier. The converted model uses ``rpe="absolute"`` and
+    ``pooling="cls"`` (what ViT computes); new are the random features (default ``prf``, 256 per
+    head, estimating ViT's ``exp(q . k / sqrt(d))``). Switch to a relative position option by
+    fine-tuning from it. Args and returns as :func:`convert_to_nprf_bert`.
+    """
+    from transformers import AutoModel, AutoModelForImageClassification
+
+    from .modeling.configuration_relative_performer_vit import RelativePerformerViTConfig
+    from .modeling.modeling_relative_performer_vit import (
+        RelativePerformerViTForImageClassification,
+        RelativePerformerViTModel,
+    )
+
+    src = _resolve_checkpoint(checkpoint_dir, revision)
+    cfg = _read_config(src, ("vit",))
+    if not cfg.get("qkv_bias", True):
+        raise ValueError("cannot convert a ViT with qkv_bias=False; supported: qkv_bias=True")
+    classifier = "ForImageClassification" in " ".join(cfg.get("architectures") or [])
+    # through transformers' own loading: checkpoints of every ViT key layout arrive in one
+    source = (AutoModelForImageClassification if classifier else AutoModel).from_pretrained(src)
+    state = {k: v.detach() for k, v in source.state_dict().items()}
+    fields = {k: cfg[k] for k in _VIT_FIELDS if k in cfg}
+    if "id2label" in fields:
+        fields["id2label"] = {int(k): v for k, v in fields["id2label"].items()}
+    fields.update(rpe="absolute", pooling="cls", feature_map="prf", num_random_features=256, normalize_qk=False)
+    unknown = set(attention_overrides) - set(RelativePerformerViTConfig().to_dict()) - {"num_labels"}
+    if unknown:
+        raise ValueError(f"unknown relative-performer ViT config fields in overrides: {sorted(unknown)}")
+    fields.update(attention_overrides)
+    config = RelativePerformerViTConfig(**fields)
+    model = (RelativePerformerViTForImageClassification if classifier else RelativePerformerViTModel)(config).eval()
+    s = "vit." if classifier else ""
+    state[f"{s}embeddings.cls_token+position"] = state[f"{s}embeddings.cls_token"] + state[f"{s}embeddings.position_embeddings"][:, :1]
+    pairs = {
+        f"{s}embeddings.cls_token": f"{s}embeddings.cls_token+position",
+        f"{s}embeddings.position_embeddings": f"{s}embeddings.position_embeddings",
+        f"{s}layernorm.weight": f"{s}layernorm.weight", f"{s}layernorm.bias": f"{s}layernorm.bias",
+    }
+    for part in ("weight", "bias"):
+        pairs[f"{s}embeddings.patch_embeddings.{part}"] = f"{s}embeddings.patch_embeddings.projection.{part}"
+        for i in range(config.num_hidden_layers):
+            d = f"{s}layers.{i}"
+            for name in ("layernorm_before", "layernorm_after", "attention.q_proj", "attention.k_proj",
+                         "attention.v_proj", "attention.o_proj"):
+                pairs[f"{d}.{name}.{part}"] = f"{d}.{name}.{part}"
+            pairs[f"{d}.intermediate.{part}"] = f"{d}.mlp.fc1.{part}"
+            pairs[f"{d}.output.{part}"] = f"{d}.mlp.fc2.{part}"
+        if classifier:
+            pairs[f"classifier.{part}"] = f"classifier.{part}"
+
+    def transform(dst: str, value: torch.Tensor) -> torch.Tensor:
+        return value[:, 1:] if dst.endswith("position_embeddings") else value  # the patches' rows
+
+    state.pop(f"{s}embeddings.cls_token")
+    return _finish_conversion(
+        model, state, pairs, src, base_model or checkpoint_dir, output_dir, "vit",
+        "image_classification" if classifier else "base", cfg, transform=transform,
+        required=lambda dst: not dst.startswith("classifier."), zero=lambda name: False, tied=None,
+    )
+
+
 def convert(checkpoint_dir: str | Path, output_dir: Optional[str | Path] = None, **kwargs):
     """Convert a softmax checkpoint into the family that fits it: BERT and RoBERTa into NPRF-BERT
-    (:func:`convert_to_nprf_bert`), GPT-2 into Linear GPT (:func:`convert_to_linear_gpt`)."""
+    (:func:`convert_to_nprf_bert`), GPT-2 into Linear GPT (:func:`convert_to_linear_gpt`), ViT into
+    the relative-performer ViT (:func:`convert_to_relative_performer_vit`)."""
     src = _resolve_checkpoint(checkpoint_dir, kwargs.get("revision"))
     model_type = _read_config(src, SUPPORTED_MODEL_TYPES)["model_type"]
     kwargs.pop("revision", None)  # resolved above: the converters get the local folder
+    if model_type == "vit":
+        kwargs.pop("head", None)
+        return convert_to_relative_performer_vit(src, output_dir, base_model=str(checkpoint_dir), **kwargs)
     if model_type == "gpt2":
         kwargs.pop("head", None)
         return convert_to_linear_gpt(src, output_dir, base_model=str(checkpoint_dir), **kwargs)
