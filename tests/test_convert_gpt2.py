@@ -90,7 +90,7 @@ def test_what_cannot_be_converted_is_refused(tmp_path):
         convert(folder)
     (tmp_path / "llama").mkdir()
     (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ValueError, match=r"cannot convert model_type='llama'.*\['bert', 'roberta', 'gpt2'\]"):
+    with pytest.raises(ValueError, match=r"cannot convert model_type='llama'.*\['bert', 'roberta', 'gpt2', 'vit'\]"):
         convert(tmp_path / "llama")
     with pytest.raises(ValueError, match="unknown Linear GPT config fields in overrides: \\['not_a_field'\\]"):
         convert_to_linear_gpt(_scaled(tmp_path), not_a_field=1)
