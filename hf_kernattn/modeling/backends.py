@@ -216,8 +216,10 @@ def kernelized_attention(
             "a state with a relative-position bias needs rpe_clip=K (a bias clipped at K): with an unclipped bias "
             "every key keeps its own weight for ever, so no constant-size state exists"
         )
-    if rpe_clip is not None and rpe == "1d":
-        clipped_table(rpe_bias, n, rpe_clip, continuing=initial_state is not None)  # only the check here
+    # a clipped 1D bias as its table (H, 2K+1); refused when a state must be read K back and the bias does not reach
+    clipped = (clipped_table(rpe_bias, n, rpe_clip, continuing=initial_state is not None)
+               if rpe_clip is not None and rpe == "1d" else None)
+    full = None  # the bias as (H, 2N-1) / (H, 2Hg-1, 2Wg-1), made once when a backend or the fft check needs it
     window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
     m_den = m if q_den is None else q_den.shape[-1]
     shapes = {"kv": (b, h, m, d), "z": (b, h, m_den)}
@@ -236,7 +238,8 @@ def kernelized_attention(
     name = choose_backend(n=n, **request) if backend == "auto" else backend
     dt = compute_dtype_for(q)  # the dtype rule
     if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
-        name, dt = _auto_fft_precision(q, k, full_bias(rpe_bias, n, rpe_clip) if rpe else None, causal, key_mask, request)
+        full = full_bias(rpe_bias, n, rpe_clip) if rpe else None
+        name, dt = _auto_fft_precision(q, k, full, causal, key_mask, request)
     spec = get_backend(name)
     lacks = spec.missing(**request)
     if lacks:
@@ -259,9 +262,11 @@ def kernelized_attention(
             return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den, window)
         bias = None
         if rpe_bias is not None:
-            table = rpe == "1d" and rpe_clip is not None and "rpe_clip" in spec.takes
-            bias = (clipped_table(rpe_bias, n, rpe_clip, initial_state is not None) if table
-                    else full_bias(rpe_bias, n, rpe_clip if rpe == "1d" else None)).to(dt)
+            if clipped is not None and "rpe_clip" in spec.takes:
+                bias = clipped
+            else:
+                bias = full if full is not None else full_bias(rpe_bias, n, rpe_clip if rpe == "1d" else None)
+            bias = bias.to(dt)
         given = dict(
             rpe_bias=bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), rpe_clip=rpe_clip,
             q_den=q_den, k_den=k_den, initial_state=initial_state, output_final_state=output_final_state,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels_common import full_precision, shifted_eps, with_ones_column
+from .kernels_common import full_precision, shifted_bias, with_ones_column
 
 
 def manhattan_index(grid_h: int, grid_w: int, clip: int, device=None) -> torch.Tensor:
@@ -74,10 +74,9 @@ def manhattan_attention(
     hg, wg = grid
     clip = int(rpe_clip)
     dist = manhattan_distances(rpe_bias, hg, wg, clip)  # (H, K+1)
-    shift = dist.detach().amax(dim=-1)
-    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
-    c = torch.exp(dist - shift[:, None])  # every coefficient <= 1; the shift cancels
-    eps_h = shifted_eps(eps, shift)[None, :, None]  # (1, H, 1)
+    dist, eps_h = shifted_bias(dist, clip + 1, False, eps)  # every coefficient <= 1; the shift cancels
+    c = torch.exp(dist)
+    eps_h = eps_h[None, :, None]  # (1, H, 1)
     v1 = with_ones_column(v)  # (B, H, N, D+1)
     # far term: every key with c_K
     y = c[None, :, clip, None, None] * (q @ (k.transpose(-1, -2) @ v1))  # (B, H, N, D+1)
