@@ -105,14 +105,17 @@ def _read_config(src: Path, supported: tuple[str, ...] = ("bert", "roberta")) ->
             f"supported source architectures: {list(supported)} (all conversions: {list(SUPPORTED_MODEL_TYPES)}: "
             "BERT and RoBERTa encoders into NPRF-BERT, GPT-2 into Linear GPT, ViT into the relative-performer ViT)"
         )
-    if model_type in ("gpt2", "vit"):
-        return cfg
+    return cfg
+
+
+def _check_bert_config(cfg: dict[str, Any]) -> None:
+    """What NPRF-BERT cannot reproduce of a BERT/RoBERTa config: a decoder or cross-attention,
+    positions other than the absolute table."""
     if cfg.get("is_decoder") or cfg.get("add_cross_attention"):
         raise ValueError("cannot convert a decoder / cross-attention BERT: NPRF-BERT is a bidirectional encoder")
     pet = cfg.get("position_embedding_type", "absolute")
     if pet not in (None, "absolute"):
         raise ValueError(f"cannot convert position_embedding_type={pet!r}; only 'absolute' source positions are supported")
-    return cfg
 
 
 def _read_state_dict(src: Path) -> dict[str, torch.Tensor]:
@@ -242,6 +245,7 @@ def convert_to_nprf_bert(
         raise ValueError(f"head must be one of {list(HEADS)}, got {head!r}")
     src = _resolve_checkpoint(checkpoint_dir, revision)
     cfg = _read_config(src)
+    _check_bert_config(cfg)
     model_type = cfg["model_type"]
     state = _read_state_dict(src)
     if head == "auto":

@@ -100,7 +100,7 @@ def push_folder(
                         f"check the connection (or HF_HUB_OFFLINE) and push again with `hf-kernattn push {folder} "
                         f"{repo_id}`; {folder} is unchanged") from None
     url = getattr(info, "commit_url", None) or str(info)
-    logger.info(f"pushed {len(files)} files of {folder} to {repo_id}" + (f" ({revision})" if revision else "") + f": {url}")
+    logger.info(f"pushed {', '.join(files)} of {folder} to {repo_id}" + (f" ({revision})" if revision else ""))
     return url
 
 
@@ -114,8 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    files = files_to_push(args.checkpoint)
-    url = push_folder(args.checkpoint, args.repo_id, private=args.private, revision=args.revision,
-                      commit_message=args.commit_message, token=args.token)
-    print(f"pushed {', '.join(files)}\n{url}")
+    """``hf-kernattn push``: the files pushed are reported through the logger, the commit URL printed."""
+    print(push_folder(args.checkpoint, args.repo_id, private=args.private, revision=args.revision,
+                      commit_message=args.commit_message, token=args.token))
     return 0

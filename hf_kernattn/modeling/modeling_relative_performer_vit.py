@@ -99,8 +99,10 @@ class RelativePerformerViTEmbeddings(nn.Module):
         return resized.to(table.dtype).permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1)
 
     def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
-        grid = check_pixel_values(pixel_values, self.config)
-        x = self.patch_embeddings(pixel_values.to(self.patch_embeddings.weight.dtype)).flatten(2).transpose(1, 2)
+        """``pixel_values`` already checked (:func:`check_pixel_values`) -> ``(B, Hg * Wg, C)``."""
+        x = self.patch_embeddings(pixel_values.to(self.patch_embeddings.weight.dtype))
+        grid = (x.shape[-2], x.shape[-1])
+        x = x.flatten(2).transpose(1, 2)
         if self.position_embeddings is not None:
             x = x + self.absolute_positions(grid, interpolate_pos_encoding)
         return self.dropout(x)
