@@ -5,10 +5,12 @@ That is how a user without our package loads a checkpoint with ``trust_remote_co
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 _BLOCKER = '''
 import sys, importlib.abc
@@ -36,3 +38,19 @@ def run_without_package(code: str, cwd: str, timeout: int = 300) -> str:
     )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+MODELING = Path(__file__).resolve().parents[1] / "hf_kernattn" / "modeling"
+
+
+def code_bundle(entry_files: list[str]) -> set[str]:
+    """The modeling files reachable from ``entry_files`` through ``from .name import ...`` (read
+    with ast, independently of transformers' own copying): what a checkpoint must ship."""
+    seen, todo = set(), list(entry_files)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += [n.module + ".py" for n in ast.walk(ast.parse((MODELING / name).read_text()))
+                     if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module]
+    return seen

@@ -10,7 +10,6 @@ order 1) separates rounding from a changed result.
 
 from __future__ import annotations
 
-import ast
 import json
 import pickle
 import shutil
@@ -24,10 +23,9 @@ import transformers
 import hf_kernattn
 from hf_kernattn.modeling.attention_config import CHECKPOINT_FORMAT, LIBRARY_VERSION
 
-from .remote import run_without_package
+from .remote import MODELING, code_bundle, run_without_package
 
 ROOT = Path(__file__).parent / "fixtures" / "checkpoints"
-MODELING = Path(hf_kernattn.__file__).parent / "modeling"
 FAMILIES = {"linear_gpt": "AutoModelForCausalLM", "nprf_bert": "AutoModelForMaskedLM",
             "relative_performer_vit": "AutoModelForImageClassification"}
 ENTRY_FILES = {
@@ -40,18 +38,6 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 
 def _expected(name: str) -> dict:
     return safetensors.torch.load_file(str(ROOT / name / "expected.safetensors"))
-
-
-def _bundle(entry_files: list[str]) -> set[str]:
-    """The modeling files reachable from ``entry_files`` by relative imports (read with ast)."""
-    seen, todo = set(), list(entry_files)
-    while todo:
-        name = todo.pop()
-        if name not in seen:
-            seen.add(name)
-            todo += [n.module + ".py" for n in ast.walk(ast.parse((MODELING / name).read_text()))
-                     if isinstance(n, ast.ImportFrom) and n.level == 1 and n.module]
-    return seen
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -104,7 +90,7 @@ def test_a_saved_checkpoint_bundles_exactly_the_modeling_files_its_family_import
     and the modeling files they import (read with ast), nothing else."""
     model = transformers.AutoModel.from_pretrained(ROOT / name)
     model.save_pretrained(tmp_path)
-    assert {p.name for p in tmp_path.glob("*.py")} == _bundle(ENTRY_FILES[name])
+    assert {p.name for p in tmp_path.glob("*.py")} == code_bundle(ENTRY_FILES[name])
 
 
 def test_a_checkpoint_of_a_newer_format_fails_naming_both_versions(tmp_path):

@@ -3,7 +3,6 @@ through a stand-in for the Hub client (nothing reaches the network)."""
 
 from __future__ import annotations
 
-import ast
 import hashlib
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,27 +20,12 @@ from hf_kernattn.cli import main
 from hf_kernattn.hub import PushError, files_to_push, push_folder
 
 from .conftest import tiny_linear_gpt_config, tiny_nprf_bert_config, tiny_relative_performer_vit_config
+from .remote import code_bundle
 
-MODELING = Path(hf_kernattn.__file__).parent / "modeling"
 RESULTS = [
     {"task": "text-generation", "dataset": "wikitext", "split": "validation", "metric": "perplexity", "value": 23.5},
     {"task": "text-generation", "dataset": "wikitext", "split": "test", "metric": "loss", "value": 3.1},
 ]
-
-
-def _code_bundle(entry_files: list[str]) -> set[str]:
-    """The modeling files reachable from ``entry_files`` through ``from .name import ...`` (read
-    with ast, independently of transformers' own copying)."""
-    seen, todo = set(), list(entry_files)
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        for node in ast.walk(ast.parse((MODELING / name).read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                todo.append(node.module + ".py")
-    return seen
 
 
 @pytest.mark.parametrize("model", [LinearGPTForCausalLM(tiny_linear_gpt_config()), NPRFBertForMaskedLM(tiny_nprf_bert_config()),
@@ -106,7 +90,7 @@ def _saved_linear_gpt(tmp_path: Path) -> tuple[Path, list[str]]:
     (folder / "pytorch_model.bin").write_bytes(b"not pushed")
     (folder / "step_3").mkdir()
     (folder / "step_3" / "model.safetensors").write_bytes(b"")
-    code = _code_bundle(["configuration_linear_gpt.py", "modeling_linear_gpt.py"])
+    code = code_bundle(["configuration_linear_gpt.py", "modeling_linear_gpt.py"])
     expected = ["README.md", "config.json", "generation_config.json", "model.safetensors", *code, *tok_files]
     return folder, sorted(set(expected))
 
