@@ -1,5 +1,5 @@
 """Convert a softmax checkpoint (a local directory or a Hub model id) into a kernelized family:
-BERT and RoBERTa into NPRF-BERT (below), GPT-2 into Linear GPT (:func:`convert_to_linear_gpt`),
+BERT and RoBERTa into NPRF-BERT (below), GPT-2 and Llama into Linear GPT (:func:`convert_to_linear_gpt`),
 ViT into the relative-performer ViT (:func:`convert_to_relative_performer_vit`), through one mechanism (:func:`_finish_conversion`: exact copies, a report, a Hub-ready save).
 
 Copied: word / token-type / absolute-position embeddings and their LayerNorm, the q/k/v/output
@@ -46,11 +46,11 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2", "vit")
+SUPPORTED_MODEL_TYPES = ("bert", "roberta", "gpt2", "llama", "vit")
 HEADS = ("auto", "base", "masked_lm", "sequence_classification", "token_classification", "question_answering")
 _TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-    "merges.txt", "added_tokens.json",
+    "merges.txt", "added_tokens.json", "tokenizer.model", "preprocessor_config.json",
 )
 # BERT config fields copied verbatim into NPRFBertConfig.
 _COPIED_FIELDS = (
@@ -103,7 +103,7 @@ def _read_config(src: Path, supported: tuple[str, ...] = ("bert", "roberta")) ->
         raise ValueError(
             f"cannot convert model_type={model_type!r} (architectures={cfg.get('architectures')}) here; "
             f"supported source architectures: {list(supported)} (all conversions: {list(SUPPORTED_MODEL_TYPES)}: "
-            "BERT and RoBERTa encoders into NPRF-BERT, GPT-2 into Linear GPT, ViT into the relative-performer ViT)"
+            "BERT and RoBERTa encoders into NPRF-BERT, GPT-2 and Llama into Linear GPT, ViT into the relative-performer ViT)"
         )
     return cfg
 
@@ -363,25 +363,45 @@ def convert_to_linear_gpt(
     base_model: Optional[str] = None,
     **attention_overrides: Any,
 ):
-    """Build a Linear GPT from a GPT-2 checkpoint (a directory or a Hub model id).
+    """Build a Linear GPT from a GPT-2 or Llama checkpoint (a directory or a Hub model id).
 
-    Copied exactly: token and position embeddings, every block's LayerNorms, the query, key and
-    value projections (GPT-2's fused ``c_attn`` Conv1D split in three and transposed into
-    ``nn.Linear`` layout), the output projection, the MLP and the final LayerNorm; the LM head is
-    tied to the embeddings as in GPT-2. New: the random features (drawn from ``feature_seed``).
-    The default feature map is ``prf``, positive random features estimating GPT-2's own kernel
-    ``exp(q . k / sqrt(d))``, so the converted model starts close to the original (closer with
-    more features, ``num_random_features``) and decodes with a constant-size state.
+    GPT-2, copied exactly: token and position embeddings, every block's LayerNorms, the query,
+    key and value projections (GPT-2's fused ``c_attn`` Conv1D split in three and transposed
+    into ``nn.Linear`` layout), the output projection, the MLP and the final LayerNorm; the LM
+    head is tied to the embeddings as in GPT-2.
+
+    Llama (``LlamaForCausalLM``), copied exactly: token embeddings, every block's RMSNorms, the
+    query/key/value/output projections (grouped-query attention kept: ``num_key_value_heads``),
+    the gated MLP, the final RMSNorm and the LM head (tied or not, as the source). Llama's rotary
+    position embedding becomes ``position_embedding_type="rope"`` with its ``rope_theta``: the
+    same rotations of queries and keys, applied before the feature map. Supported: the default
+    rotary scaling only, ``head_dim = hidden_size / num_attention_heads``.
+
+    New in both: the random features (drawn from ``feature_seed``). The default feature map is
+    ``prf``, positive random features estimating the source's own kernel
+    ``exp(q . k / sqrt(d))`` (after Llama's rotations), so the converted model starts close to
+    the original (closer with more features, ``num_random_features``) and decodes with a
+    constant-size state.
 
     Args and returns as :func:`convert_to_nprf_bert` (``attention_overrides``: Linear GPT config
-    fields). ``ValueError`` for GPT-2 variants it cannot reproduce (unscaled or layer-scaled
-    attention, cross-attention).
+    fields). ``ValueError`` for variants it cannot reproduce (GPT-2: unscaled or layer-scaled
+    attention, cross-attention; Llama: rotary scaling, partial rotary, a head size of its own).
     """
+    from .modeling.configuration_linear_gpt import LinearGPTConfig
+
+    src = _resolve_checkpoint(checkpoint_dir, revision)
+    cfg = _read_config(src, ("gpt2", "llama"))
+    unknown = set(attention_overrides) - set(LinearGPTConfig().to_dict())
+    if unknown:
+        raise ValueError(f"unknown Linear GPT config fields in overrides: {sorted(unknown)}")
+    convert_one = _convert_llama if cfg["model_type"] == "llama" else _convert_gpt2
+    return convert_one(src, cfg, output_dir, base_model or checkpoint_dir, attention_overrides)
+
+
+def _convert_gpt2(src: Path, cfg: dict[str, Any], output_dir, base_model, overrides: dict[str, Any]):
     from .modeling.configuration_linear_gpt import LinearGPTConfig
     from .modeling.modeling_linear_gpt import LinearGPTForCausalLM
 
-    src = _resolve_checkpoint(checkpoint_dir, revision)
-    cfg = _read_config(src, ("gpt2",))
     for field, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                       ("add_cross_attention", False), ("reorder_and_upcast_attn", False)):
         if cfg.get(field, ok) != ok:
@@ -390,10 +410,7 @@ def convert_to_linear_gpt(
     fields = {dst: cfg[s] for s, dst in _GPT2_FIELDS.items() if s in cfg}
     fields["intermediate_size"] = cfg.get("n_inner") or 4 * fields["hidden_size"]
     fields.update(feature_map="prf", num_random_features=256, normalize_qk=False)
-    unknown = set(attention_overrides) - set(LinearGPTConfig().to_dict())
-    if unknown:
-        raise ValueError(f"unknown Linear GPT config fields in overrides: {sorted(unknown)}")
-    fields.update(attention_overrides)
+    fields.update(overrides)
     fields["position_embedding_type"] = "absolute"
     model = LinearGPTForCausalLM(LinearGPTConfig(**fields)).eval()
     hidden = model.config.hidden_size
@@ -425,8 +442,77 @@ def convert_to_linear_gpt(
         return value
 
     return _finish_conversion(
-        model, state, pairs, src, base_model or checkpoint_dir, output_dir, "gpt2", "causal_lm", cfg, transform=transform,
+        model, state, pairs, src, base_model, output_dir, "gpt2", "causal_lm", cfg, transform=transform,
         required=lambda dst: dst.startswith("transformer."), zero=lambda name: False, tied="lm_head.weight",
+    )
+
+
+# Llama config fields -> Linear GPT config fields
+_LLAMA_FIELDS = {
+    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidden_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+    "intermediate_size": "intermediate_size", "hidden_act": "hidden_act",
+    "max_position_embeddings": "max_position_embeddings", "rms_norm_eps": "layer_norm_epsilon",
+    "initializer_range": "initializer_range", "attention_dropout": "attn_pdrop", "attention_bias": "attention_bias",
+    "mlp_bias": "mlp_bias", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+    "pad_token_id": "pad_token_id", "tie_word_embeddings": "tie_word_embeddings",
+}
+
+
+def _llama_rope_theta(cfg: dict[str, Any]) -> float:
+    """Llama's rotary base; ``ValueError`` for rotary variants Linear GPT's ``"rope"`` does not
+    reproduce (scaled / partial rotations). Reads transformers 5's ``rope_parameters`` and the
+    older ``rope_theta`` / ``rope_scaling`` fields."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rope_type != "default":
+        raise ValueError(f"cannot convert a Llama with rope_type={rope_type!r}; supported: 'default' (unscaled rotary positions)")
+    partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"cannot convert a Llama with partial_rotary_factor={partial!r}; supported: 1.0")
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def _convert_llama(src: Path, cfg: dict[str, Any], output_dir, base_model, overrides: dict[str, Any]):
+    from transformers import AutoModelForCausalLM
+
+    from .modeling.configuration_linear_gpt import LinearGPTConfig
+    from .modeling.modeling_linear_gpt import LinearGPTForCausalLM
+
+    theta = _llama_rope_theta(cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if head_dim * heads != cfg["hidden_size"]:
+        raise ValueError(
+            f"cannot convert a Llama with head_dim={head_dim} != hidden_size / num_attention_heads = "
+            f"{cfg['hidden_size']} / {heads}; supported: head_dim = hidden_size / num_attention_heads"
+        )
+    # through transformers' own loading: every Llama key layout (and sharded checkpoints) arrive in one
+    source = AutoModelForCausalLM.from_pretrained(src)
+    state = {k: v.detach() for k, v in source.state_dict().items()}
+    fields = {dst: cfg[s] for s, dst in _LLAMA_FIELDS.items() if s in cfg}
+    fields.update(feature_map="prf", num_random_features=256, normalize_qk=False)
+    fields.update(overrides)
+    fields.update(position_embedding_type="rope", rotary_base=theta, norm_type="rmsnorm", mlp_type="gated")
+    model = LinearGPTForCausalLM(LinearGPTConfig(**fields)).eval()
+    pairs = {"transformer.wte.weight": "model.embed_tokens.weight", "transformer.ln_f.weight": "model.norm.weight",
+             "lm_head.weight": "lm_head.weight"}
+    for i in range(model.config.num_hidden_layers):
+        s, d = f"model.layers.{i}", f"transformer.h.{i}"
+        pairs[f"{d}.ln_1.weight"] = f"{s}.input_layernorm.weight"
+        pairs[f"{d}.ln_2.weight"] = f"{s}.post_attention_layernorm.weight"
+        for part in ("weight", "bias"):
+            for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                pairs[f"{d}.attn.{proj}.{part}"] = f"{s}.self_attn.{proj}.{part}"
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                pairs[f"{d}.mlp.{proj}.{part}"] = f"{s}.mlp.{proj}.{part}"
+    target = model.state_dict()
+    pairs = {dst: srck for dst, srck in pairs.items() if dst in target}  # biases only where the config has them
+    return _finish_conversion(
+        model, state, pairs, src, base_model, output_dir, "llama", "causal_lm", cfg, transform=lambda dst, value: value,
+        required=lambda dst: True, zero=lambda name: False,
+        tied="lm_head.weight" if model.config.tie_word_embeddings else None,
     )
 
 
@@ -514,7 +600,7 @@ def convert_to_relative_performer_vit(
 
 def convert(checkpoint_dir: str | Path, output_dir: Optional[str | Path] = None, **kwargs):
     """Convert a softmax checkpoint into the family that fits it: BERT and RoBERTa into NPRF-BERT
-    (:func:`convert_to_nprf_bert`), GPT-2 into Linear GPT (:func:`convert_to_linear_gpt`), ViT into
+    (:func:`convert_to_nprf_bert`), GPT-2 and Llama into Linear GPT (:func:`convert_to_linear_gpt`), ViT into
     the relative-performer ViT (:func:`convert_to_relative_performer_vit`)."""
     src = _resolve_checkpoint(checkpoint_dir, kwargs.get("revision"))
     model_type = _read_config(src, SUPPORTED_MODEL_TYPES)["model_type"]
@@ -522,15 +608,15 @@ def convert(checkpoint_dir: str | Path, output_dir: Optional[str | Path] = None,
     if model_type == "vit":
         kwargs.pop("head", None)
         return convert_to_relative_performer_vit(src, output_dir, base_model=str(checkpoint_dir), **kwargs)
-    if model_type == "gpt2":
+    if model_type in ("gpt2", "llama"):
         kwargs.pop("head", None)
         return convert_to_linear_gpt(src, output_dir, base_model=str(checkpoint_dir), **kwargs)
     return convert_to_nprf_bert(src, output_dir, base_model=str(checkpoint_dir), **kwargs)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint_dir", help="BERT, RoBERTa or GPT-2 checkpoint: a directory (save_pretrained output) or a Hub model id")
-    parser.add_argument("output_dir", help="where to save the NPRF-BERT / Linear GPT checkpoint (+ tokenizer files)")
+    parser.add_argument("checkpoint_dir", help="BERT, RoBERTa, GPT-2, Llama or ViT checkpoint: a directory (save_pretrained output) or a Hub model id")
+    parser.add_argument("output_dir", help="where to save the converted checkpoint (+ tokenizer / image processor files)")
     parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id")
     parser.add_argument("--head", choices=HEADS, default="auto", help="which head to build (default: from architectures)")
     parser.add_argument("--num-random-features", type=int, default=None, help="PRF features per head (default 64)")

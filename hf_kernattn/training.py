@@ -49,7 +49,7 @@ _TMP_SUFFIX = ".tmp"
 
 # transformers' patterns (Trainer.get_decay_parameter_names), matched on lower-cased names.
 _NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
-_NO_DECAY_MODULES = ("RelativePositionBias1D",)
+_NO_DECAY_MODULES = ("RelativePositionBias1D", "LinearGPTRMSNorm")
 
 WEIGHT_DECAY_HELP = (
     "weight decay of AdamW; as in transformers, biases and normalisation weights get none, and "

@@ -187,9 +187,12 @@ def test_weight_decay_rule_is_shared_and_excludes_biases_norms_and_position_bias
 
     gpt = hf_kernattn.LinearGPTForCausalLM(hf_kernattn.LinearGPTConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, rpe="learned"))
+    llama_style = hf_kernattn.LinearGPTForCausalLM(hf_kernattn.LinearGPTConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, norm_type="rmsnorm",
+        mlp_type="gated", rpe="learned"))
     bert = hf_kernattn.NPRFBertForMaskedLM(hf_kernattn.NPRFBertConfig(
         vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
-    for model in (gpt, bert):
+    for model in (gpt, llama_style, bert):
         decay = set(decay_parameter_names(model))
         for name, p in model.named_parameters():
             no_decay = name.endswith("bias") or "norm" in name.lower() or ".ln_" in name or "rpe" in name

@@ -16,12 +16,15 @@ class TestLinearGPTFamily(CachedFamilyTests):
     padding_side = "left"
     cache_model_class = LinearGPTForCausalLM
     cache_class_name = "LinearGPTCache"
-    # absolute table, rotary (separate numerator / denominator features) and a learned bias
-    # clipped at 3 (so the state's window of the last K - 1 keys is exercised past K)
+    # absolute table, rotary (separate numerator / denominator features), a learned bias clipped
+    # at 3 (so the state's window of the last K - 1 keys is exercised past K) and Llama-style blocks
     cache_variants = {
         "absolute": {"position_embedding_type": "absolute"},
         "rotary": {"position_embedding_type": "rotary"},
         "rpe": {"rpe": "learned", "max_relative_position": 3, "position_embedding_type": "none"},
+        # Llama-style blocks: rotations before the feature map, RMSNorm, gated MLP, one key/value head
+        "llama": {"position_embedding_type": "rope", "norm_type": "rmsnorm", "mlp_type": "gated", "mlp_bias": False,
+                  "num_key_value_heads": 1, "hidden_act": "silu"},
     }
 
     def make_config(self, **overrides):
@@ -44,3 +47,13 @@ class TestLinearGPTFamily(CachedFamilyTests):
             LinearGPTModel: {"last_hidden_state": (batch, n, c)},
             LinearGPTForCausalLM: {"logits": (batch, n, config.vocab_size)},
         }[cls]
+
+
+class TestLinearGPTLlamaStyleFamily(TestLinearGPTFamily):
+    """The same family tests with Llama-style blocks (what a converted Llama runs): rotations
+    before the feature map, RMSNorm, gated MLP without biases, grouped-query attention."""
+
+    cache_variants = {"llama": {}}
+
+    def make_config(self, **overrides):
+        return super().make_config(**{**TestLinearGPTFamily.cache_variants["llama"], **overrides})

@@ -9,7 +9,10 @@ the ViT a 2D bias on the patch grid. The module reads the shared attention field
 (``feature_map``, ``num_random_features``, ``feature_projection``, ``normalize_qk``,
 ``feature_redraw_interval``, ``feature_seed``, ``attn_backend``, ``attention_eps``,
 ``attention_bias``, ``recompute_attention``), documented and checked once in
-``attention_config.py``.
+``attention_config.py``, and ``num_key_value_heads`` where the family has it (grouped-query
+attention: ``G = H / H_kv`` query heads share one key/value head; the key features and values
+are computed once per key/value head and repeated to the ``G`` query heads of its group, as
+Llama's ``repeat_kv``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch import nn
 from .attention_config import complete_attention_fields
 from .backends import get_backend, kernelized_attention
 from .feature_maps import FeatureMap
+from .positional import apply_rotary
 
 
 class KernelizedSelfAttention(nn.Module):
@@ -48,6 +52,10 @@ class KernelizedSelfAttention(nn.Module):
         self.hidden_size = hidden
         self.num_heads = heads
         self.head_dim = hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if heads % kv_heads:
+            raise ValueError(f"num_key_value_heads ({kv_heads}) must divide num_attention_heads ({heads})")
+        self.num_key_value_heads = kv_heads
         self.layer_idx = layer_idx
         self.causal = causal
         config = complete_attention_fields(config)
@@ -58,8 +66,8 @@ class KernelizedSelfAttention(nn.Module):
         self.recompute = bool(config.recompute_attention)
         bias = bool(config.attention_bias)
         self.q_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.k_proj = nn.Linear(hidden, hidden, bias=bias)
-        self.v_proj = nn.Linear(hidden, hidden, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(hidden, hidden, bias=bias)
         self.extra_features = int(extra_features)
         self.feature_map = FeatureMap(
@@ -74,7 +82,13 @@ class KernelizedSelfAttention(nn.Module):
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
-        return x.view(b, n, self.num_heads, self.head_dim).transpose(1, 2)
+        return x.view(b, n, -1, self.head_dim).transpose(1, 2)
+
+    def _repeat_kv(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, H_kv, N, .)`` -> ``(B, H, N, .)``: key/value head ``j`` serves query heads
+        ``j G .. (j + 1) G - 1``."""
+        groups = self.num_heads // self.num_key_value_heads
+        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
     def project(
         self,
@@ -82,6 +96,7 @@ class KernelizedSelfAttention(nn.Module):
         projection: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(B, N, C)`` -> query features ``(B, H, N, M)``, key features ``(B, H, N, M)``,
         values ``(B, H, N, D)``. Features are float32 at least (float64 stays float64).
@@ -89,16 +104,20 @@ class KernelizedSelfAttention(nn.Module):
         ``attention_mask``: ``(B, N)``, 1 real / 0 padding: only real keys must lie in the
         feature map's valid range (see ``feature_maps.py``). ``extra``: ``(query_extra,
         key_extra)``, each broadcastable to ``(B, H, N, extra_features)``, concatenated to the
-        projected queries and keys before the feature map."""
+        projected queries and keys before the feature map. ``rope``: ``(cos, sin)``, each
+        ``(B, 1, N, D/2)``, rotating the projected queries and keys before the feature map
+        (Llama's rotary position embedding; see ``positional.apply_rotary``)."""
         q, k = self._split(self.q_proj(hidden_states)), self._split(self.k_proj(hidden_states))
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         if (extra is None) != (self.extra_features == 0):
             raise ValueError(f"extra must be given exactly when extra_features > 0 (here {self.extra_features})")
         if extra is not None:
             q = torch.cat([q, extra[0].to(q.dtype).expand(*q.shape[:3], -1)], dim=-1)
             k = torch.cat([k, extra[1].to(k.dtype).expand(*k.shape[:3], -1)], dim=-1)
         q = self.feature_map(q, is_query=True, projection=projection)
-        k = self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask)
-        v = self._split(self.v_proj(hidden_states)).to(q.dtype)
+        k = self._repeat_kv(self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask))
+        v = self._repeat_kv(self._split(self.v_proj(hidden_states)).to(q.dtype))
         return q, k, v
 
     def output(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

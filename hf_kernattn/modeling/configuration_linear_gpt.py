@@ -17,7 +17,9 @@ AUTO_MAP = {
     "AutoModelForCausalLM": "modeling_linear_gpt.LinearGPTForCausalLM",
 }
 
-POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "none")
+POSITION_EMBEDDING_TYPES = ("absolute", "rotary", "rope", "none")
+NORM_TYPES = ("layernorm", "rmsnorm")
+MLP_TYPES = ("standard", "gated")
 
 ATTENTION_SCHEMA = AttentionSchema(
     "Linear GPT",
@@ -33,17 +35,31 @@ class LinearGPTConfig(PreTrainedConfig):
         hidden_size: width C of the residual stream; a multiple of ``num_attention_heads``.
         num_hidden_layers: number of decoder blocks.
         num_attention_heads: H; the head dim is ``hidden_size // num_attention_heads``.
+        num_key_value_heads: key/value heads (grouped-query attention, Ainslie et al. 2023): each
+            serves ``num_attention_heads // num_key_value_heads`` query heads. None (default):
+            one per query head. The decoding state keeps one sum per query head (the key
+            features are shared by a group, the query-side sums are not), so its size does not
+            shrink with fewer key/value heads; the key/value projections do.
         intermediate_size: width of the MLP inside each block.
-        hidden_act: MLP activation (a ``transformers.activations`` name, e.g. ``"gelu_new"``).
+        hidden_act: MLP activation (a ``transformers.activations`` name, e.g. ``"gelu_new"``,
+            ``"silu"``).
+        mlp_type: ``"standard"`` (GPT-2: ``c_proj(act(c_fc(x)))``, the default) or ``"gated"``
+            (Llama: ``down_proj(act(gate_proj(x)) * up_proj(x))``).
+        mlp_bias: biases in the MLP's linear layers (GPT-2: True, the default; Llama: False).
+        norm_type: ``"layernorm"`` (default) or ``"rmsnorm"`` (Llama's RMSNorm: no mean, no bias).
         max_position_embeddings: size of the learned absolute position table (only used when
             ``position_embedding_type="absolute"``); longer inputs raise a ``ValueError``.
         position_embedding_type: ``"absolute"`` (learned table added to the token embeddings,
             GPT-2 style, the default), ``"rotary"`` (rotations applied to the feature-mapped
             queries and keys, RoFormer style: rotated features in the numerator, un-rotated in
-            the denominator, so the denominator stays positive) or ``"none"`` (no absolute
-            positions; use with ``rpe="learned"``).
-        rotary_base: base of the rotary frequencies (``theta_i = base ** (-2i / M)``).
-        layer_norm_epsilon: epsilon of the LayerNorms.
+            the denominator, so the denominator stays positive), ``"rope"`` (Llama's rotary
+            position embedding: queries and keys rotated *before* the feature map, so with
+            ``feature_map="prf"`` the model estimates Llama's ``exp(R_i q . R_j k / sqrt(d))``;
+            pairs ``(i, i + D/2)`` of the head dim) or ``"none"`` (no absolute positions; use with
+            ``rpe="learned"``).
+        rotary_base: base of the rotary frequencies (``theta_i = base ** (-2i / M)``, M the
+            feature size for ``"rotary"``, the head size D for ``"rope"``; Llama's ``rope_theta``).
+        layer_norm_epsilon: epsilon of the LayerNorms (or RMSNorms).
         initializer_range: std of the normal init of linear and embedding weights.
         embd_pdrop / resid_pdrop / attn_pdrop: dropout on embeddings, residual branches and the
             attention output.
@@ -75,8 +91,12 @@ class LinearGPTConfig(PreTrainedConfig):
         hidden_size: int = 512,
         num_hidden_layers: int = 6,
         num_attention_heads: int = 8,
+        num_key_value_heads: Optional[int] = None,
         intermediate_size: Optional[int] = None,
         hidden_act: str = "gelu_new",
+        mlp_type: str = "standard",
+        mlp_bias: bool = True,
+        norm_type: str = "layernorm",
         max_position_embeddings: int = 2048,
         position_embedding_type: str = "absolute",
         rotary_base: float = 10000.0,
@@ -106,6 +126,11 @@ class LinearGPTConfig(PreTrainedConfig):
             raise ValueError(
                 f"position_embedding_type must be one of {list(POSITION_EMBEDDING_TYPES)}, got {position_embedding_type!r}"
             )
+        for name, value, allowed in (("mlp_type", mlp_type, MLP_TYPES), ("norm_type", norm_type, NORM_TYPES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        if not isinstance(mlp_bias, bool):
+            raise ValueError(f"mlp_bias must be a bool, got {mlp_bias!r}")
         validate_model_fields(
             family=ATTENTION_SCHEMA.family,
             hidden_act=hidden_act,
@@ -115,6 +140,16 @@ class LinearGPTConfig(PreTrainedConfig):
             output_attentions=kwargs.get("output_attentions"),
         )
         attention = ATTENTION_SCHEMA.take(kwargs, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
+        if num_key_value_heads is None:
+            num_key_value_heads = num_attention_heads
+        if (
+            not isinstance(num_key_value_heads, int) or isinstance(num_key_value_heads, bool) or num_key_value_heads < 1
+            or num_attention_heads % num_key_value_heads
+        ):
+            raise ValueError(
+                f"num_key_value_heads must be a positive int dividing num_attention_heads={num_attention_heads!r} "
+                f"(or None: one per query head), got {num_key_value_heads!r}"
+            )
         rpe = attention["rpe"]
         if rpe not in ("none", "learned"):
             raise ValueError(f"rpe must be 'none' or 'learned' for a causal LM, got {rpe!r}")
@@ -124,6 +159,10 @@ class LinearGPTConfig(PreTrainedConfig):
             m = feature_size(attention["feature_map"], attention["num_random_features"], hidden_size // num_attention_heads)
             if m % 2:
                 raise ValueError(f"position_embedding_type='rotary' needs an even feature size, got {m}")
+        if position_embedding_type == "rope" and (hidden_size // num_attention_heads) % 2:
+            raise ValueError(
+                f"position_embedding_type='rope' needs an even head size, got {hidden_size // num_attention_heads}"
+            )
         if not isinstance(rotary_base, (int, float)) or rotary_base <= 1:
             raise ValueError(f"rotary_base must be a number > 1, got {rotary_base!r}")
         for name, value in (("embd_pdrop", embd_pdrop), ("resid_pdrop", resid_pdrop), ("attn_pdrop", attn_pdrop)):
@@ -133,8 +172,12 @@ class LinearGPTConfig(PreTrainedConfig):
         self.hidden_size = hidden_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
         self.intermediate_size = intermediate_size
         self.hidden_act = hidden_act
+        self.mlp_type = mlp_type
+        self.mlp_bias = mlp_bias
+        self.norm_type = norm_type
         self.max_position_embeddings = max_position_embeddings
         self.position_embedding_type = position_embedding_type
         self.rotary_base = float(rotary_base)

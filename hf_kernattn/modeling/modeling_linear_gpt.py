@@ -8,10 +8,12 @@ stored in :class:`LinearGPTCache` (``past_key_values``), wired into ``transforme
 attention fields) picks the backend of calls without a state; calls with one use it when it can
 carry a state, ``auto`` otherwise.
 
-Blocks are GPT-2 style (pre-LayerNorm, attention, MLP). Positions are either a learned
-absolute table (default), rotations applied to the feature-mapped queries and keys
-(``position_embedding_type="rotary"``), or none, optionally with a learned causal relative
-bias (``rpe="learned"``).
+Blocks are pre-norm (norm, attention, norm, MLP): GPT-2 style by default (LayerNorm, GELU MLP)
+or Llama style (``norm_type="rmsnorm"``, ``mlp_type="gated"``, grouped-query attention through
+``num_key_value_heads``). Positions are either a learned absolute table (default), rotations
+applied to the feature-mapped queries and keys (``position_embedding_type="rotary"``), Llama's
+rotations of the queries and keys before the feature map (``"rope"``), or none, optionally with
+a learned causal relative bias (``rpe="learned"``).
 
 Rotary on features (RoFormer, Su et al. 2021, linear-attention form)::
 
@@ -39,25 +41,8 @@ from .backends import get_backend, kernelized_attention
 from .cache import LinearGPTCache, LinearGPTCacheLayer
 from .configuration_linear_gpt import LinearGPTConfig
 from .feature_maps import FeatureMap, feature_maps_step
-from .positional import RelativePositionBias1D
+from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin
 from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``(B, 1, N, dim // 2)`` for positions ``(B, N)``."""
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float64) / dim)
-    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # (B, N, dim/2)
-    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs ``(x[..., :M/2], x[..., M/2:])`` of ``x (B, H, N, M)`` by the angles."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-
 
 # ----------------------------------------------------------------------------- layers
 
@@ -75,6 +60,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
     def __init__(self, config: LinearGPTConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx=layer_idx, causal=True)
         self.rotary = config.position_embedding_type == "rotary"
+        self.rope = config.position_embedding_type == "rope"
         self.rpe = (
             RelativePositionBias1D(config.num_attention_heads, config.max_relative_position)
             if config.rpe == "learned"
@@ -98,7 +84,8 @@ class LinearGPTAttention(KernelizedSelfAttention):
         """Args:
             hidden_states: ``(B, N, C)``.
             key_mask: ``(B, N)`` bool, True = real token, or None (no padding).
-            rotary: ``(cos, sin)`` each ``(B, 1, N, M/2)`` when rotary positions are used.
+            rotary: ``(cos, sin)``, each ``(B, 1, N, M/2)`` for ``"rotary"`` positions (M the
+                feature size) or ``(B, 1, N, D/2)`` for ``"rope"`` (D the head size); else None.
             past_key_values: this layer's :class:`LinearGPTCacheLayer`: the new tokens continue
                 from its state, which is then replaced by the state after them; or None.
             projection: the random-feature projection to use (None: the feature map's current one).
@@ -130,7 +117,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
         """Projections, positions and the core: the attention ``(B, H, N, D)`` and, when asked,
         the state after these tokens."""
         # padded keys are masked by the core: only real ones must lie in the feature map's valid range
-        q, k, v = self.project(hidden_states, projection, attention_mask=key_mask)
+        q, k, v = self.project(hidden_states, projection, attention_mask=key_mask, rope=rotary if self.rope else None)
         extra = {}
         if self.rotary:
             cos, sin = rotary
@@ -151,12 +138,12 @@ class LinearGPTAttention(KernelizedSelfAttention):
 
 
 class LinearGPTMLP(nn.Module):
-    """``(B, N, C) -> (B, N, C)``: Linear, activation, Linear, dropout."""
+    """``(B, N, C) -> (B, N, C)``: Linear, activation, Linear, dropout (``mlp_type="standard"``)."""
 
     def __init__(self, config: LinearGPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size)
-        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.act = ACT2FN[config.hidden_act]
         self.dropout = nn.Dropout(config.resid_pdrop)
 
@@ -164,15 +151,57 @@ class LinearGPTMLP(nn.Module):
         return self.dropout(self.c_proj(self.act(self.c_fc(x))))
 
 
+class LinearGPTGatedMLP(nn.Module):
+    """``(B, N, C) -> (B, N, C)``: ``down_proj(act(gate_proj(x)) * up_proj(x))``, dropout
+    (``mlp_type="gated"``, Llama's MLP)."""
+
+    def __init__(self, config: LinearGPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.act = ACT2FN[config.hidden_act]
+        self.dropout = nn.Dropout(config.resid_pdrop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class LinearGPTRMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dim (``norm_type="rmsnorm"``, Llama's
+    RMSNorm), computed in float32 at least (float64 stays float64)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.promote_types(dtype, torch.float32))
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def make_norm(config: LinearGPTConfig) -> nn.Module:
+    """The block / final normalisation ``norm_type`` names."""
+    if config.norm_type == "rmsnorm":
+        return LinearGPTRMSNorm(config.hidden_size, config.layer_norm_epsilon)
+    return nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+
+
 class LinearGPTBlock(GradientCheckpointingLayer):
-    """Pre-LN decoder block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
+    """Pre-norm decoder block: ``x + attn(ln_1(x))`` then ``x + mlp(ln_2(x))``."""
 
     def __init__(self, config: LinearGPTConfig, layer_idx: int) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.ln_1 = make_norm(config)
         self.attn = LinearGPTAttention(config, layer_idx)
-        self.ln_2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
-        self.mlp = LinearGPTMLP(config)
+        self.ln_2 = make_norm(config)
+        self.mlp = LinearGPTGatedMLP(config) if config.mlp_type == "gated" else LinearGPTMLP(config)
         self.resid_dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(
@@ -224,6 +253,8 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        elif isinstance(module, LinearGPTRMSNorm):
+            nn.init.ones_(module.weight)
         elif isinstance(module, RelativePositionBias1D):
             nn.init.zeros_(module.weight)
         elif isinstance(module, FeatureMap):
@@ -313,7 +344,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         )
         self.drop = nn.Dropout(config.embd_pdrop)
         self.h = nn.ModuleList([LinearGPTBlock(config, i) for i in range(config.num_hidden_layers)])
-        self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
+        self.ln_f = make_norm(config)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -430,9 +461,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             hidden = hidden + self.wpe(position_ids)
         hidden = self.drop(hidden)
         rotary = None
-        if cfg.position_embedding_type == "rotary":
-            m = self.h[0].attn.feature_map.num_features
-            rotary = rotary_cos_sin(position_ids, m, cfg.rotary_base, torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+        if cfg.position_embedding_type in ("rotary", "rope"):
+            attn = self.h[0].attn
+            dim = attn.feature_map.num_features if cfg.position_embedding_type == "rotary" else attn.head_dim
+            rotary = rotary_cos_sin(position_ids, dim, cfg.rotary_base, torch.float64 if hidden.dtype == torch.float64 else torch.float32)
 
         feature_maps_step(self)  # once per top-level forward (training only)
         all_hidden = [] if output_hidden_states else None

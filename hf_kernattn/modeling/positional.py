@@ -27,6 +27,23 @@ from torch import nn
 
 from .kernels_manhattan import manhattan_table
 
+
+def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``(B, 1, N, dim // 2)`` for positions ``(B, N)``: angles
+    ``position * base ** (-2i / dim)`` (RoFormer / Llama frequencies), computed in float64."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float64) / dim)
+    angles = position_ids.to(torch.float64)[..., None] * inv_freq  # (B, N, dim/2)
+    return angles.cos().to(dtype)[:, None], angles.sin().to(dtype)[:, None]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs ``(x[..., i], x[..., i + M/2])`` of ``x (B, H, N, M)`` by the angles
+    (the half-split pairing of Llama's ``rotate_half``)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
 # "learned": a 1D table (NPRF-BERT, Linear GPT); the relative-performer ViT's position options:
 # "fft_2d" (a 2D table by 2D FFT), "rotary_features", "clipped" (Manhattan distance), "absolute".
 RPE_KINDS = ("none", "learned", "learned_2d", "fft_2d", "rotary_features", "clipped", "absolute")
