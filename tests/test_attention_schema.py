@@ -219,8 +219,11 @@ def test_config_json_written_before_the_schema_loads_with_the_same_values(name, 
 @pytest.mark.parametrize("name,model_cls", [("nprf_bert_tiny", NPRFBertForMaskedLM), ("linear_gpt_tiny", LinearGPTForCausalLM)])
 def test_model_from_a_config_written_before_the_schema_gives_the_same_logits(name, model_cls, tmp_path):
     """Logits saved by the code before the schema (seed 0 init, fixed ids, eval). float32; the
-    same operations in the same order give the same values up to summation-order rounding:
-    a few ulps of values of order 1 (2^-23 ~ 1.2e-7), so 1e-6 absolute."""
+    same function up to rounding: Linear GPT's fused GELU differs from the saved run's
+    multi-step one by an ulp, and its column-major weights change the products' summation
+    order: a few ulps per operation of values of order 1 (2^-23 ~ 1.2e-7) over two layers,
+    well under 1e-5 absolute, while any change of the init, a default or the math moves the
+    logits by 1e-3 or more."""
     shutil.copy(FIXTURES / f"{name}.json", tmp_path / "config.json")
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     expected = load_file(FIXTURES / "logits.safetensors")
@@ -229,4 +232,4 @@ def test_model_from_a_config_written_before_the_schema_gives_the_same_logits(nam
     with torch.no_grad():
         logits = model(expected[f"{name}_ids"]).logits
     assert math.isfinite(float(logits.abs().max()))
-    torch.testing.assert_close(logits, expected[name], rtol=0, atol=1e-6)
+    torch.testing.assert_close(logits, expected[name], rtol=0, atol=1e-5)

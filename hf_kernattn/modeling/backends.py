@@ -54,7 +54,7 @@ from .kernels_common import (
 )
 from .kernels_dense import dense_attention
 from .kernels_fft import fft_attention, fft_error_bound
-from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
+from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention, recurrent_step_in_place
 from .kernels_manhattan import manhattan_attention
 from .kernels_windowed import windowed_attention
 from .registry import (  # noqa: F401  (the registry's public names are also this module's)
@@ -111,6 +111,7 @@ def kernelized_attention(
     k_den: Optional[torch.Tensor] = None,
     initial_state: Optional[AttentionState] = None,
     output_final_state: bool = False,
+    in_place: bool = False,
 ):
     """Kernelized attention over feature-mapped queries and keys.
 
@@ -146,6 +147,11 @@ def kernelized_attention(
         initial_state: keyword-only, causal only: the :class:`AttentionState` an earlier call
             returned; the new tokens continue after it (a bias needs ``rpe_clip``).
         output_final_state: keyword-only, causal only: also return the state after these tokens.
+        in_place: keyword-only: write the state after these tokens into ``initial_state``'s own
+            tensors and return them (decoding without allocating a state per token; a one-token
+            step of the ``recurrent`` backend without a bias updates them with one fused
+            operation each). Needs ``initial_state`` in the compute dtype, ``output_final_state``
+            and no autograd recording through the state or the inputs.
     Returns:
         ``(B, H, N, D)`` in the dtype of ``v``; with ``output_final_state`` ``(out, state)``,
         the state in the compute dtype (float32, or float64 for float64 inputs). Splitting a
@@ -165,6 +171,10 @@ def kernelized_attention(
     Host syncs: the mask values and a clipped bias are checked in eager mode, except in a
     one-token step from a state (decoding), whose mask is used unchecked.
     """
+    if in_place is True and rpe_bias is None and grid is None and rpe_clip is None and backend in ("auto", "recurrent"):
+        fast = _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, initial_state, output_final_state)
+        if fast is not None:
+            return fast
     check_tensor("q", q, 4, "(batch, heads, seq, features)")
     check_tensor("k", k, 4, "(batch, heads, seq, features)")
     check_tensor("v", v, 4, "(batch, heads, seq, head_dim)")
@@ -180,6 +190,8 @@ def kernelized_attention(
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     if not isinstance(output_final_state, bool):
         raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    if not isinstance(in_place, bool):
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string: 'auto' or one of {available_backends()}")
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
@@ -226,6 +238,8 @@ def kernelized_attention(
     if window is not None:
         shapes.update(window_k=(b, h, window, m), window_v=(b, h, window, d))
     initial_state = check_state(initial_state, shapes, q.device)
+    if in_place:
+        _check_in_place(initial_state, output_final_state, compute_dtype_for(q), q, k, v, q_den, k_den, rpe_bias)
     # a one-token step from a state (decoding) reads no mask values: no host sync per token
     key_mask = normalize_mask(attention_mask, b, n, q.device, inspect=initial_state is None or n > 1)
     request = dict(
@@ -252,8 +266,13 @@ def kernelized_attention(
         if q_den is not None:
             q_den = q_den.to(dt)
             k_den = mask_keys(k_den, k_den[..., :1], key_mask)[0].to(dt)
+        given_state = initial_state
         if initial_state is not None:
             initial_state = AttentionState(*(None if x is None else x.to(dt) for x in initial_state))
+        if in_place and n == 1 and bias_free_step(spec, rpe_bias):  # the decoding step at the memory bound
+            den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
+            out = recurrent_step_in_place(q[:, :, 0], k[:, :, 0], v[:, :, 0], initial_state, float(eps), *den_t)
+            return out[:, :, None].to(out_dtype), given_state
         if b == 0 or h == 0:  # nothing to attend over: an empty result, attached to every input
             attached = q.sum() + k.sum() + (rpe_bias.sum().to(dt) if rpe_bias is not None else 0)
             out = (v * 0 + attached * 0).to(out_dtype)
@@ -277,12 +296,81 @@ def kernelized_attention(
         if poisoned is not None:
             out = torch.where(poisoned[..., None], nan, out)
         out = out.to(out_dtype)
-        if state is None or bad_key is None:
-            return out if state is None else (out, state)
-        # a non-finite real key was replaced by zeros here; every later row sees it, in later calls too
-        seen = bad_key[..., None, None]
-        state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:])
-    return out, state
+        if state is not None and bad_key is not None:
+            # a non-finite real key was replaced by zeros here; every later row sees it, in later calls too
+            seen = bad_key[..., None, None]
+            state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:])
+        if in_place:
+            for mine, new in zip(given_state, state):
+                if mine is not None and mine is not new:
+                    mine.copy_(new)
+            state = given_state
+    return out if state is None else (out, state)
+
+
+def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
+    """The one-token decoding step without a bias (:func:`recurrent_step_in_place` on the
+    state's own tensors) when cheap checks show the general path would run exactly that with
+    nothing to refuse; None otherwise (the general path then runs, with its full checks and
+    messages). Per-token work of the general path it skips: dispatch, dtype conversions,
+    value-free bookkeeping."""
+    tensors = (q, k, v) if q_den is None else (q, k, v, q_den, k_den)
+    if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4)):
+        return None
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in tensors):
+        return None
+    state = AttentionState(*state)
+    kv, z = state.kv, state.z
+    if state.window_k is not None or not (isinstance(kv, torch.Tensor) and isinstance(z, torch.Tensor)):
+        return None
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    m_den = m if q_den is None else q_den.shape[-1]
+    dt = kv.dtype
+    if (n != 1 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or m == 0 or d == 0 or kv.shape != (b, h, m, d)
+            or z.shape != (b, h, m_den) or compute_dtype_for(q) != dt or z.dtype != dt
+            or any(x.dtype != dt or x.device != kv.device for x in tensors) or z.device != kv.device):
+        return None
+    if q_den is not None and (k_den.shape != q_den.shape or q_den.shape[:3] != q.shape[:3] or m_den == 0):
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        return None
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, kv, z)):
+        return None
+    if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
+        return None
+    if get_backend("recurrent").fn is not recurrent_attention:  # a replaced recurrent backend runs as registered
+        return None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, 1):
+            return None
+        keep = attention_mask.to(device=q.device, dtype=torch.bool)
+        k, v = mask_keys(k, v, keep)
+        if k_den is not None:
+            k_den = mask_keys(k_den, k_den[..., :1], keep)[0]
+    den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
+    out = recurrent_step_in_place(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, float(eps), *den_t)
+    return out[:, :, None], state
+
+
+def bias_free_step(spec, rpe_bias) -> bool:
+    """Whether a one-token step runs as :func:`recurrent_step_in_place`: the built-in
+    ``recurrent`` backend without a bias."""
+    return rpe_bias is None and spec.fn is recurrent_attention
+
+
+def _check_in_place(state, output_final_state, dt, *inputs) -> None:
+    """``ValueError`` unless ``in_place=True`` can write the final state into ``state``."""
+    if state is None or not output_final_state:
+        raise ValueError("in_place=True needs initial_state and output_final_state=True: it writes the final state "
+                         "into initial_state's tensors")
+    tensors = [x for x in state if x is not None]
+    if any(x.dtype != dt for x in tensors):
+        raise ValueError(f"in_place=True needs initial_state in the compute dtype {dt}, got "
+                         f"{sorted({str(x.dtype) for x in tensors})}")
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*tensors, *inputs)):
+        raise ValueError("in_place=True cannot be used while autograd records through the state or the inputs "
+                         "(the earlier graph needs the old state): use in_place=False")
 
 STATE_ARGUMENTS = ("initial_state", "output_final_state")
 SPLIT_ARGUMENTS = ("q_den", "k_den")

@@ -58,13 +58,16 @@ class LinearGPTCacheLayer(LinearAttentionLayer):
         return AttentionState(*(self.recurrent_states[i] for i in range(self.number_of_states)))
 
     def set_state(self, state: AttentionState) -> None:
-        """Store the state after the latest tokens: copied in place into the layer's tensors,
-        except while autograd records through it (training across calls), where the tensors are
+        """Store the state after the latest tokens: nothing to do for tensors the core already
+        updated in place (``kernelized_attention(..., in_place=True)``, decoding); others are
+        copied in place into the layer's tensors, except while autograd records through it (training across calls), where the tensors are
         replaced so that the graph of the earlier call keeps the values it saw."""
         tensors = state[: self.number_of_states]
         self.device, self.dtype = tensors[0].device, tensors[0].dtype
         replace = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
         for i, x in enumerate(tensors):
+            if x is self.recurrent_states[i]:
+                continue  # updated in place by the core (decoding)
             if replace or not self.is_recurrent_states_initialized[i] or self.recurrent_states[i].shape != x.shape:
                 self.recurrent_states[i] = x if replace else x.clone()
                 self.is_recurrent_states_initialized[i] = True

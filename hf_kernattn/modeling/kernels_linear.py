@@ -15,7 +15,8 @@ keys ``j <= i`` (causal: ``S`` and ``z`` become running sums).
   inside chunks of ``C`` tokens plus the state of the earlier chunks. Time
   O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D): never quadratic in N.
 * :func:`recurrent_step` / :func:`recurrent_attention`: causal, one token at a time on the state
-  ``(S, z)``: O(M D) time and memory per token (the decoding form). With a bias clipped at K
+  ``(S, z)``: O(M D) time and memory per token (the decoding form; :func:`recurrent_step_in_place`
+  updates a state's own tensors). With a bias clipped at K
   each step also reads the window of the last K - 1 keys: O(K (M + D) + M D) per token. With an
   unclipped 1D bias the weights differ per query and each step re-reads the past: O(t (M + D))
   at step t, O(N^2 (M + D)) in all (no state is carried).
@@ -144,6 +145,27 @@ def recurrent_step(
     num = (q_t[..., None, :] @ state)[..., 0, :]
     den = (q_den_t * normalizer).sum(dim=-1, keepdim=True)
     return num / (den + eps), state, normalizer
+
+
+def recurrent_step_in_place(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    v_t: torch.Tensor,
+    state: AttentionState,
+    eps: float = 1e-6,
+    q_den_t: Optional[torch.Tensor] = None,
+    k_den_t: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`recurrent_step` writing ``S + k_t v_t^T`` and ``z + k_den_t`` into ``state.kv`` and
+    ``state.z`` (one fused update each, no new state tensors: the decoding form at the memory
+    bound). Inputs in the state's dtype, nothing recording gradients. Returns ``out_t (B, H, D)``."""
+    if q_den_t is None:
+        q_den_t, k_den_t = q_t, k_t
+    state.kv.addcmul_(k_t[..., :, None], v_t[..., None, :])
+    state.z.add_(k_den_t)
+    num = (q_t[..., None, :] @ state.kv)[..., 0, :]
+    den = (q_den_t * state.z).sum(dim=-1, keepdim=True)
+    return num / (den + eps)
 
 
 @full_precision

@@ -132,9 +132,21 @@ class LinearGPTAttention(KernelizedSelfAttention):
         result = kernelized_attention(
             q, k, v, rpe_bias=bias, causal=True, attention_mask=key_mask, eps=self.eps, rpe_clip=clip,
             backend=self.state_backend if output_final_state else self.backend,
-            initial_state=initial_state, output_final_state=output_final_state, **extra,
+            initial_state=initial_state, output_final_state=output_final_state,
+            # decoding (nothing recorded for autograd): the state is updated in the cache's own tensors
+            in_place=initial_state is not None and not torch.is_grad_enabled(), **extra,
         )
         return result if output_final_state else (result, None)
+
+
+# activations computed by one fused kernel: the same function (GPT-2's "gelu_new" is the tanh
+# approximation of GELU that torch computes in one pass; float64 results agree to rounding)
+_FUSED_ACTIVATIONS = {"gelu_new": "gelu_pytorch_tanh"}
+
+
+def activation(name: str) -> nn.Module:
+    """The MLP activation ``hidden_act`` names, in its fused form where torch has one."""
+    return ACT2FN[_FUSED_ACTIVATIONS.get(name, name)]
 
 
 class LinearGPTMLP(nn.Module):
@@ -144,7 +156,7 @@ class LinearGPTMLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.c_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -160,7 +172,7 @@ class LinearGPTGatedMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = activation(config.hidden_act)
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -259,6 +271,24 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
             nn.init.zeros_(module.weight)
         elif isinstance(module, FeatureMap):
             self._init_feature_map(module)
+
+    def post_init(self) -> None:
+        super().post_init()
+        self.stream_weights()
+
+    def stream_weights(self) -> None:
+        """Store the blocks' linear weights column-major (the transpose of ``nn.Linear``'s
+        ``(out, in)`` row-major layout; values, shapes and state-dict keys unchanged, as
+        ``channels_last`` does for convolutions): a one-token step then streams each weight as
+        the ``(in, out)`` matrix a batch-1 product reads fastest (GPT-2's Conv1D layout). Done
+        at construction and by ``generate()`` (weights loaded by ``from_pretrained`` arrive
+        row-major); a no-op for weights already in this layout."""
+        for module in self.modules():
+            if isinstance(module, (LinearGPTAttention, LinearGPTMLP, LinearGPTGatedMLP)):
+                for linear in module.children():
+                    if isinstance(linear, nn.Linear) and linear.weight.is_contiguous() and linear.weight.dim() == 2:
+                        with torch.no_grad():
+                            linear.weight.data = linear.weight.data.t().contiguous().t()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -533,7 +563,41 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                     + (" or (batch, past + seq)" if past is not None else "")
                     + f" (1 = keep, 0 = padding), got {tuple(mask.shape)}"
                 )
+        self.stream_weights()
         return super().generate(inputs, *args, **kwargs)
+
+    def prepare_inputs_for_generation(
+        self,
+        input_ids: torch.LongTensor,
+        next_sequence_length: Optional[int] = None,
+        past_key_values: Optional[LinearGPTCache] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        is_first_iteration: Optional[bool] = False,
+        **kwargs,
+    ) -> dict:
+        """The inputs of one ``generate()`` step: the tokens not yet in the state (the last
+        ``next_sequence_length``), or the prompt's ``inputs_embeds`` on the first step; the full
+        ``attention_mask``; the state; every other keyword as given. The model's own, so that a
+        step does no per-step work beyond this (no signature inspection, no 4D mask: the state
+        needs none)."""
+        if inputs_embeds is not None and is_first_iteration:
+            embeds = inputs_embeds[:, -next_sequence_length:] if next_sequence_length is not None else inputs_embeds
+            model_inputs = {"input_ids": None, "inputs_embeds": embeds}
+        else:
+            model_inputs = {"input_ids": input_ids[:, -next_sequence_length:] if next_sequence_length is not None else input_ids}
+        n = (model_inputs["inputs_embeds"] if model_inputs["input_ids"] is None else model_inputs["input_ids"]).shape[1]
+        if past_key_values is not None:
+            model_inputs["past_key_values"] = past_key_values
+        position_ids = kwargs.pop("position_ids", None)
+        if position_ids is not None:
+            model_inputs["position_ids"] = position_ids[..., -n:]
+        if attention_mask is not None:
+            model_inputs["attention_mask"] = attention_mask
+        for key, value in kwargs.items():
+            if key not in ("labels", "next_sequence_length") and key not in model_inputs:
+                model_inputs[key] = value
+        return model_inputs
 
     def forward(
         self,
