@@ -54,7 +54,7 @@ def test_windowed_case_computes_the_clipped_bias_attention(monkeypatch):
 
 
 def test_continuation_case_runs_both_modes_and_alternates(monkeypatch):
-    from hf_kernattn.bench import generate
+    from hf_kernattn.bench import common, generate
 
     shape = dict(hidden=16, layers=1, heads=2, vocab=256)
     for mode in generate.CONTINUATION_MODES:
@@ -66,11 +66,11 @@ def test_continuation_case_runs_both_modes_and_alternates(monkeypatch):
         calls.append(kwargs["mode"])
         return {"time_s": 2.0 if kwargs["mode"] == "continuation" else 1.0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
 
-    monkeypatch.setattr(generate, "measure", fake_measure)
+    monkeypatch.setattr(common, "measure", fake_measure)
     args = generate.build_parser().parse_args(["--continuation", "--continuation-clips", "3", "--rounds", "2"])
     rows = generate.continuation(args, shape)
-    assert calls == ["stateless", "continuation"] * 2
-    assert [r["ratio"] for r in rows] == [2.0, 2.0, "2.00 [2.00-2.00]"]
+    assert calls == ["stateless", "continuation", "continuation", "stateless"]  # A B, then B A
+    assert [r["ratio"] for r in rows] == [2.0, 2.0, "2.00x [2.00-2.00]"]
 
 
 def test_vision_case_runs_both_models_on_a_small_grid():
@@ -103,7 +103,7 @@ def test_generate_continuation_only_writes_its_csv(tmp_path, monkeypatch):
     import csv
     import time
 
-    from hf_kernattn.bench import generate
+    from hf_kernattn.bench import common, generate
 
     def in_process(target, kwargs, **_):
         assert target.endswith(":continuation_workload")
@@ -113,7 +113,7 @@ def test_generate_continuation_only_writes_its_csv(tmp_path, monkeypatch):
         torch.set_grad_enabled(True)
         return {"time_s": time.perf_counter() - t0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
 
-    monkeypatch.setattr(generate, "measure", in_process)
+    monkeypatch.setattr(common, "measure", in_process)
     args = generate.build_parser().parse_args([
         "--continuation", "--out", str(tmp_path), "--hidden", "16", "--layers", "1", "--heads", "2",
         "--continuation-clips", "3", "8", "--continuation-tokens", "12", "--continuation-prompt", "5",
@@ -126,3 +126,46 @@ def test_generate_continuation_only_writes_its_csv(tmp_path, monkeypatch):
         ("3", "0"), ("3", "1"), ("3", "median [min-max]"), ("8", "0"), ("8", "1"), ("8", "median [min-max]")]
     assert all(float(r["ratio"]) > 0 for r in rows if r["round"] != "median [min-max]")
     assert not (tmp_path / "decode_latency.csv").exists()  # --continuation runs only this case
+
+
+def test_generate_bench_alternates_every_case_and_reports_spreads(tmp_path, monkeypatch):
+    """The whole generate benchmark at toy size, its real workloads run in this process: every
+    comparison's cases alternate (A B C, then C B A) for each round, and the summary gives each
+    ratio as median [min-max] of the per-round ratios."""
+    import csv
+    import re
+    import time
+
+    from hf_kernattn.bench import common, generate
+
+    order = []
+
+    def in_process(target, kwargs, **_):
+        name = target.split(":")[1]
+        order.append((name, kwargs.get("model", kwargs.get("layout", kwargs.get("mode")))))
+        fn = getattr(generate, name)(**kwargs)
+        t0 = time.perf_counter()
+        fn()
+        torch.set_grad_enabled(True)
+        return {"time_s": time.perf_counter() - t0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
+
+    monkeypatch.setattr(common, "measure", in_process)
+    args = generate.build_parser().parse_args([
+        "--out", str(tmp_path), "--hidden", "16", "--layers", "1", "--heads", "2", "--contexts", "4", "9",
+        "--bound-context", "9", "--new-tokens", "2", "--nostate-new-tokens", "1", "--rounds", "2", "--repeats", "1",
+        "--extra-batch", "0", "--short-prompt", "5", "--short-new", "3", "--throughput-batch", "2",
+        "--throughput-len", "6", "--continuation-clips", "3", "--continuation-tokens", "4", "--continuation-prompt", "3"])
+    assert generate.run(args) == 0
+    decode = [m for name, m in order if name in ("decode_workload", "weights_workload")]
+    first = ["linear_state", "gpt2_kv", "gpt2_static", "linear_nostate"]
+    assert decode[:8] == first + first[::-1]  # context 4: two rounds, reversed in the second
+    bound = first + ["weights", "weights_row_major"]
+    assert decode[8:] == bound + bound[::-1]  # the bound context also times the weights
+    with open(tmp_path / "generate_summary.csv") as f:
+        summary = {r["figure"]: r["value"] for r in csv.DictReader(f)}
+    spread_re = re.compile(r"^\d+\.\d\dx \[\d+\.\d\d-\d+\.\d\d\]$")
+    # per context 2 cache ratios, the bound's 2, generate() 2, throughput 1, continuation 1
+    assert len(summary) == 10 and all(spread_re.match(v) for v in summary.values()), summary
+    assert sum("StaticCache" in figure for figure in summary) == 3
+    for name in ("decode_latency.csv", "generate_short.csv", "generate_throughput.csv", "continuation.csv", "generate.png"):
+        assert (tmp_path / name).exists(), name

@@ -18,6 +18,10 @@ and ``run(args) -> int``, and the same common flags: ``--out`` (default ``bench_
 ``--quick`` (a short subset), ``--threads`` (torch threads per measured process, default 1: a
 figure taken with one thread holds on a busy machine) and ``--device``. The demo writes each
 benchmark it runs into ``bench_results/demo/NAME``.
+
+Comparisons alternate (:func:`alternate`): the compared cases run A B A B ... over several rounds,
+each in a fresh process, and a ratio is reported per round and as median [min-max]
+(:func:`format_spread`), the form the README quotes.
 """
 
 from __future__ import annotations
@@ -137,6 +141,51 @@ def measure(
     if proc.returncode < 0:
         err = f"killed by signal {-proc.returncode} (out of memory?)"
     return {"time_s": float("nan"), "peak_mb": float("nan"), "runs": 0, "status": f"failed: {err[:200]}"}
+
+
+def alternate(
+    cases: Sequence[tuple],
+    *,
+    rounds: int,
+    **measure_kwargs: Any,
+) -> dict[str, list[dict[str, Any]]]:
+    """Measure every case once per round, each in a fresh process (:func:`measure`), the cases
+    alternating: A B C in even rounds, C B A in odd ones, so a slow-down of the machine that lasts
+    a while hits every case alike and a ratio taken within a round holds on a busy machine.
+
+    ``cases``: ``(name, target, kwargs)`` or ``(name, target, kwargs, measure_overrides)``.
+    Returns ``{name: [one result per round]}``.
+    """
+    results: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
+    for rnd in range(rounds):
+        for case in (cases if rnd % 2 == 0 else list(reversed(cases))):
+            name, target, kwargs = case[:3]
+            options = {**measure_kwargs, **(case[3] if len(case) > 3 else {})}
+            results[name].append(measure(target, kwargs, **options))
+    return results
+
+
+def per_round_ratios(num: Sequence[dict[str, Any]], den: Sequence[dict[str, Any]], key: str = "time_s") -> list[float]:
+    """``num[r][key] / den[r][key]`` for every round ``r`` (two cases measured in the same rounds)."""
+    return [a[key] / b[key] if b[key] else float("nan") for a, b in zip(num, den)]
+
+
+def spread(values: Iterable[float]) -> tuple[float, float, float]:
+    """``(median, min, max)`` of the finite values (NaNs when there are none)."""
+    import statistics
+
+    good = [v for v in values if v == v and v not in (float("inf"), float("-inf"))]
+    if not good:
+        return float("nan"), float("nan"), float("nan")
+    return statistics.median(good), min(good), max(good)
+
+
+def format_spread(values: Iterable[float], unit: str = "x", digits: int = 2) -> str:
+    """``"1.23x [1.10-1.40]"``: median [min-max] of ``values``."""
+    med, lo, hi = spread(values)
+    if med != med:
+        return "nan"
+    return f"{med:.{digits}f}{unit} [{lo:.{digits}f}-{hi:.{digits}f}]"
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str | os.PathLike) -> Path:

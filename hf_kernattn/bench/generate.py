@@ -1,19 +1,35 @@
-"""Decoding speed and memory: Linear GPT with its recurrent state vs recomputing vs GPT-2 + KV cache.
+"""Decoding speed and memory: Linear GPT with its recurrent state vs recomputing vs GPT-2 with a
+KV cache (dynamic and static).
 
-Three models of one shape (hidden 512, 6 layers, 8 heads, MLP 2048, byte vocabulary of 256):
+Models of one shape (hidden 512, 6 layers, 8 heads, MLP 2048, byte vocabulary of 256):
 
 * ``linear_state``: Linear GPT decoding with its constant-size state (``past_key_values``).
 * ``linear_nostate``: the same model with ``use_cache=False``: every new token re-runs the
   whole (causal, linear-time) forward over the context.
-* ``gpt2_kv``: ``transformers`` ``GPT2LMHeadModel`` with SDPA attention and a ``DynamicCache``.
+* ``gpt2_kv``: ``transformers`` ``GPT2LMHeadModel`` with SDPA attention and a ``DynamicCache``
+  (the default of ``generate()``; it grows by concatenation every step).
+* ``gpt2_static``: the same GPT-2 with a ``StaticCache`` (preallocated for the whole length,
+  written in place: ``generate(..., cache_implementation="static")``), what a user who cares
+  about decoding speed picks.
+* ``weights``: the time the Linear GPT's weights take as batch-1 matrix products (every linear
+  layer once per token, in the layout the model stores them), the bound a decoding step
+  approaches; ``weights_row_major``: the same products with ``nn.Linear``'s default row-major
+  layout.
 
-Per-token latency: each case runs in a fresh process (``bench.common.measure``); its setup
-builds the model and a context of ``L`` tokens (Linear GPT: a real prefill; GPT-2: a KV cache of
-the same shape filled with random keys/values, since a decoding step's cost depends only on the
-shapes), then the timed part decodes ``--new-tokens`` tokens one forward call at a time, exactly
-the calls ``generate()`` makes, starting from a copy of the prefilled state each repeat. Peak
-memory is the resident-set growth during decoding above the prefilled state; ``state_mb`` is the
-size of the state itself (S, z per layer vs. keys and values per layer).
+Every comparison alternates: the cases of one group run A B C ..., then ... C B A, over
+``--rounds`` rounds, each in a fresh process (``bench.common.alternate``), 1 thread by default;
+ratios are taken within a round and reported as median [min-max].
+
+Per-token latency: each case's setup builds the model and a context of ``L`` tokens (Linear GPT:
+a real prefill; GPT-2: a cache of the same shape filled with random keys/values, since a
+decoding step's cost depends only on the shapes), then the timed part decodes ``--new-tokens``
+tokens one forward call at a time, exactly the calls ``generate()`` makes, starting from the
+prefilled state each repeat. Peak memory is the resident-set growth during decoding above the
+prefilled state; ``state_mb`` is the size of the state itself (S, z per layer vs. keys and
+values per layer).
+
+``generate()`` at batch 1 and a short context (``--short-prompt`` 128 tokens, ``--short-new``
+new ones): the whole call, as a user runs it, for Linear GPT and GPT-2 with either cache.
 
 Throughput: ``generate()`` for a batch of sequences of 784 tokens (Katharopoulos et al. 2020,
 Table 1: MNIST-sized images as pixel sequences), greedy, from a one-token prompt.
@@ -22,9 +38,7 @@ Continuation (``--continuation`` runs only this): Linear GPT with a learned rela
 bias clipped at K (``--continuation-clips``, default 64 and 512) continuing from a returned state
 with ``--continuation-tokens`` (1024) new tokens in one call, against a stateless forward of the
 same tokens (``use_cache=False``). The state comes from a prefill of ``--continuation-prompt``
-(256) tokens outside the timed part. The two cases alternate (stateless, continuation,
-stateless, ...) over ``--rounds`` rounds, each in a fresh process; the ratio continuation /
-stateless is reported per round and as median [min-max].
+(256) tokens outside the timed part.
 """
 
 from __future__ import annotations
@@ -36,14 +50,16 @@ from typing import Any, Callable
 
 from transformers.utils import logging
 
-from .common import format_table, measure, plot_series, write_csv
+from .common import alternate, format_spread, format_table, per_round_ratios, plot_series, spread, write_csv
 
 logger = logging.get_logger(__name__)
 
 NAME = "generate"
 TARGET = "hf_kernattn.bench.generate"
 SHAPE = dict(hidden=512, layers=6, heads=8, vocab=256)
-MODELS = ("linear_state", "linear_nostate", "gpt2_kv")
+MODELS = ("linear_state", "linear_nostate", "gpt2_kv", "gpt2_static")
+WEIGHT_LAYOUTS = ("weights", "weights_row_major")
+CACHES = {"gpt2_kv": "DynamicCache", "gpt2_static": "StaticCache"}
 
 
 def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int, vocab: int, clip: int = 0):
@@ -65,7 +81,7 @@ def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int,
 
     cfg = GPT2Config(
         vocab_size=vocab, n_embd=hidden, n_layer=layers, n_head=heads, n_inner=4 * hidden,
-        n_positions=max_positions, attn_implementation="sdpa",
+        n_positions=max_positions, attn_implementation="sdpa", bos_token_id=0, eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg).eval()
 
@@ -104,20 +120,27 @@ def decode_workload(
                 seq = torch.cat([seq, out.logits[:, -1:].argmax(-1)], dim=1)
 
         return run
-    if model == "gpt2_kv":
-        from transformers import DynamicCache
+    if model in ("gpt2_kv", "gpt2_static"):
+        from transformers import DynamicCache, StaticCache
 
         head_dim = hidden // heads
-        kv = DynamicCache(config=net.config)
+        kv = DynamicCache(config=net.config) if model == "gpt2_kv" else StaticCache(config=net.config, max_cache_len=context + new_tokens)
         for layer in range(layers):
             k = torch.randn(batch, heads, context - 1, head_dim, generator=gen).to(device)
             v = torch.randn(batch, heads, context - 1, head_dim, generator=gen).to(device)
             kv.update(k, v, layer)
 
+        def rewind() -> None:  # back to the prefilled context
+            if model == "gpt2_kv":
+                extra = kv.get_seq_length() - (context - 1)
+                if extra > 0:
+                    kv.crop(-extra)
+            else:
+                for layer in kv.layers:
+                    layer.cumulative_length.fill_(context - 1)
+
         def run() -> None:
-            extra = kv.get_seq_length() - (context - 1)
-            if extra > 0:
-                kv.crop(-extra)
+            rewind()
             tok = first
             pos = context - 1
             for _ in range(new_tokens):
@@ -128,6 +151,54 @@ def decode_workload(
 
         return run
     raise ValueError(f"model must be one of {list(MODELS)}, got {model!r}")
+
+
+def weights_workload(
+    layout: str, new_tokens: int, batch: int = 1, hidden: int = 512, layers: int = 6, heads: int = 8, vocab: int = 256,
+    device: str = "cpu",
+) -> Callable[[], None]:
+    """The Linear GPT's weights as batch-1 matrix products: every linear layer (lm head included)
+    applied to one input row per token, ``new_tokens`` times; ``layout="weights"`` in the layout
+    the model stores them, ``"weights_row_major"`` in ``nn.Linear``'s default layout."""
+    import torch
+
+    if layout not in WEIGHT_LAYOUTS:
+        raise ValueError(f"layout must be one of {list(WEIGHT_LAYOUTS)}, got {layout!r}")
+    net = _build("linear_state", 2, hidden, layers, heads, vocab).to(device)
+    torch.set_grad_enabled(False)
+    linears = [(m.weight if layout == "weights" else m.weight.contiguous(), m.bias)
+               for m in net.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], device=device) for w, _ in linears}
+
+    def run() -> None:
+        for _ in range(new_tokens):
+            for w, b in linears:
+                torch.nn.functional.linear(inputs[w.shape[1]], w, b)
+
+    return run
+
+
+def generate_workload(
+    model: str, prompt: int, new_tokens: int, batch: int = 1, hidden: int = 512, layers: int = 6, heads: int = 8,
+    vocab: int = 256, device: str = "cpu",
+) -> Callable[[], None]:
+    """A callable running ``generate()`` as a user does: ``prompt`` tokens in, ``new_tokens``
+    greedy tokens out (GPT-2: ``DynamicCache`` for ``gpt2_kv``, ``cache_implementation="static"``
+    for ``gpt2_static``)."""
+    import torch
+
+    if model not in ("linear_state", "gpt2_kv", "gpt2_static"):
+        raise ValueError(f"model must be linear_state, gpt2_kv or gpt2_static, got {model!r}")
+    net = _build(model, prompt + new_tokens + 1, hidden, layers, heads, vocab).to(device)
+    ids = torch.randint(0, vocab, (batch, prompt), generator=torch.Generator().manual_seed(3)).to(device)
+    extra = {"cache_implementation": "static"} if model == "gpt2_static" else {}
+
+    def run() -> None:
+        with torch.no_grad():
+            net.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
+
+    return run
 
 
 def throughput_workload(
@@ -186,41 +257,33 @@ def continuation_workload(
 def continuation(args: argparse.Namespace, shape: dict) -> list[dict[str, Any]]:
     """The continuation case (see the module docstring): one row per clip and round, then one
     summary row per clip (``round = "median [min-max]"``)."""
-    import statistics
-
     rows: list[dict[str, Any]] = []
     for clip in args.continuation_clips:
-        ratios = []
-        for rnd in range(args.rounds):
-            times = {}
-            for mode in CONTINUATION_MODES:  # alternated within each round, each in a fresh process
-                res = measure(
-                    f"{TARGET}:continuation_workload",
-                    dict(mode=mode, clip=clip, new_tokens=args.continuation_tokens, prompt=args.continuation_prompt,
-                         device=args.device, **shape),
-                    repeats=args.repeats, threads=args.threads, timeout_s=900, max_seconds=60,
-                )
-                times[mode] = res["time_s"]
-            ratio = times["continuation"] / times["stateless"]
-            ratios.append(ratio)
-            rows.append({"clip": clip, "round": rnd, "tokens": args.continuation_tokens, "stateless_s": times["stateless"],
-                         "continuation_s": times["continuation"], "ratio": ratio})
-            logger.info(f"  continuation K={clip:4d} round {rnd}: stateless {times['stateless']:.3f} s, "
-                        f"continuation {times['continuation']:.3f} s, ratio {ratio:.2f}")
-        good = [r for r in ratios if r == r]
-        spread = (f"{statistics.median(good):.2f} [{min(good):.2f}-{max(good):.2f}]" if good else "nan")
+        cases = [(mode, f"{TARGET}:continuation_workload",
+                  dict(mode=mode, clip=clip, new_tokens=args.continuation_tokens, prompt=args.continuation_prompt,
+                       device=args.device, **shape)) for mode in CONTINUATION_MODES]
+        res = alternate(cases, rounds=args.rounds, repeats=args.repeats, threads=args.threads, timeout_s=900, max_seconds=60)
+        ratios = per_round_ratios(res["continuation"], res["stateless"])
+        for rnd, ratio in enumerate(ratios):
+            rows.append({"clip": clip, "round": rnd, "tokens": args.continuation_tokens,
+                         "stateless_s": res["stateless"][rnd]["time_s"], "continuation_s": res["continuation"][rnd]["time_s"],
+                         "ratio": ratio})
         rows.append({"clip": clip, "round": "median [min-max]", "tokens": args.continuation_tokens,
-                     "stateless_s": float("nan"), "continuation_s": float("nan"), "ratio": spread})
+                     "stateless_s": float("nan"), "continuation_s": float("nan"), "ratio": format_spread(ratios)})
+        logger.info(f"  continuation K={clip}: continuation / stateless {format_spread(ratios)}")
     return rows
 
 
-def state_mb(model: str, context: int, batch: int, hidden: int, layers: int, heads: int) -> float:
-    """Size of the decoding state in MB (float32): (S, z) per layer vs. keys + values per layer."""
+def state_mb(model: str, context: int, batch: int, hidden: int, layers: int, heads: int, new_tokens: int = 0) -> float:
+    """Size of the decoding state in MB (float32): (S, z) per layer vs. keys + values per layer
+    (the static cache holds the whole length, context + new tokens)."""
     d = hidden // heads
     if model == "linear_state":
         return batch * layers * heads * (d * d + d) * 4 / 2**20
     if model == "gpt2_kv":
         return batch * layers * 2 * context * hidden * 4 / 2**20
+    if model == "gpt2_static":
+        return batch * layers * 2 * (context + new_tokens) * hidden * 4 / 2**20
     return 0.0
 
 
@@ -233,18 +296,23 @@ def build_parser() -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .common import add_common_arguments
 
-    add_common_arguments(parser, NAME, "a small subset for the demo (about a minute; no continuation case)")
-    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 2048, 4096, 8192, 16384],
+    add_common_arguments(parser, NAME, "a small subset for the demo (about two minutes; no continuation case)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 16384],
                         help="context lengths L for per-token decoding")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per timed run (state / KV models)")
     parser.add_argument("--nostate-new-tokens", type=int, default=2, help="tokens per timed run without state")
     parser.add_argument("--max-nostate-context", type=int, default=4096,
                         help="largest context for linear_nostate (each token re-runs the whole forward)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bound-context", type=int, default=4096,
+                        help="the context whose rounds also time the weights as batch-1 products (the decoding bound)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (their median)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of every comparison")
     parser.add_argument("--extra-batch", type=int, default=16,
                         help="also decode a batch of this many sequences (state and KV models; 0 = skip)")
-    parser.add_argument("--extra-batch-contexts", type=int, nargs="+", default=[128, 1024, 4096],
+    parser.add_argument("--extra-batch-contexts", type=int, nargs="+", default=[4096],
                         help="contexts for the batched decode series")
+    parser.add_argument("--short-prompt", type=int, default=128, help="prompt of the batch-1 generate() case")
+    parser.add_argument("--short-new", type=int, default=64, help="new tokens of the batch-1 generate() case")
     parser.add_argument("--throughput-batch", type=int, default=16)
     parser.add_argument("--throughput-len", type=int, default=784)
     parser.add_argument("--throughput-nostate", action="store_true",
@@ -254,30 +322,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="K of the learned bias in the continuation case")
     parser.add_argument("--continuation-tokens", type=int, default=1024, help="new tokens continued in one call")
     parser.add_argument("--continuation-prompt", type=int, default=256, help="prefill before the continuation")
-    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds of the continuation case")
     parser.add_argument("--hidden", type=int, default=SHAPE["hidden"], help="model width (all cases)")
     parser.add_argument("--layers", type=int, default=SHAPE["layers"], help="decoder layers (all cases)")
     parser.add_argument("--heads", type=int, default=SHAPE["heads"], help="attention heads (all cases)")
 
 
-def _ratio(rows: list[dict[str, Any]], model: str, context: int, batch: int = 1) -> float:
-    for r in rows:
-        if r["model"] == model and r["context"] == context and r["batch"] == batch:
-            return r["ms_per_token"]
-    return float("nan")
+def _decode_group(args, shape, ctx: int, batch: int) -> dict[str, list[dict[str, Any]]]:
+    """The alternated decoding cases of one context and batch (see the module docstring)."""
+    models = ["linear_state", "gpt2_kv", "gpt2_static"]
+    if batch == 1 and ctx <= args.max_nostate_context:
+        models.append("linear_nostate")
+    cases = []
+    for model in models:
+        new = args.nostate_new_tokens if model == "linear_nostate" else args.new_tokens
+        slow = model == "linear_nostate" and ctx >= 2048
+        cases.append((model, f"{TARGET}:decode_workload",
+                      dict(model=model, context=ctx, new_tokens=new, batch=batch, device=args.device, **shape),
+                      {"repeats": 1 if slow else args.repeats}))
+    if ctx == args.bound_context:
+        cases += [(layout, f"{TARGET}:weights_workload",
+                   dict(layout=layout, new_tokens=args.new_tokens, batch=batch, device=args.device, **shape))
+                  for layout in WEIGHT_LAYOUTS]
+    return alternate(cases, rounds=args.rounds, repeats=args.repeats, threads=args.threads, timeout_s=900, max_seconds=60)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.contexts = [128, 4096]
+        args.bound_context = 4096
         args.new_tokens = 16
         args.max_nostate_context = 1024
         args.nostate_new_tokens = 1
         args.repeats = 2
+        args.rounds = 2
+        args.short_new = 16
         args.throughput_batch, args.throughput_len = 4, 128
         args.extra_batch = 0
     for name in ("new_tokens", "nostate_new_tokens", "repeats", "throughput_batch", "throughput_len", "threads",
-                 "continuation_tokens", "continuation_prompt", "rounds", "hidden", "layers", "heads"):
+                 "continuation_tokens", "continuation_prompt", "rounds", "hidden", "layers", "heads", "short_prompt",
+                 "short_new"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {value!r}")
@@ -297,103 +380,101 @@ def run(args: argparse.Namespace) -> int:
     if args.continuation:
         print(f"wrote {out / 'continuation.csv'} in {time.perf_counter() - started:.0f}s")
         return 0
+
+    # per-token decoding, alternated per context (and batch)
     rows: list[dict[str, Any]] = []
-    plan = []
-    for model in MODELS:
-        contexts = [c for c in args.contexts if model != "linear_nostate" or c <= args.max_nostate_context]
-        if model == "linear_nostate" and args.quick:
-            contexts = [128, 1024]
-        plan += [(model, ctx, 1) for ctx in contexts]
+    summary: list[dict[str, Any]] = []
+    groups = [(ctx, 1) for ctx in args.contexts]
     if args.extra_batch and args.extra_batch > 1:
-        plan += [(m, c, args.extra_batch) for m in ("linear_state", "gpt2_kv") for c in args.extra_batch_contexts]
-    for model, ctx, batch in plan:
-        new = args.nostate_new_tokens if model == "linear_nostate" else args.new_tokens
-        res = measure(
-            f"{TARGET}:decode_workload",
-            dict(model=model, context=ctx, new_tokens=new, batch=batch, device=args.device, **shape),
-            repeats=1 if (model == "linear_nostate" and ctx >= 2048) else args.repeats,
-            threads=args.threads, timeout_s=900, max_seconds=60,
-        )
-        row = {
-            "model": model, "batch": batch, "context": ctx, "ms_per_token": 1000 * res["time_s"] / new,
-            "decode_peak_mb": res["peak_mb"],
-            "state_mb": state_mb(model, ctx, batch, shape["hidden"], shape["layers"], shape["heads"]),
-            "runs": res["runs"], "status": res["status"],
-        }
-        rows.append(row)
-        logger.info(f"  {model:15s} B={batch:3d} L={ctx:6d}  {row['ms_per_token']:9.2f} ms/step  decode peak "
-                    f"{row['decode_peak_mb']:7.1f} MB  state {row['state_mb']:8.2f} MB  [{res['status']}]")
+        groups += [(ctx, args.extra_batch) for ctx in args.extra_batch_contexts]
+    for ctx, batch in groups:
+        res = _decode_group(args, shape, ctx, batch)
+        for model, results in res.items():
+            new = args.nostate_new_tokens if model == "linear_nostate" else args.new_tokens
+            med, lo, hi = spread(1000 * r["time_s"] / new for r in results)
+            rows.append({
+                "model": model, "batch": batch, "context": ctx, "ms_per_token": med, "ms_min": lo, "ms_max": hi,
+                "decode_peak_mb": spread(r["peak_mb"] for r in results)[0],
+                "state_mb": state_mb(model, ctx, batch, shape["hidden"], shape["layers"], shape["heads"], new),
+                "status": ",".join(sorted({r["status"] for r in results})),
+            })
+            logger.info(f"  {model:17s} B={batch:3d} L={ctx:6d}  {med:9.2f} ms/token [{lo:.2f}-{hi:.2f}]")
+        for other in ("gpt2_kv", "gpt2_static"):
+            summary.append({"figure": f"GPT-2 {CACHES[other]} / Linear GPT, ms per token, L={ctx}, batch {batch}",
+                            "value": format_spread(per_round_ratios(res[other], res["linear_state"]))})
+        if "weights" in res:
+            for layout in WEIGHT_LAYOUTS:
+                summary.append({"figure": f"Linear GPT step / its weights as batch-1 products ({layout}), L={ctx}, batch {batch}",
+                                "value": format_spread(per_round_ratios(res["linear_state"], res[layout]))})
     write_csv(rows, out / "decode_latency.csv")
-    print(format_table(rows, ["model", "batch", "context", "ms_per_token", "decode_peak_mb", "state_mb", "status"]))
+    print(format_table(rows, ["model", "batch", "context", "ms_per_token", "ms_min", "ms_max", "decode_peak_mb", "state_mb", "status"]))
 
-    tp_rows: list[dict[str, Any]] = []
+    # generate() at batch 1 and a short context, as a user calls it
+    gen_models = ("linear_state", "gpt2_kv", "gpt2_static")
+    res = alternate([(m, f"{TARGET}:generate_workload",
+                      dict(model=m, prompt=args.short_prompt, new_tokens=args.short_new, device=args.device, **shape))
+                     for m in gen_models], rounds=args.rounds, repeats=args.repeats, threads=args.threads,
+                    timeout_s=900, max_seconds=60)
+    short_rows = []
+    for m in gen_models:
+        med, lo, hi = spread(args.short_new / r["time_s"] for r in res[m])
+        short_rows.append({"model": m, "prompt": args.short_prompt, "new_tokens": args.short_new,
+                           "tokens_per_s": med, "min": lo, "max": hi})
+    for other in ("gpt2_kv", "gpt2_static"):
+        summary.append({"figure": f"generate() batch 1, prompt {args.short_prompt}: Linear GPT speed / GPT-2 {CACHES[other]}",
+                        "value": format_spread(per_round_ratios(res[other], res["linear_state"]))})
+    write_csv(short_rows, out / "generate_short.csv")
+    print(format_table(short_rows, ["model", "prompt", "new_tokens", "tokens_per_s", "min", "max"]))
+
+    # throughput of generate() for a batch of long sequences
     tp_models = ["linear_state", "gpt2_kv"] + (["linear_nostate"] if args.throughput_nostate else [])
-    for model in tp_models:
-        res = measure(
-            f"{TARGET}:throughput_workload",
-            dict(model=model, batch=args.throughput_batch, seq_len=args.throughput_len, device=args.device, **shape),
-            repeats=1, threads=args.threads, timeout_s=1800, max_seconds=60,
-        )
-        tokens = args.throughput_batch * (args.throughput_len - 1)
-        tp_rows.append({
-            "model": model, "batch": args.throughput_batch, "seq_len": args.throughput_len,
-            "seconds": res["time_s"], "tokens_per_s": tokens / res["time_s"] if res["time_s"] == res["time_s"] else float("nan"),
-            "peak_mb": res["peak_mb"], "status": res["status"],
-        })
+    res = alternate([(m, f"{TARGET}:throughput_workload",
+                      dict(model=m, batch=args.throughput_batch, seq_len=args.throughput_len, device=args.device, **shape))
+                     for m in tp_models], rounds=args.rounds, repeats=1, threads=args.threads, timeout_s=1800, max_seconds=60)
+    tokens = args.throughput_batch * (args.throughput_len - 1)
+    tp_rows = []
+    for m in tp_models:
+        med, lo, hi = spread(tokens / r["time_s"] for r in res[m])
+        tp_rows.append({"model": m, "batch": args.throughput_batch, "seq_len": args.throughput_len, "tokens_per_s": med,
+                        "min": lo, "max": hi, "peak_mb": spread(r["peak_mb"] for r in res[m])[0]})
+    summary.append({"figure": f"generate() throughput Linear GPT / GPT-2 (batch {args.throughput_batch} x {args.throughput_len})",
+                    "value": format_spread(per_round_ratios(res["gpt2_kv"], res["linear_state"]))})
     write_csv(tp_rows, out / "generate_throughput.csv")
-    print(format_table(tp_rows, ["model", "batch", "seq_len", "seconds", "tokens_per_s", "peak_mb", "status"]))
+    print(format_table(tp_rows, ["model", "batch", "seq_len", "tokens_per_s", "min", "max", "peak_mb"]))
 
-    # The headline figures of this run.
-    lin = {r["context"]: r for r in rows if r["model"] == "linear_state" and r["batch"] == 1}
-    ctx_hi = 4096 if 4096 in lin else max(lin)
-    ctx_lo = min(lin)
-    speedup = _ratio(rows, "gpt2_kv", ctx_hi) / _ratio(rows, "linear_state", ctx_hi)
-    flatness = lin[ctx_hi]["ms_per_token"] / lin[ctx_lo]["ms_per_token"]
-    summary = [
-        {"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}", "value": speedup},
-        {"figure": f"linear latency L={ctx_hi} / L={ctx_lo}", "value": flatness},
-        {"figure": f"linear decode peak MB at L={max(lin)} (L={ctx_lo}: {lin[ctx_lo]['decode_peak_mb']:.1f})",
-         "value": lin[max(lin)]["decode_peak_mb"]},
-    ]
-    if args.extra_batch and args.extra_batch > 1 and ctx_hi in args.extra_batch_contexts:
-        b = args.extra_batch
-        summary.append({"figure": f"decode speedup vs GPT-2+KV at L={ctx_hi}, batch {b}",
-                        "value": _ratio(rows, "gpt2_kv", ctx_hi, b) / _ratio(rows, "linear_state", ctx_hi, b)})
     for r in cont_rows:
         if r["round"] == "median [min-max]":
             summary.append({"figure": f"continuation / stateless forward, {r['tokens']} tokens, K={r['clip']}",
                             "value": r["ratio"]})
-    if len(tp_rows) >= 2 and tp_rows[1]["tokens_per_s"] == tp_rows[1]["tokens_per_s"]:
-        summary.append({"figure": f"throughput ratio linear/GPT-2 (batch {args.throughput_batch} x {args.throughput_len})",
-                        "value": tp_rows[0]["tokens_per_s"] / tp_rows[1]["tokens_per_s"]})
     write_csv(summary, out / "generate_summary.csv")
     print(format_table(summary, ["figure", "value"]))
+    _plot(rows, args, out)
+    print(f"wrote {out / 'decode_latency.csv'}, {out / 'generate_summary.csv'}, {out / 'generate.png'} "
+          f"in {time.perf_counter() - started:.0f}s")
+    return 0
 
+
+def _plot(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    labels = {"linear_state": "Linear GPT, state", "linear_nostate": "Linear GPT, no state", "gpt2_kv": "GPT-2 SDPA + KV cache"}
-    one = [r for r in rows if r["batch"] == 1]
-    series = {labels[m]: ([r["context"] for r in one if r["model"] == m], [r["ms_per_token"] for r in one if r["model"] == m]) for m in MODELS}
-    if args.extra_batch and args.extra_batch > 1:
-        for m in ("linear_state", "gpt2_kv"):
-            sel = [r for r in rows if r["model"] == m and r["batch"] == args.extra_batch]
-            series[f"{labels[m]}, batch {args.extra_batch}"] = ([r["context"] for r in sel], [r["ms_per_token"] for r in sel])
-    plot_series(series, None, title="decode latency per step (batch 1 unless noted)", xlabel="context length", ylabel="ms per decoding step", ax=axes[0])
-    mem = {labels[m]: ([r["context"] for r in one if r["model"] == m],
-                       [r["state_mb"] + max(r["decode_peak_mb"], 0.0) if r["decode_peak_mb"] == r["decode_peak_mb"] else float("nan")
-                        for r in one if r["model"] == m]) for m in ("linear_state", "gpt2_kv")}
-    plot_series(mem, None, title="decode memory (batch 1): state + peak growth", xlabel="context length", ylabel="MB", ax=axes[1])
+    labels = {"linear_state": "Linear GPT, state", "linear_nostate": "Linear GPT, no state",
+              "gpt2_kv": "GPT-2 SDPA + DynamicCache", "gpt2_static": "GPT-2 SDPA + StaticCache"}
+    one = [r for r in rows if r["batch"] == 1 and r["model"] in labels]
+    series = {labels[m]: ([r["context"] for r in one if r["model"] == m], [r["ms_per_token"] for r in one if r["model"] == m])
+              for m in MODELS}
+    plot_series(series, None, title="decode latency per token (batch 1, median of rounds)", xlabel="context length",
+                ylabel="ms per decoding step", ax=axes[0])
+    mem = {labels[m]: ([r["context"] for r in one if r["model"] == m], [r["state_mb"] for r in one if r["model"] == m])
+           for m in ("linear_state", "gpt2_kv", "gpt2_static")}
+    plot_series(mem, None, title="decoding state (batch 1)", xlabel="context length", ylabel="MB", ax=axes[1])
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "generate.png", dpi=120)
     plt.close(fig)
-    print(f"wrote {out / 'decode_latency.csv'}, {out / 'generate_throughput.csv'}, {out / 'generate.png'} "
-          f"in {time.perf_counter() - started:.0f}s")
-    return 0
 
 
 def main() -> int:
