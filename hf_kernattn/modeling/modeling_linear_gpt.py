@@ -44,6 +44,12 @@ from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin
 from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
 
+def dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` where it can drop anything (training, p > 0); ``x`` otherwise, without the
+    module call (a decoding step makes many of these)."""
+    return module(x) if module.training and module.p > 0 else x
+
+
 # ----------------------------------------------------------------------------- layers
 
 
@@ -111,7 +117,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
             out, state = self._attend(*args)
         if state is not None:
             layer.set_state(state)
-        return self.output(self.dropout(out), hidden_states.dtype)
+        return self.output(dropout(self.dropout, out), hidden_states.dtype)
 
     def _attend(self, hidden_states, key_mask, rotary, projection, initial_state, output_final_state):
         """Projections, positions and the core: the attention ``(B, H, N, D)`` and, when asked,
@@ -160,7 +166,7 @@ class LinearGPTMLP(nn.Module):
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
+        return dropout(self.dropout, self.c_proj(self.act(self.c_fc(x))))
 
 
 class LinearGPTGatedMLP(nn.Module):
@@ -176,7 +182,7 @@ class LinearGPTGatedMLP(nn.Module):
         self.dropout = nn.Dropout(config.resid_pdrop)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
+        return dropout(self.dropout, self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class LinearGPTRMSNorm(nn.Module):
@@ -233,7 +239,7 @@ class LinearGPTBlock(GradientCheckpointingLayer):
             self.ln_1(hidden_states), key_mask=key_mask, rotary=rotary, past_key_values=past_key_values,
             projection=projection, recompute=recompute,
         )
-        hidden_states = hidden_states + self.resid_dropout(attn)
+        hidden_states = hidden_states + dropout(self.resid_dropout, attn)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
@@ -489,7 +495,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
                     "(use position_embedding_type='rotary' or 'none' for unbounded lengths)"
                 )
             hidden = hidden + self.wpe(position_ids)
-        hidden = self.drop(hidden)
+        hidden = dropout(self.drop, hidden)
         rotary = None
         if cfg.position_embedding_type in ("rotary", "rope"):
             attn = self.h[0].attn
