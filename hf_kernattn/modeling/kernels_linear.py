@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from .kernels_common import AttentionState, chunk_tokens, clipped_table, fold_into_state, full_precision, shifted_bias, with_ones_column
+from .kernels_common import AttentionState, chunk_tokens, clipped_table, fold_into_state, full_precision, shifted_bias
 
 
 @full_precision
@@ -81,6 +81,101 @@ def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
     return y.reshape(q.shape[0], q.shape[1], -1, d)[:, :, :n]
 
 
+def _chunk_prefix_(x: torch.Tensor, initial: Optional[torch.Tensor] = None, reverse: bool = False) -> torch.Tensor:
+    """Exclusive running sums over the chunk dim 2 of ``x (B, H, nc, ...)``, written into ``x``:
+    entry ``c`` becomes ``initial + sum_{c' < c} x_c'`` (``reverse``: ``sum_{c' > c} x_c'``).
+    One chunk at a time in place (torch's ``cumsum`` over a middle dim of these shapes is
+    several times slower, and a copy would double the largest tensor of the kernel)."""
+    nc = x.shape[2]
+    if nc == 0:
+        return x
+    running = torch.zeros_like(x[:, :, 0]) if initial is None else initial.clone()
+    for c in (range(nc - 1, -1, -1) if reverse else range(nc)):
+        entry = x[:, :, c]
+        here = entry.clone()
+        entry.copy_(running)
+        running += here
+    return x
+
+
+class _CausalChunked(torch.autograd.Function):
+    """``out = causal(q k^T) v / (causal(q_den k_den^T) 1 + eps)`` with the chunked sums of
+    :func:`causal_linear_sums` and a hand-written backward that recomputes the chunk products
+    instead of storing them (it keeps the inputs, the output and the denominator only).
+
+    Per chunk ``c`` of ``C`` tokens (``A_c = tril(Q_c K_c^T)``, ``S_c = K_c^T V_c``,
+    ``P_c = S_0 + sum_{c' < c} S_c'``, likewise ``Z_c = z_0 + sum_{c' < c} 1^T Kd_c'`` for the
+    denominator keys)::
+
+        Y_c = Q_c P_c + A_c V_c,   r_c = rowsum(tril(Qd_c Kd_c^T)) + Qd_c Z_c + eps,   out_c = Y_c / r_c
+
+    Backward with ``g = d out / r``, ``dr = -rowsum(d out * out) / r``, ``G_c = sum_{c' > c}
+    Q_c'^T g_c'`` and ``F_c = sum_{c' > c} Qd_c'^T dr_c'`` (what later chunks read of chunk
+    ``c``'s keys)::
+
+        dA_c = tril(g_c V_c^T) (+ tril(dr_c 1^T) when the denominator shares q, k)
+        dQ_c = g_c P_c^T + dA_c K_c + dr_c Z_c      dK_c = dA_c^T Q_c + V_c G_c^T + 1 F_c
+        dV_c = A_c^T g_c + K_c G_c                  dS_0 = sum_c Q_c^T g_c,  dz_0 = sum_c Qd_c^T dr_c
+
+    (with separate denominator features the ``dr`` terms go to ``q_den``, ``k_den`` through
+    their own ``tril(dr_c 1^T)``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_den, k_den, s0, z0, eps, c):  # type: ignore[override]
+        n = q.shape[2]
+        qc, kc, vc = chunk_tokens(q, c), chunk_tokens(k, c), chunk_tokens(v, c)
+        split = q_den is not None
+        qdc, kdc = (chunk_tokens(q_den, c), chunk_tokens(k_den, c)) if split else (qc, kc)
+        a = (qc @ kc.transpose(-1, -2)).tril_()
+        prefix = _chunk_prefix_(kc.transpose(-1, -2) @ vc, s0)
+        z = _chunk_prefix_(kdc.sum(dim=3), z0)  # (B, H, nc, M')
+        ad = (qdc @ kdc.transpose(-1, -2)).tril_() if split else a
+        r = ad.sum(dim=-1).add_((qdc @ z[..., None])[..., 0]).add_(eps)  # (B, H, nc, C)
+        y = (qc @ prefix).add_(a @ vc).div_(r[..., None])
+        ctx.c, ctx.n, ctx.split = c, n, split
+        ctx.save_for_backward(q, k, v, q_den, k_den, y, r, a, prefix, z)
+        b, h = q.shape[:2]
+        return y.reshape(b, h, -1, v.shape[-1])[:, :, :n]
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v, q_den, k_den, out, r, a, prefix, z = ctx.saved_tensors
+        c, n, split = ctx.c, ctx.n, ctx.split
+        b, h = q.shape[:2]
+        qc, kc, vc = chunk_tokens(q, c), chunk_tokens(k, c), chunk_tokens(v, c)
+        qdc, kdc = (chunk_tokens(q_den, c), chunk_tokens(k_den, c)) if split else (qc, kc)
+        d_out = chunk_tokens(d_out.contiguous(), c)
+        g = d_out / r[..., None]
+        dr = (d_out * out).sum(dim=-1).div_(r).neg_()  # (B, H, nc, C)
+        later = qc.transpose(-1, -2) @ g  # Q_c^T g_c (B, H, nc, M, D), then G_c in place
+        ds0 = later.sum(dim=2) if ctx.needs_input_grad[5] else None
+        _chunk_prefix_(later, reverse=True)
+        later_z = (qdc.transpose(-1, -2) @ dr[..., None])[..., 0]  # (B, H, nc, M'), then F_c
+        dz0 = later_z.sum(dim=2) if ctx.needs_input_grad[6] else None
+        _chunk_prefix_(later_z, reverse=True)
+        da = g @ vc.transpose(-1, -2)
+        if not split:
+            da.add_(dr[..., None])
+        da.tril_()
+        dq = (g @ prefix.transpose(-1, -2)).add_(da @ kc)
+        dk = (da.transpose(-1, -2) @ qc).add_(vc @ later.transpose(-1, -2))
+        dv = (a.transpose(-1, -2) @ g).add_(kc @ later)
+        if split:
+            dad = dr[..., None].expand(*dr.shape, c).tril()
+            dqd = (dad @ kdc).addcmul_(dr[..., None], z[:, :, :, None])
+            dkd = (dad.transpose(-1, -2) @ qdc).add_(later_z[:, :, :, None])
+        else:
+            dq.addcmul_(dr[..., None], z[:, :, :, None])
+            dk.add_(later_z[:, :, :, None])
+
+        def unchunk(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(b, h, -1, x.shape[-1])[:, :, :n]
+
+        grads = (unchunk(dq), unchunk(dk), unchunk(dv)) + ((unchunk(dqd), unchunk(dkd)) if split else (None, None))
+        return (*grads, ds0, dz0, None, None)
+
+
 @full_precision
 def causal_chunked_attention(
     q: torch.Tensor,
@@ -94,27 +189,23 @@ def causal_chunked_attention(
     initial_state: Optional[AttentionState] = None,
     output_final_state: bool = False,
 ):
-    """Causal linear attention in chunked form (:func:`causal_linear_sums` over ``[v, 1]``, or
-    over ``v`` and ``1`` separately with denominator features): never quadratic in N.
+    """Causal linear attention in chunked form: never quadratic in N. The numerator is
+    :func:`causal_linear_sums` (the readable form of the same chunking), the denominator the
+    same sums over ``q_den, k_den`` (default ``q, k``), both and the division computed by one
+    autograd function whose backward recomputes the chunk products (memory: the inputs, the
+    output and the denominator).
 
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` -> ``(B, H, N, D)``; with ``output_final_state``
     ``(out, AttentionState)``. ``initial_state``: the ``(S, z)`` of earlier tokens, read by
     every new query (``q S``, ``q_den . z``)."""
-    d = v.shape[-1]
-    if q_den is None:
-        y = causal_linear_sums(q, k, with_ones_column(v), chunk_size)
-        num, den = y[..., :d], y[..., d:]
-        q_den, k_den = q, k
-    else:
-        num = causal_linear_sums(q, k, v, chunk_size)
-        den = causal_linear_sums(q_den, k_den, torch.ones_like(v[..., :1]), chunk_size)
+    c = max(1, min(chunk_size, q.shape[2]))
+    s0 = z0 = None
     if initial_state is not None:
-        num = num + q @ initial_state.kv
-        den = den + q_den @ initial_state.z[..., None]
-    out = num / (den + eps)
+        s0, z0 = initial_state.kv, initial_state.z
+    out = _CausalChunked.apply(q, k, v, q_den, k_den, s0, z0, float(eps), c)
     if not output_final_state:
         return out
-    return out, fold_into_state(initial_state, k, v, k_den)
+    return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den)
 
 
 @full_precision
