@@ -161,14 +161,20 @@ def test_meta_device_build_then_init_weights_sets_every_buffer(family):
 
 
 def _count_projection_calls(model) -> list[int]:
-    calls = [0]
+    """``[attention runs, q projections]``: how often each layer's feature map saw queries and
+    how often its q projection ran (recompute_attention redoes the first, never the second)."""
+    calls = [0, 0]
 
-    def hook(*_):
-        calls[0] += 1
+    def feature_hook(_module, args, kwargs, _out):
+        calls[0] += bool(kwargs.get("is_query", args[1] if len(args) > 1 else False))
+
+    def projection_hook(*_):
+        calls[1] += 1
 
     for module in model.modules():
         if hasattr(module, "q_proj") and isinstance(module.q_proj, torch.nn.Linear):
-            module.q_proj.register_forward_hook(hook)
+            module.feature_map.register_forward_hook(feature_hook, with_kwargs=True)
+            module.q_proj.register_forward_hook(projection_hook)
     return calls
 
 
@@ -192,13 +198,13 @@ def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recom
     calls = _count_projection_calls(model)
     plain = grads()
     layers = cfg.num_hidden_layers
-    assert calls[0] == layers * (2 if recompute_attention else 1)
+    assert calls == [layers * (2 if recompute_attention else 1), layers]  # the projections are not redone
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     assert all(layer.gradient_checkpointing for layer in model.nprf_bert.layers)
-    calls[0] = 0
+    calls[:] = [0, 0]
     checkpointed = grads()
     # the layer's recomputation replaces the attention's own: twice per layer, never three times
-    assert calls[0] == 2 * layers
+    assert calls == [2 * layers, 2 * layers]
     assert plain.keys() == checkpointed.keys() and "nprf_bert.rpe.weight" in plain
     for name, g in plain.items():
         # float64, the same operations in the same order: differences are summation-order ulps
@@ -227,17 +233,17 @@ def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
         first = model(ids[:, :6], labels=ids[:, :6], use_cache=True)
         state = first.past_key_values
         second = model(ids[:, 6:], labels=ids[:, 6:], past_key_values=state, use_cache=True)
-        assert calls[0] == 2 * layers
+        assert calls == [2 * layers, 2 * layers]
         (first.loss + second.loss).backward()
-        assert calls[0] == 2 * layers + (layers if recompute else 0)
+        assert calls == [2 * layers + (layers if recompute else 0), 2 * layers]
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((first.logits.detach(), second.logits.detach(), state.layers[0].get_state().kv.detach(), grads))
 
         model.zero_grad()
         model.gradient_checkpointing_enable()
-        calls[0] = 0
+        calls[:] = [0, 0]
         model(ids, labels=ids, use_cache=False).loss.backward()
-        assert calls[0] == 2 * layers
+        assert calls == [2 * layers, 2 * layers]
         model.gradient_checkpointing_disable()
     (a1, a2, s_a, g_a), (b1, b2, s_b, g_b) = results
     for x, y in ((a1, b1), (a2, b2), (s_a, s_b)):

@@ -107,6 +107,17 @@ class KernelizedSelfAttention(nn.Module):
         projected queries and keys before the feature map. ``rope``: ``(cos, sin)``, each
         ``(B, 1, N, D/2)``, rotating the projected queries and keys before the feature map
         (Llama's rotary position embedding; see ``positional.apply_rotary``)."""
+        return self.features(*self.projections(hidden_states, extra, rope), projection, attention_mask)
+
+    def projections(
+        self,
+        hidden_states: torch.Tensor,
+        extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first half of :meth:`project`: the linear projections split into heads (queries
+        ``(B, H, N, D + extra)``, keys and values per key/value head), rotated by ``rope`` and
+        with ``extra`` concatenated; no feature map yet."""
         q, k = self._split(self.q_proj(hidden_states)), self._split(self.k_proj(hidden_states))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -115,10 +126,21 @@ class KernelizedSelfAttention(nn.Module):
         if extra is not None:
             q = torch.cat([q, extra[0].to(q.dtype).expand(*q.shape[:3], -1)], dim=-1)
             k = torch.cat([k, extra[1].to(k.dtype).expand(*k.shape[:3], -1)], dim=-1)
+        return q, k, self._split(self.v_proj(hidden_states))
+
+    def features(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        projection: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The second half of :meth:`project`: feature maps of the projected queries and keys,
+        keys and values repeated to the query heads of their group."""
         q = self.feature_map(q, is_query=True, projection=projection)
         k = self._repeat_kv(self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask))
-        v = self._repeat_kv(self._split(self.v_proj(hidden_states)).to(q.dtype))
-        return q, k, v
+        return q, k, self._repeat_kv(v.to(q.dtype))
 
     def output(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(B, H, N, D)`` -> merged heads through ``o_proj``: ``(B, N, C)`` in ``dtype``."""
@@ -144,8 +166,9 @@ class KernelizedSelfAttention(nn.Module):
             grid: ``(Hg, Wg)`` for a 2D bias.
             rpe_clip: ``K`` when the 1D bias comes from a table clipped at ``K`` (enables the
                 O(N K) ``windowed`` backend; see :func:`kernelized_attention`).
-            recompute: recompute the attention in the backward pass instead of storing its
-                intermediates (see ``recompute_attention``). None: the module's configured
+            recompute: recompute the feature maps and the kernel in the backward pass instead
+                of storing their intermediates (see ``recompute_attention``; the linear
+                projections are kept, not recomputed). None: the module's configured
                 ``recompute_attention``; False: never (e.g. when an enclosing layer is already
                 gradient-checkpointed, so the work is not done three times); True: always.
             projection: the random-feature projection to use; None: the feature map's current
@@ -162,7 +185,8 @@ class KernelizedSelfAttention(nn.Module):
         recompute = self.recompute if recompute is None else recompute
         if projection is None:
             projection = self.feature_map.projection
-        args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection, extra)
+        q, k, v = self.projections(hidden_states, extra)
+        args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection)
         if recompute and torch.is_grad_enabled():
             out = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
         else:
@@ -171,16 +195,18 @@ class KernelizedSelfAttention(nn.Module):
 
     def _attend(
         self,
-        hidden_states: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
         attention_mask: Optional[torch.Tensor],
         rpe_bias: Optional[torch.Tensor],
         grid: Optional[Sequence[int]],
         rpe_clip: Optional[int],
         projection: Optional[torch.Tensor] = None,
-        extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
-        """``(B, N, C)`` -> projections, feature maps, kernel: ``(B, H, N, d)`` before ``o_proj``."""
-        q, k, v = self.project(hidden_states, projection, attention_mask, extra)
+        """Projected queries, keys, values -> feature maps, kernel: ``(B, H, N, d)`` before
+        ``o_proj`` (what ``recompute`` runs again in the backward pass)."""
+        q, k, v = self.features(q, k, v, projection, attention_mask)
         if rpe_bias is not None:
             rpe_bias = rpe_bias.to(q.dtype)
         return kernelized_attention(

@@ -188,10 +188,10 @@ SHARED_ATTENTION_FIELDS: tuple[SharedField, ...] = (
     ),
     SharedField(
         "recompute_attention", True,
-        "when gradients are needed, keep only each attention block's input and recompute its "
-        "q/k/v projections, feature maps and kernel intermediates in the backward pass (flash "
+        "when gradients are needed, keep only each attention block's q/k/v projections and "
+        "recompute its feature maps and kernel intermediates in the backward pass (flash "
         "attention recomputes its scores the same way): same outputs and gradients, less memory, "
-        "one more forward of those parts per layer. Off inside a layer that transformers' "
+        "one more run of the feature maps and kernel per layer (the projections are not redone). Off inside a layer that transformers' "
         "gradient checkpointing already recomputes. A causal LM applies it to forwards that start "
         "without a decoding state (training, prefill); steps that continue from a state never "
         "recompute.",

@@ -96,7 +96,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
                 from its state, which is then replaced by the state after them; or None.
             projection: the random-feature projection to use (None: the feature map's current one).
             recompute: for calls without an earlier state (training, prefill), recompute the
-                projections, feature maps and kernel in the backward pass instead of storing
+                feature maps and kernel in the backward pass instead of storing
                 their intermediates. None: ``recompute_attention`` of the config; False: never
                 (inside a gradient-checkpointed block); True: always. Calls that continue from
                 a state never recompute.
@@ -110,7 +110,8 @@ class LinearGPTAttention(KernelizedSelfAttention):
         if projection is None:
             projection = self.feature_map.projection
         recompute = (self.recompute if recompute is None else recompute) and initial_state is None
-        args = (hidden_states, key_mask, rotary, projection, initial_state, layer is not None)
+        q, k, v = self.projections(hidden_states, rope=rotary if self.rope else None)
+        args = (q, k, v, key_mask, rotary, projection, initial_state, layer is not None)
         if recompute and torch.is_grad_enabled():
             out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
         else:
@@ -119,11 +120,12 @@ class LinearGPTAttention(KernelizedSelfAttention):
             layer.set_state(state)
         return self.output(dropout(self.dropout, out), hidden_states.dtype)
 
-    def _attend(self, hidden_states, key_mask, rotary, projection, initial_state, output_final_state):
-        """Projections, positions and the core: the attention ``(B, H, N, D)`` and, when asked,
-        the state after these tokens."""
+    def _attend(self, q, k, v, key_mask, rotary, projection, initial_state, output_final_state):
+        """Feature maps, positions and the core on the projected queries, keys and values (what
+        ``recompute`` runs again in the backward pass): the attention ``(B, H, N, D)`` and, when
+        asked, the state after these tokens."""
         # padded keys are masked by the core: only real ones must lie in the feature map's valid range
-        q, k, v = self.project(hidden_states, projection, attention_mask=key_mask, rope=rotary if self.rope else None)
+        q, k, v = self.features(q, k, v, projection, attention_mask=key_mask)
         extra = {}
         if self.rotary:
             cos, sin = rotary
