@@ -19,6 +19,10 @@ the inputs):
   comparison does not hinge on how the mask is built.
 * ``sdpa``: plain ``scaled_dot_product_attention`` without a mask (no positions at all).
 
+Forward passes by default; ``--backward`` times forward+backward (gradients for q, k, v and the
+bias). The cases of one N alternate over ``--rounds`` rounds, each in a fresh process, and the
+speed-ups are also given per round as median [min-max].
+
 Softmax cases whose ``N x N`` matrices would exceed ``--max-nn-gb`` are skipped; a case that
 fails or exceeds ``--timeout`` is reported with its status and its larger N are skipped. One run
 writes ``attention_bench.csv`` and ``attention_bench.png`` (time and memory vs N, log-log, like
@@ -91,6 +95,7 @@ def workload(
     device: str = "cpu",
     seed: int = 0,
     clip: int = 128,
+    backward: bool = False,
 ) -> Callable[[], None]:
     """Build the inputs of one case and return a zero-argument callable running one forward pass.
 
@@ -125,6 +130,9 @@ def workload(
         }[case]
 
         def run() -> None:
+            if backward:
+                _forward_backward(lambda: attn(q, k, v, **calls), (q, k, v, bias))
+                return
             with torch.inference_mode():
                 attn(q, k, v, **calls)
 
@@ -135,30 +143,45 @@ def workload(
         k = torch.randn(batch, heads, n, head_dim, **kw)
         if case == "softmax_rpe":
 
-            def run() -> None:
-                with torch.inference_mode():
-                    pos = torch.arange(n, device=device)
-                    offsets = pos[None, :] - pos[:, None]  # (n, n): j - i
-                    mask = bias[:, offsets + n - 1]  # (heads, n, n)
-                    sdpa(q, k, v, attn_mask=mask[None])
+            def forward():
+                pos = torch.arange(n, device=device)
+                offsets = pos[None, :] - pos[:, None]  # (n, n): j - i
+                mask = bias[:, offsets + n - 1]  # (heads, n, n)
+                return sdpa(q, k, v, attn_mask=mask[None])
 
         elif case == "softmax_rpe_unfold":
 
-            def run() -> None:
-                with torch.inference_mode():
-                    # mask[h, i, j] = bias[h, j - i + n - 1]: windows of the bias, flipped (one copy)
-                    mask = bias.unfold(-1, n, 1).flip(-2)  # (heads, n, n)
-                    sdpa(q, k, v, attn_mask=mask[None])
+            def forward():
+                # mask[h, i, j] = bias[h, j - i + n - 1]: windows of the bias, flipped (one copy)
+                mask = bias.unfold(-1, n, 1).flip(-2)  # (heads, n, n)
+                return sdpa(q, k, v, attn_mask=mask[None])
 
         else:
 
-            def run() -> None:
-                with torch.inference_mode():
-                    sdpa(q, k, v)
+            def forward():
+                return sdpa(q, k, v)
+
+        def run() -> None:
+            if backward:
+                _forward_backward(forward, (q, k, v, bias))
+                return
+            with torch.inference_mode():
+                forward()
 
     else:
         raise ValueError(f"unknown case {case!r}")
     return run
+
+
+def _forward_backward(forward: Callable, inputs: tuple) -> None:
+    """One forward and backward with gradients for ``inputs`` (set up on first use), a fixed
+    output gradient of ones; the gradients are dropped after each run."""
+    for x in inputs:
+        x.requires_grad_(True)
+    out = forward()
+    out.backward(out.new_ones(out.shape))
+    for x in inputs:
+        x.grad = None
 
 
 def _flat_path() -> list[str]:
@@ -174,35 +197,62 @@ def _nn_gb(case: str, n: int, args: argparse.Namespace) -> float:
 
 
 def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str, Any]]:
-    from .common import measure
+    """Every case at every N; the cases of one N alternate over ``--rounds`` rounds, each run in
+    a fresh process (``bench.common.alternate``). A row holds the median over rounds (time and
+    peak memory), the spread of the times and the per-round times (``round_times``) that the
+    summary's ratios are taken from."""
+    from .common import alternate, spread
 
     rows = []
     stopped: dict[str, str] = {}
     for n in ns:
+        skipped: dict[str, str] = {}
+        cases = []
         for case in args.cases:
-            row: dict[str, Any] = {"case": case, "n": n, "batch": args.batch, "heads": args.heads,
-                                   "features": args.features, "head_dim": args.head_dim, "dtype": args.dtype}
             if case in stopped:
-                res = {"time_s": math.nan, "peak_mb": math.nan, "runs": 0, "status": f"skipped ({stopped[case]})"}
+                skipped[case] = f"skipped ({stopped[case]})"
             elif _nn_gb(case, n, args) > args.max_nn_gb:
-                res = {"time_s": math.nan, "peak_mb": math.nan, "runs": 0,
-                       "status": f"skipped (N x N matrices ~{_nn_gb(case, n, args):.0f} GB > {args.max_nn_gb:g} GB)"}
+                skipped[case] = f"skipped (N x N matrices ~{_nn_gb(case, n, args):.0f} GB > {args.max_nn_gb:g} GB)"
             else:
                 kwargs = dict(case=case, n=n, batch=args.batch, heads=args.heads, features=args.features,
                               head_dim=args.head_dim, dtype=args.dtype, device=args.device,
-                              clip=args.max_relative_position)
-                res = measure("attention:workload", kwargs, repeats=args.repeats, timeout_s=args.timeout,
-                              max_seconds=args.max_seconds, extra_path=_flat_path(), threads=args.threads)
-                if res["status"] != "ok":
-                    stopped[case] = f"N={n} {res['status'].split(':')[0]}"
-            row.update(res)
+                              clip=args.max_relative_position, backward=args.backward)
+                cases.append((case, "attention:workload", kwargs))
+        measured = alternate(cases, rounds=args.rounds, repeats=args.repeats, timeout_s=args.timeout,
+                             max_seconds=args.max_seconds, extra_path=_flat_path(), threads=args.threads)
+        for case in args.cases:
+            row: dict[str, Any] = {"case": case, "n": n, "batch": args.batch, "heads": args.heads,
+                                   "features": args.features, "head_dim": args.head_dim, "dtype": args.dtype}
+            if case in skipped:
+                row.update(time_s=math.nan, time_min=math.nan, time_max=math.nan, peak_mb=math.nan, runs=0,
+                           status=skipped[case], round_times=[])
+            else:
+                results = measured[case]
+                bad = [r["status"] for r in results if r["status"] != "ok"]
+                med, lo, hi = spread(r["time_s"] for r in results)
+                row.update(time_s=med, time_min=lo, time_max=hi, peak_mb=spread(r["peak_mb"] for r in results)[0],
+                           runs=sum(r["runs"] for r in results), status=bad[0] if bad else "ok",
+                           round_times=[r["time_s"] for r in results])
+                if bad:
+                    stopped[case] = f"N={n} {bad[0].split(':')[0]}"
             rows.append(row)
-            _info(f"  N={n:6d} {case:15s} {res['status']:>10s}  time {res['time_s']:.4g} s  peak {res['peak_mb']:.4g} MB")
+            _info(f"  N={n:6d} {case:15s} {row['status']:>10s}  time {row['time_s']:.4g} s "
+                  f"[{row['time_min']:.4g}-{row['time_max']:.4g}]  peak {row['peak_mb']:.4g} MB")
     return rows
 
 
+# per-round speed-ups reported as median [min-max]: slower case / faster case, same round
+SPREADS = {
+    "fft vs softmax+RPE, per round": ("softmax_rpe", "fft_rpe"),
+    "windowed vs softmax+RPE, per round": ("softmax_rpe", "windowed_rpe"),
+}
+
+
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per N: times, memory, fft-vs-softmax+RPE speed-up and memory ratio, fft slope."""
+    """One row per N: times, memory, fft-vs-softmax+RPE speed-up and memory ratio, fft slope, and
+    the speed-ups of :data:`SPREADS` as median [min-max] of per-round ratios."""
+    from .common import format_spread, per_round_ratios
+
     by = {(r["case"], r["n"]): r for r in rows}
     ns = sorted({r["n"] for r in rows})
     out = []
@@ -215,6 +265,11 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fft, soft = by.get(("fft_rpe", n)), by.get(("softmax_rpe", n))
         ok = bool(fft and soft and fft["status"] == "ok" and soft["status"] == "ok")
         s["speed-up fft vs softmax+RPE"] = soft["time_s"] / fft["time_s"] if ok else math.nan
+        for name, (slow, fast) in SPREADS.items():
+            a_row, b_row = by.get((slow, n)), by.get((fast, n))
+            good = bool(a_row and b_row and a_row["status"] == b_row["status"] == "ok")
+            s[name] = format_spread(per_round_ratios(
+                [{"t": t} for t in a_row["round_times"]], [{"t": t} for t in b_row["round_times"]], "t")) if good else "nan"
         s["memory ratio softmax+RPE / fft"] = (soft["peak_mb"] / fft["peak_mb"]
                                                if ok and fft["peak_mb"] > 0 else math.nan)
         unf = by.get(("softmax_rpe_unfold", n))
@@ -334,7 +389,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=64, help="D, value (and softmax q/k) size")
     parser.add_argument("--max-relative-position", type=int, default=128, help="K of the windowed case's clipped bias")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per case and round (median)")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds per N (ratios: median [min-max])")
+    parser.add_argument("--backward", action="store_true", help="time forward+backward (gradients for q, k, v and the bias)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is killed")
     parser.add_argument("--max-seconds", type=float, default=40.0, help="stop repeating a case after this long")
     parser.add_argument("--max-nn-gb", type=float, default=6.0, help="skip softmax cases whose N x N matrices exceed this")
@@ -360,6 +417,7 @@ def run(args: argparse.Namespace) -> int:
     ns = tuple(args.ns) if args.ns else (QUICK_NS if args.quick else FULL_NS)
     if args.quick:
         args.repeats = min(args.repeats, 2)
+        args.rounds = min(args.rounds, 2)
         if list(args.cases) == list(CASES):  # keep the demo short: one softmax+RPE variant
             args.cases = [c for c in CASES if c != "softmax_rpe_unfold"]
     _info(f"attention benchmark: N in {list(ns)}, batch {args.batch}, heads {args.heads}, M={args.features}, "
@@ -370,7 +428,7 @@ def run(args: argparse.Namespace) -> int:
     png_path = out / "attention_bench.png"
     plot(rows, png_path, args)
     cols = ["N"] + [f"{c} {u}" for c in args.cases for u in ("s", "MB")] + [
-        "speed-up fft vs softmax+RPE", "memory ratio softmax+RPE / fft", "speed-up windowed vs softmax+RPE",
+        "speed-up fft vs softmax+RPE", *SPREADS, "memory ratio softmax+RPE / fft", "speed-up windowed vs softmax+RPE",
         "speed-up fft vs softmax+RPE (unfold mask)", "memory ratio softmax+RPE (unfold mask) / fft", "fft time(N)/time(N/2)"]
     if "softmax_rpe_unfold" not in args.cases:
         cols = [c for c in cols if "unfold" not in c]
