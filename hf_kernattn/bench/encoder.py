@@ -8,9 +8,11 @@ backend ``--backend`` (default ``auto``: the O(N K) ``windowed`` backend once N 
 else the dense or FFT path; ``fft`` forces the O(N log N) Toeplitz FFT), and by default
 recomputing its attention blocks in the backward pass (``recompute_attention``;
 ``--no-recompute`` keeps them, as BertModel does). Each (model, N, mode) case runs in its own process
-(:func:`hf_kernattn.bench.common.measure`): peak memory is the peak resident set over the
+(:func:`hf_kernattn.bench.common.measure`), the two models alternating over ``--rounds``
+rounds (:func:`hf_kernattn.bench.common.alternate`): peak memory is the peak resident set over the
 process's baseline after the model and inputs exist; time is the median of ``--repeats`` runs
-after one warm-up. Cases that fail (out of memory, over the time limit) are reported as such.
+after one warm-up, then the median over rounds; the speed-up is also given per round as median
+[min-max]. Cases that fail (out of memory, over the time limit) are reported as such.
 Writes ``encoder.csv`` and ``encoder.png`` into ``--out``.
 """
 
@@ -22,7 +24,7 @@ from typing import Any, Callable
 
 from transformers.utils import logging
 
-from .common import format_table, measure, plot_series, write_csv
+from .common import alternate, format_spread, format_table, per_round_ratios, plot_series, spread, write_csv
 
 logger = logging.get_logger(__name__)
 
@@ -121,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=3072)
     parser.add_argument("--features", type=int, default=64, help="PRF random features per head")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per case (median); one warm-up before")
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per case and round (median); one warm-up before")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternated rounds (BertModel, NPRF-BERT, ...) in fresh processes; speed-up per round as median [min-max]")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a case is reported as timed out")
 
 
@@ -131,7 +135,7 @@ def _ratio(a: float, b: float) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Run every case, print a Markdown table, write CSV + PNG. Returns 0."""
-    for name in ("layers", "hidden", "heads", "intermediate", "features", "batch", "repeats"):
+    for name in ("layers", "hidden", "heads", "intermediate", "features", "batch", "repeats", "rounds"):
         value = getattr(args, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"--{name} must be a positive int, got {value!r}")
@@ -147,19 +151,26 @@ def run(args: argparse.Namespace) -> int:
     nprf_only = dict(backend=args.backend, max_relative_position=args.max_relative_position,
                      recompute_attention=not args.no_recompute)
     rows: list[dict[str, Any]] = []
+    rounds = 1 if args.quick else args.rounds
     for n in lengths:
         for mode in ("fwd", "fwdbwd"):
+            cases = [(model, "hf_kernattn.bench.encoder:workload",
+                      dict(model=model, n=n, mode=mode, **shape, **(nprf_only if model == "nprf" else {})))
+                     for model in ("bert", "nprf")]
+            runs = alternate(cases, rounds=rounds, repeats=repeats, timeout_s=args.timeout,
+                             max_seconds=args.timeout / 2, threads=args.threads)
             res = {}
-            for model in ("bert", "nprf"):
-                kwargs = dict(model=model, n=n, mode=mode, **shape, **(nprf_only if model == "nprf" else {}))
-                r = measure("hf_kernattn.bench.encoder:workload", kwargs,
-                            repeats=repeats, timeout_s=args.timeout, max_seconds=args.timeout / 2, threads=args.threads)
-                res[model] = r
-                logger.info(f"N={n:6d} {mode:7s} {model:5s} time={r['time_s']:.4g}s peak={r['peak_mb']:.4g}MB {r['status']}")
+            for model, results in runs.items():
+                bad = [r["status"] for r in results if r["status"] != "ok"]
+                res[model] = {"time_s": spread(r["time_s"] for r in results)[0],
+                              "peak_mb": spread(r["peak_mb"] for r in results)[0], "status": bad[0] if bad else "ok"}
+                logger.info(f"N={n:6d} {mode:7s} {model:5s} time={res[model]['time_s']:.4g}s "
+                            f"peak={res[model]['peak_mb']:.4g}MB {res[model]['status']}")
             rows.append({
                 "n": n, "mode": mode,
                 "bert_sdpa_time_s": res["bert"]["time_s"], "nprf_time_s": res["nprf"]["time_s"],
                 "speedup": _ratio(res["nprf"]["time_s"], res["bert"]["time_s"]),
+                "speedup_per_round": format_spread(per_round_ratios(runs["bert"], runs["nprf"])),
                 "bert_sdpa_peak_mb": res["bert"]["peak_mb"], "nprf_peak_mb": res["nprf"]["peak_mb"],
                 "memory_ratio": _ratio(res["nprf"]["peak_mb"], res["bert"]["peak_mb"]),
                 "bert_status": res["bert"]["status"], "nprf_status": res["nprf"]["status"],
@@ -167,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
             })
     out = Path(args.out)
     write_csv(rows, out / "encoder.csv")
-    cols = ["n", "mode", "bert_sdpa_time_s", "nprf_time_s", "speedup", "bert_sdpa_peak_mb", "nprf_peak_mb",
+    cols = ["n", "mode", "bert_sdpa_time_s", "nprf_time_s", "speedup", "speedup_per_round", "bert_sdpa_peak_mb", "nprf_peak_mb",
             "memory_ratio", "bert_status", "nprf_status"]
     print(format_table(rows, cols))
     import matplotlib
