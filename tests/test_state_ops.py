@@ -251,3 +251,16 @@ def test_causal_chunked_hand_written_backward_passes_gradcheck(split, with_state
     m_den = 5 if split else 4
     s0, z0 = (rand(2, 2, 4, 3), rand(2, 2, m_den)) if with_state else (None, None)
     torch.autograd.gradcheck(lambda *x: _CausalChunked.apply(*x, 1e-6, 3), (q, k, v, q_den, k_den, s0, z0))
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_linear_hand_written_backward_passes_gradcheck(split):
+    """The non-causal linear form's backward is written by hand: float64 gradcheck, with and
+    without separate denominator features."""
+    from hf_kernattn.modeling.kernels_linear import _Linear
+
+    g = torch.Generator().manual_seed(1)
+    rand = lambda *s: (torch.rand(*s, generator=g, dtype=torch.float64) + 0.1).requires_grad_()  # noqa: E731
+    q, k, v = rand(2, 2, 5, 4), rand(2, 2, 5, 4), rand(2, 2, 5, 3)
+    q_den, k_den = (rand(2, 2, 5, 6), rand(2, 2, 5, 6)) if split else (None, None)
+    torch.autograd.gradcheck(lambda *x: _Linear.apply(*x, 1e-6), (q, k, v, q_den, k_den))

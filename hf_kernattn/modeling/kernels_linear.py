@@ -40,6 +40,46 @@ import torch
 from .kernels_common import AttentionState, chunk_tokens, clipped_table, fold_into_state, full_precision, shifted_bias
 
 
+class _Linear(torch.autograd.Function):
+    """``out = q (k^T v) / (q_den . sum_j k_den_j + eps)`` with a hand-written backward that
+    keeps only the inputs, the ``M x D`` sums, the denominator and the output (autograd would
+    also keep the unnormalised numerator, an ``N x D`` tensor). With ``g = d out / r`` and
+    ``dr = -rowsum(d out * out) / r``::
+
+        dQ = g S^T,  dS = Q^T g,  dK = V dS^T,  dV = K dS,  dQd = dr z^T,  dKd = 1 (Qd^T dr)^T
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_den, k_den, eps):  # type: ignore[override]
+        split = q_den is not None
+        if not split:
+            q_den, k_den = q, k
+        kv = k.transpose(-1, -2) @ v  # (B, H, M, D)
+        z = k_den.sum(dim=-2)  # (B, H, M')
+        r = (q_den @ z[..., None]).add_(eps)  # (B, H, N, 1)
+        out = (q @ kv).div_(r)
+        ctx.split = split
+        ctx.save_for_backward(q, k, v, q_den if split else None, k_den if split else None, kv, z, r, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):  # type: ignore[override]
+        q, k, v, q_den, k_den, kv, z, r, out = ctx.saved_tensors
+        if not ctx.split:
+            q_den = q
+        g = torch.mul(d_out, out)  # one N x D buffer: first for dr, then g
+        dr = g.sum(dim=-1, keepdim=True).div_(r).neg_()  # (B, H, N, 1)
+        torch.div(d_out, r, out=g)
+        d_kv = q.transpose(-1, -2) @ g  # (B, H, M, D)
+        dq = g @ kv.transpose(-1, -2)
+        dk = v @ d_kv.transpose(-1, -2)
+        dv = k @ d_kv
+        dk_den = (q_den.transpose(-1, -2) @ dr).transpose(-1, -2)  # (B, H, 1, M'): the same for every key
+        if ctx.split:
+            return dq, dk, dv, dr * z[:, :, None, :], dk_den.expand(-1, -1, k.shape[2], -1).contiguous(), None
+        return dq.addcmul_(dr, z[:, :, None, :]), dk.add_(dk_den), dv, None, None, None
+
+
 @full_precision
 def linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: float = 1e-6,
@@ -47,14 +87,9 @@ def linear_attention(
 ) -> torch.Tensor:
     """Non-causal linear attention without RPE: ``q (k^T v) / (q_den . sum_j k_den_j + eps)``
     (``q_den, k_den`` default to ``q, k``). ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` ->
-    ``(B, H, N, D)``."""
-    kv = k.transpose(-1, -2) @ v  # (B, H, M, D)
-    if q_den is None:
-        q_den, k_den = q, k
-    z = k_den.sum(dim=-2)  # (B, H, M)
-    num = q @ kv
-    den = (q_den * z[:, :, None, :]).sum(dim=-1, keepdim=True)
-    return num / (den + eps)
+    ``(B, H, N, D)``. One autograd function (:class:`_Linear`) whose backward keeps no
+    ``N x D`` intermediate beyond the output."""
+    return _Linear.apply(q, k, v, q_den, k_den, float(eps))
 
 
 @full_precision
@@ -146,8 +181,9 @@ class _CausalChunked(torch.autograd.Function):
         qc, kc, vc = chunk_tokens(q, c), chunk_tokens(k, c), chunk_tokens(v, c)
         qdc, kdc = (chunk_tokens(q_den, c), chunk_tokens(k_den, c)) if split else (qc, kc)
         d_out = chunk_tokens(d_out.contiguous(), c)
-        g = d_out / r[..., None]
-        dr = (d_out * out).sum(dim=-1).div_(r).neg_()  # (B, H, nc, C)
+        g = torch.mul(d_out, out)  # one N x D buffer: first for dr, then g
+        dr = g.sum(dim=-1).div_(r).neg_()  # (B, H, nc, C)
+        torch.div(d_out, r[..., None], out=g)
         later = qc.transpose(-1, -2) @ g  # Q_c^T g_c (B, H, nc, M, D), then G_c in place
         ds0 = later.sum(dim=2) if ctx.needs_input_grad[5] else None
         _chunk_prefix_(later, reverse=True)
