@@ -404,7 +404,7 @@ def run(args: argparse.Namespace) -> int:
                             "value": format_spread(per_round_ratios(res[other], res["linear_state"]))})
         if "weights" in res:
             for layout in WEIGHT_LAYOUTS:
-                summary.append({"figure": f"Linear GPT step / its weights as batch-1 products ({layout}), L={ctx}, batch {batch}",
+                summary.append({"figure": f"Linear GPT step / its weights as matrix products of {batch} row(s) ({layout}), L={ctx}, batch {batch}",
                                 "value": format_spread(per_round_ratios(res["linear_state"], res[layout]))})
     write_csv(rows, out / "decode_latency.csv")
     print(format_table(rows, ["model", "batch", "context", "ms_per_token", "ms_min", "ms_max", "decode_peak_mb", "state_mb", "status"]))
