@@ -269,10 +269,6 @@ def kernelized_attention(
         given_state = initial_state
         if initial_state is not None:
             initial_state = AttentionState(*(None if x is None else x.to(dt) for x in initial_state))
-        if in_place and n == 1 and bias_free_step(spec, rpe_bias):  # the decoding step at the memory bound
-            den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
-            out = recurrent_step_in_place(q[:, :, 0], k[:, :, 0], v[:, :, 0], initial_state, float(eps), *den_t)
-            return out[:, :, None].to(out_dtype), given_state
         if b == 0 or h == 0:  # nothing to attend over: an empty result, attached to every input
             attached = q.sum() + k.sum() + (rpe_bias.sum().to(dt) if rpe_bias is not None else 0)
             out = (v * 0 + attached * 0).to(out_dtype)
@@ -351,12 +347,6 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
     den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
     out = recurrent_step_in_place(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, float(eps), *den_t)
     return out[:, :, None], state
-
-
-def bias_free_step(spec, rpe_bias) -> bool:
-    """Whether a one-token step runs as :func:`recurrent_step_in_place`: the built-in
-    ``recurrent`` backend without a bias."""
-    return rpe_bias is None and spec.fn is recurrent_attention
 
 
 def _check_in_place(state, output_final_state, dt, *inputs) -> None:
