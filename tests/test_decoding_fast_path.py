@@ -167,3 +167,27 @@ print(json.dumps([counts, seqs]))
     counts, seqs = json.loads(run_without_package(code, cwd=str(tmp_path)).strip().splitlines()[-1])
     assert counts[0] == counts[1], counts
     assert len(seqs[1][0]) == 15 and seqs[1][0][:5] == seqs[0][0]
+
+
+def test_a_decoding_step_reads_nothing_on_the_host(monkeypatch):
+    """No host synchronisation per decoded token (value checks, .item(), bool() of a tensor) with
+    random features, whose key range is checked on every other call; a key outside the range
+    then gives NaN, where a prefill raises."""
+    model = _model(feature_map="prf", num_random_features=8, position_embedding_type="rotary")
+    ids = torch.randint(1, V_GPT, (2, 6), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask[:, :6], use_cache=True).past_key_values
+        reads = []
+        for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+        out = model(ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)
+        monkeypatch.undo()
+    assert reads == [] and torch.isfinite(out.logits).all()
+    with torch.no_grad():  # a key the features cannot represent: NaN in a step, an error in a prefill
+        model.transformer.h[0].attn.k_proj.weight.mul_(1e4)
+        step = model(ids[:, :1], attention_mask=torch.ones(2, 8, dtype=torch.long), past_key_values=cache, use_cache=True)
+        assert torch.isnan(step.logits).all()
+        with pytest.raises(ValueError, match="cannot represent a key"):
+            model(ids, use_cache=False)

@@ -135,11 +135,15 @@ class KernelizedSelfAttention(nn.Module):
         v: torch.Tensor,
         projection: Optional[torch.Tensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        sync_free: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The second half of :meth:`project`: feature maps of the projected queries and keys,
-        keys and values repeated to the query heads of their group."""
+        keys and values repeated to the query heads of their group. ``sync_free`` (decoding
+        steps): keys outside the feature map's range give NaN instead of a ``ValueError``, so
+        nothing is read on the host (see ``FeatureMap.forward``)."""
         q = self.feature_map(q, is_query=True, projection=projection)
-        k = self._repeat_kv(self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask))
+        k = self._repeat_kv(self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask,
+                                             sync_free=sync_free))
         return q, k, self._repeat_kv(v.to(q.dtype))
 
     def output(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

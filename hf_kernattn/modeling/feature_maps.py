@@ -295,6 +295,7 @@ class FeatureMap(nn.Module):
         is_query: bool,
         projection: Optional[torch.Tensor] = None,
         key_mask: Optional[torch.Tensor] = None,
+        sync_free: bool = False,
     ) -> torch.Tensor:
         """Args:
             x: ``(B, H, N, d)`` queries or keys.
@@ -304,6 +305,9 @@ class FeatureMap(nn.Module):
                 used, so a redraw in between (which installs a new tensor) cannot change it.
             key_mask: ``(B, N)``, nonzero for real positions: only those keys are checked
                 against the valid range (padding may hold anything).
+            sync_free: check the keys without reading values on the host (decoding steps): a
+                key outside the valid range gets NaN features, so every output that reads it
+                is NaN, instead of a ``ValueError`` that would need a host synchronisation.
         Returns:
             ``(B, H, N, M)`` features, in float32 at least (float64 stays float64).
         """
@@ -324,8 +328,8 @@ class FeatureMap(nn.Module):
             phi = PositiveRandomFeatures.apply(x, w, self.normalize_qk, self.head_dim ** -0.25, is_query, scale)
             if not is_query:
                 # log-scale of each key: its largest logit (-inf where every feature underflowed)
-                self._check_key_range(
-                    lambda: torch.log(phi.detach().amax(dim=-1) / scale), x, compute_dtype, True, key_mask
+                phi = self._check_key_range(
+                    lambda: torch.log(phi.detach().amax(dim=-1) / scale), x, compute_dtype, True, key_mask, phi, sync_free
                 )
             return phi
         if self.normalize_qk:
@@ -342,24 +346,30 @@ class FeatureMap(nn.Module):
         if is_query:  # a per-query factor cancels in attention: cap it (no change below the cap)
             log_amp = log_amp.clamp(max=TRF_QUERY_MAX_LOG_AMPLITUDE)
         else:
-            self._check_key_range(lambda: log_amp.detach()[..., 0], x, compute_dtype, False, key_mask)
+            log_amp = self._check_key_range(lambda: log_amp.detach()[..., 0], x, compute_dtype, False, key_mask,
+                                            log_amp, sync_free)
         amp = torch.exp(log_amp) * self.num_random_features ** -0.5
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
 
     def _check_key_range(
-        self, log_scale, x: torch.Tensor, dtype: torch.dtype, low: bool, key_mask: Optional[torch.Tensor]
-    ) -> None:
-        """``ValueError`` when a real key's log feature scale (``log_scale()``, ``(B, H, N)``)
-        leaves ``[-limit, +inf)`` (``low``, prf) or ``(-inf, limit]`` (trf). Eager mode only."""
+        self, log_scale, x: torch.Tensor, dtype: torch.dtype, low: bool, key_mask: Optional[torch.Tensor],
+        result: torch.Tensor, sync_free: bool = False,
+    ) -> torch.Tensor:
+        """``result`` after checking the real keys' log feature scales (``log_scale()``,
+        ``(B, H, N)``) against ``[-limit, +inf)`` (``low``, prf) or ``(-inf, limit]`` (trf):
+        ``ValueError`` for a key outside (eager mode), or with ``sync_free`` ``result`` with
+        NaN in the rows of such keys (no host synchronisation)."""
         if torch.compiler.is_compiling():
-            return
+            return result
         limit = KEY_MAX_LOG_SCALE[dtype]
         values = log_scale()
         bad = values < -limit if low else values > limit
         if isinstance(key_mask, torch.Tensor) and key_mask.dim() == 2 and tuple(key_mask.shape) == (x.shape[0], x.shape[2]):
             bad = bad & (key_mask != 0).to(bad.device)[:, None, :]
+        if sync_free:
+            return torch.where(bad[..., None], torch.full((), math.nan, dtype=result.dtype, device=result.device), result)
         if not bool(bad.any()):
-            return
+            return result
         worst = float(values.min() if low else values.max())
         norm = float(torch.linalg.vector_norm(x.detach(), dim=-1)[bad].max())
         d = self.head_dim

@@ -125,7 +125,9 @@ class LinearGPTAttention(KernelizedSelfAttention):
         ``recompute`` runs again in the backward pass): the attention ``(B, H, N, D)`` and, when
         asked, the state after these tokens."""
         # padded keys are masked by the core: only real ones must lie in the feature map's valid range
-        q, k, v = self.features(q, k, v, projection, attention_mask=key_mask)
+        # a decoding step reads nothing on the host: an unrepresentable key gives NaN, not an error
+        q, k, v = self.features(q, k, v, projection, attention_mask=key_mask,
+                                sync_free=initial_state is not None and q.shape[2] == 1)
         extra = {}
         if self.rotary:
             cos, sin = rotary
