@@ -296,7 +296,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .common import add_common_arguments
 
-    add_common_arguments(parser, NAME, "a small subset for the demo (about two minutes; no continuation case)")
+    add_common_arguments(parser, NAME, "a small subset for the demo (about three minutes; no continuation case)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096, 16384],
                         help="context lengths L for per-token decoding")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens decoded per timed run (state / KV models)")
