@@ -2,20 +2,26 @@
 """Convert a softmax GPT-2 into a Linear GPT, fine-tune it briefly with ``Trainer``, and generate
 with the constant-size state.
 
-1. GPT-2: ``--model_name_or_path`` (a local GPT-2 checkpoint, or a Hub id online), or a small
-   ``GPT2LMHeadModel`` trained here with ``Trainer`` for ``--gpt2_steps`` steps.
+1. GPT-2: ``--model_name_or_path`` (a local GPT-2 checkpoint with its tokenizer, or a Hub id
+   online), or a small ``GPT2LMHeadModel`` trained here with ``Trainer`` for ``--gpt2_steps``
+   steps and saved (safetensors) in ``OUTPUT_DIR/gpt2``.
 2. ``hf_kernattn.convert.convert_to_linear_gpt``: every GPT-2 weight copied exactly, positive
-   random features (``--num_random_features``) estimating GPT-2's own ``exp(q . k / sqrt(d))``.
-3. ``Trainer`` fine-tunes the Linear GPT for ``--finetune_steps`` steps on the same text.
+   random features (``--num_random_features``) estimating GPT-2's own ``exp(q . k / sqrt(d))``;
+   the converted model is saved Hub-ready in ``OUTPUT_DIR/linear_gpt_converted``.
+3. ``Trainer`` fine-tunes the Linear GPT for ``--finetune_steps`` steps on the same text; saved
+   Hub-ready (weights, code, tokenizer, model card) in ``OUTPUT_DIR/linear_gpt``.
 4. One evaluation function (``Trainer.evaluate`` on the same validation blocks) gives the loss
    and perplexity of GPT-2 before conversion, of the Linear GPT right after it and after
-   fine-tuning: ``results.json``, ``results.md`` and ``finetune_converted.png`` in ``--output_dir``.
-5. ``generate()`` continues a validation prompt with the recurrent state; the state's size is
-   printed after ``--generate_tokens`` and twice as many tokens (it does not grow).
+   fine-tuning, beside a unigram baseline (training-text token frequencies): ``results.json``,
+   ``results.md`` and ``finetune_converted.png`` in ``--output_dir``.
+5. ``generate()`` continues a prompt with the recurrent state: greedy ``--generate_tokens``
+   tokens, then as many more continued from the returned state (the state's size is printed
+   after each: it does not grow, and the continuation equals one greedy call of twice the
+   length), and a sampled continuation as the sample.
 
 Text: ``--train_file`` / ``--validation_file`` (plain text), or by default the Python standard
-library's own source files (on every machine, offline), split by file. Tokens: bytes (256 +
-``<|endoftext|>``), the byte-level tokenizer of ``run_clm.py``.
+library's own source files (on every machine, offline), every 20th file (sorted by name) for
+validation. Tokens: bytes (256 + ``<|endoftext|>``), the byte-level tokenizer of ``run_clm.py``.
 
     python examples/finetune_converted.py --output_dir out/finetune_converted
 """
@@ -25,14 +31,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
 import sys
 import sysconfig
 import time
 from pathlib import Path
 
 import torch
+import transformers
 from datasets import Dataset
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments, set_seed
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, Trainer,
+                          TrainingArguments, set_seed)
 from transformers.utils import logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,35 +56,45 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train_file", help="plain-text training file (default: the Python standard library's sources)")
     p.add_argument("--validation_file", help="plain-text validation file (with --train_file)")
     p.add_argument("--max_chars", type=int, default=3_000_000, help="characters of the default corpus to use")
-    p.add_argument("--model_name_or_path", help="a GPT-2 checkpoint to convert instead of training one here")
+    p.add_argument("--model_name_or_path",
+                   help="a GPT-2 checkpoint (with its tokenizer) to convert instead of training one here")
     p.add_argument("--block_size", type=int, default=128, help="tokens per training block (and GPT-2's position table)")
-    p.add_argument("--n_embd", type=int, default=128)
-    p.add_argument("--n_layer", type=int, default=4)
-    p.add_argument("--n_head", type=int, default=4)
+    p.add_argument("--n_embd", type=int, default=128, help="width of the GPT-2 trained here")
+    p.add_argument("--n_layer", type=int, default=4, help="layers of the GPT-2 trained here")
+    p.add_argument("--n_head", type=int, default=4, help="heads of the GPT-2 trained here")
     p.add_argument("--gpt2_steps", type=int, default=600, help="training steps of the GPT-2 trained here")
     p.add_argument("--finetune_steps", type=int, default=200, help="fine-tuning steps of the converted Linear GPT")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--learning_rate", type=float, default=1e-3, help="GPT-2 training")
     p.add_argument("--finetune_learning_rate", type=float, default=3e-4)
     p.add_argument("--num_random_features", type=int, default=128, help="PRF features per head of the Linear GPT")
+    p.add_argument("--feature_seed", type=int, default=0, help="seed of the Linear GPT's random feature projections")
     p.add_argument("--eval_steps", type=int, default=50, help="evaluate every this many steps (the plot's points)")
     p.add_argument("--max_eval_blocks", type=int, default=128, help="validation blocks evaluated")
+    p.add_argument("--prompt", help="generation prompt (default: the first 32 tokens of the validation text)")
     p.add_argument("--generate_tokens", type=int, default=48,
-                   help="new tokens of the generation (then twice as many, to show the state does not grow)")
+                   help="new tokens per generation call (then as many more from the returned state)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if bool(args.train_file) != bool(args.validation_file):
         p.error("give both --train_file and --validation_file, or neither")
     for name in ("block_size", "gpt2_steps", "finetune_steps", "batch_size", "eval_steps", "max_eval_blocks",
-                 "generate_tokens", "num_random_features", "max_chars"):
+                 "generate_tokens", "num_random_features", "max_chars", "n_embd", "n_layer", "n_head"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ("learning_rate", "finetune_learning_rate"):
+        if not getattr(args, name) > 0:
+            p.error(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.n_embd % args.n_head:
+        p.error(f"--n_embd ({args.n_embd}) must be divisible by --n_head ({args.n_head})")
+    if args.prompt is not None and not args.prompt:
+        p.error("--prompt must not be empty")
     return args
 
 
-def default_corpus(max_chars: int) -> tuple[str, str]:
-    """Train / validation text from the standard library's ``.py`` files (sorted; every 20th
-    file goes to validation), up to ``max_chars`` characters."""
+def default_corpus(max_chars: int, separator: str) -> tuple[str, str]:
+    """Train / validation text from the standard library's ``.py`` files (sorted by name; every
+    20th file goes to validation), up to ``max_chars`` characters, files joined by ``separator``."""
     root = Path(sysconfig.get_paths()["stdlib"])
     train, valid, size = [], [], 0
     for i, path in enumerate(sorted(root.glob("*.py"))):
@@ -84,17 +103,27 @@ def default_corpus(max_chars: int) -> tuple[str, str]:
         size += len(text)
         if size >= max_chars:
             break
-    return EOS.join(train), EOS.join(valid)
+    if not train or not valid:
+        raise ValueError(f"the standard library at {root} gave too little text; pass --train_file/--validation_file")
+    return separator.join(train), separator.join(valid)
 
 
-def blocks(tokenizer, text: str, block_size: int, limit: int | None = None) -> Dataset:
+def blocks(ids: list[int], block_size: int, limit: int | None = None) -> Dataset:
     """Consecutive blocks of ``block_size`` token ids (labels = inputs; the model shifts)."""
-    ids = tokenizer(text)["input_ids"]
     n = len(ids) // block_size
     if limit is not None:
         n = min(n, limit)
     rows = [ids[i * block_size : (i + 1) * block_size] for i in range(n)]
     return Dataset.from_dict({"input_ids": rows, "labels": rows})
+
+
+def unigram_loss(train_ids: list[int], eval_set: Dataset, vocab_size: int) -> float:
+    """Cross-entropy (nats per token) of the tokens the models predict in ``eval_set`` (every
+    block's tokens after its first) under the training text's token frequencies (add-one)."""
+    counts = torch.bincount(torch.tensor(train_ids), minlength=vocab_size).double() + 1.0
+    log_p = counts.log() - counts.sum().log()
+    targets = torch.tensor(eval_set["labels"])[:, 1:]
+    return float(-log_p[targets].mean())
 
 
 def training_args(out: Path, steps: int, lr: float, args: argparse.Namespace) -> TrainingArguments:
@@ -124,6 +153,54 @@ def state_bytes(cache) -> int:
     return sum(x.numel() * x.element_size() for layer in cache.layers for x in layer.get_state() if x is not None)
 
 
+def load_source(args: argparse.Namespace):
+    """The tokenizer and, for ``--model_name_or_path``, the softmax model to convert."""
+    if not args.model_name_or_path:
+        return build_tokenizer("byte", [], 0, args.block_size), None
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"--model_name_or_path {args.model_name_or_path}: no tokenizer beside the model ({err})") from None
+    limit = model.config.max_position_embeddings
+    if args.block_size > limit:
+        raise ValueError(f"--block_size={args.block_size} exceeds the {limit} positions of {args.model_name_or_path}")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model
+
+
+def generate_demo(model, tokenizer, prompt_ids: torch.Tensor, n: int, seed: int) -> dict:
+    """Greedy ``n`` tokens, then ``n`` more continued from the returned state (its size after
+    each), compared with one greedy call of ``2n``; and a sampled ``n``-token continuation."""
+    common = dict(attention_mask=torch.ones_like(prompt_ids), pad_token_id=tokenizer.pad_token_id,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        first = model.generate(prompt_ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **common)
+        state = first.past_key_values
+        after_n = {"bytes": state_bytes(state), "tokens_in_state": state.get_seq_length(),
+                   "shapes": [list(x.shape) for x in state.layers[0].get_state() if x is not None]}
+        seq = first.sequences
+        more = model.generate(seq, attention_mask=torch.ones_like(seq), past_key_values=state, max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                              return_dict_in_generate=True)
+        after_2n = {"bytes": state_bytes(more.past_key_values), "tokens_in_state": more.past_key_values.get_seq_length(),
+                    "shapes": [list(x.shape) for x in more.past_key_values.layers[0].get_state() if x is not None]}
+        once = model.generate(prompt_ids, max_new_tokens=2 * n, min_new_tokens=2 * n, do_sample=False, **common)
+        set_seed(seed)
+        sampled = model.generate(prompt_ids, max_new_tokens=n, min_new_tokens=n, do_sample=True, top_p=0.9,
+                                 temperature=0.8, **common)
+    p = prompt_ids.shape[1]
+    return {
+        "prompt": tokenizer.decode(prompt_ids[0]),
+        "new_tokens": [first.sequences.shape[1] - p, more.sequences.shape[1] - first.sequences.shape[1]],
+        "state_after_n": after_n, "state_after_2n": after_2n,
+        "greedy": tokenizer.decode(more.sequences[0, p:]),
+        "continued_equals_one_call": bool(torch.equal(more.sequences, once.sequences)),
+        "sampled": tokenizer.decode(sampled.sequences[0, p:]),
+    }
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     logging.set_verbosity_info()
@@ -131,23 +208,28 @@ def main(argv=None) -> dict:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
+    tokenizer, gpt2 = load_source(args)
     if args.train_file:
+        from hf_kernattn.training import check_text_files
+
+        check_text_files([args.train_file], "--train_file")
+        check_text_files([args.validation_file], "--validation_file")
         train_text = Path(args.train_file).read_text(encoding="utf-8")
         valid_text = Path(args.validation_file).read_text(encoding="utf-8")
     else:
-        train_text, valid_text = default_corpus(args.max_chars)
-    tokenizer = build_tokenizer("byte", [], 0, args.block_size)
-    train_set = blocks(tokenizer, train_text, args.block_size)
-    eval_set = blocks(tokenizer, valid_text, args.block_size, args.max_eval_blocks)
+        train_text, valid_text = default_corpus(args.max_chars, tokenizer.eos_token or EOS)
+    train_ids = tokenizer(train_text)["input_ids"]
+    valid_ids = tokenizer(valid_text)["input_ids"]
+    train_set = blocks(train_ids, args.block_size)
+    eval_set = blocks(valid_ids, args.block_size, args.max_eval_blocks)
     if len(train_set) == 0 or len(eval_set) == 0:
         raise ValueError(f"the text gives no block of --block_size={args.block_size} tokens (train or validation)")
     logger.info(f"{len(train_set)} training and {len(eval_set)} validation blocks of {args.block_size} tokens")
 
     # 1. GPT-2: given, or trained here
     gpt2_curve: list[tuple[int, float]] = []
-    if args.model_name_or_path:
+    if gpt2 is not None:
         gpt2_dir = args.model_name_or_path
-        gpt2 = GPT2LMHeadModel.from_pretrained(gpt2_dir)
     else:
         gpt2_dir = str(out / "gpt2")
         gpt2 = GPT2LMHeadModel(GPT2Config(
@@ -160,16 +242,22 @@ def main(argv=None) -> dict:
         gpt2_curve = curve(trainer)
         gpt2.save_pretrained(gpt2_dir)
         tokenizer.save_pretrained(gpt2_dir)
+    source_name = "GPT-2" if gpt2.config.model_type == "gpt2" else gpt2.config.model_type
     gpt2_loss = evaluate(gpt2, eval_set, out / "eval", args)
+    vocab_size = gpt2.config.vocab_size
+    del gpt2
 
-    # 2. conversion: exact copies, new random features
+    # 2. conversion: exact copies, new random features; saved Hub-ready as converted
+    from hf_kernattn.cards import save_model_card
     from hf_kernattn.convert import convert_to_linear_gpt
 
-    linear = convert_to_linear_gpt(gpt2_dir, num_random_features=args.num_random_features)
+    linear = convert_to_linear_gpt(gpt2_dir, out / "linear_gpt_converted", num_random_features=args.num_random_features,
+                                   feature_seed=args.feature_seed)
+    report = linear.conversion_report
     converted_loss = evaluate(linear, eval_set, out / "eval", args)
 
     # 3. fine-tuning with Trainer
-    linear.train()
+    set_seed(args.seed)
     trainer = Trainer(model=linear, args=training_args(out / "finetune_run", args.finetune_steps,
                                                        args.finetune_learning_rate, args),
                       train_dataset=train_set, eval_dataset=eval_set)
@@ -179,53 +267,60 @@ def main(argv=None) -> dict:
     finetuned_loss = evaluate(linear, eval_set, out / "eval", args)
 
     # 4. generation with the constant-size state (GPT-2's absolute positions bound the length)
-    prompt = tokenizer(valid_text[:200], return_tensors="pt")["input_ids"][:, :32]
+    if args.prompt is not None:
+        prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    else:
+        prompt = torch.tensor([valid_ids[:32]])
     limit = linear.config.max_position_embeddings
     if prompt.shape[1] + 2 * args.generate_tokens > limit:
-        raise ValueError(f"--generate_tokens={args.generate_tokens}: the prompt ({prompt.shape[1]}) plus twice that "
-                         f"exceeds the {limit} positions of the converted GPT-2")
-    sizes = {}
-    with torch.no_grad():
-        for n in (args.generate_tokens, 2 * args.generate_tokens):
-            gen = linear.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id)
-            sizes[n] = state_bytes(gen.past_key_values)
-            if n == args.generate_tokens:
-                sample = tokenizer.decode(gen.sequences[0, prompt.shape[1]:])
+        raise ValueError(f"--generate_tokens={args.generate_tokens}: the prompt ({prompt.shape[1]} tokens) plus twice that "
+                         f"exceeds the {limit} positions of the converted model")
+    generation = generate_demo(linear, tokenizer, prompt, args.generate_tokens, args.seed)
+
     final_dir = out / "linear_gpt"
     linear.save_pretrained(final_dir)
     tokenizer.save_pretrained(final_dir)
-    from hf_kernattn.cards import save_model_card
-
-    stages = [("GPT-2 (softmax), before conversion", gpt2_loss), ("Linear GPT, right after conversion", converted_loss),
+    unit = "nats/byte" if vocab_size == 257 and tokenizer.convert_ids_to_tokens(256) == EOS else "nats/token"
+    unigram = unigram_loss(train_ids, eval_set, vocab_size)
+    stages = [(f"{source_name} (softmax), before conversion", gpt2_loss),
+              ("Linear GPT, right after conversion", converted_loss),
               (f"Linear GPT, after {args.finetune_steps} fine-tuning steps", finetuned_loss)]
     save_model_card(linear, final_dir, base_model=gpt2_dir, results=[
         {"task": "text-generation", "dataset": "validation text", "metric": "perplexity", "value": round(math.exp(finetuned_loss), 3)}],
-        training={"converted from": f"`{gpt2_dir}` (GPT-2)", "fine-tuning steps": args.finetune_steps})
+        training={"converted from": f"`{gpt2_dir}` ({source_name})", "fine-tuning steps": args.finetune_steps,
+                  "fine-tuning learning rate": args.finetune_learning_rate})
     results = {
         "stages": [{"stage": s, "loss": loss, "perplexity": math.exp(loss)} for s, loss in stages],
-        "gpt2_curve": gpt2_curve, "finetune_curve": finetune_curve, "sample": sample,
-        "state_bytes": {str(k): v for k, v in sizes.items()}, "seconds": time.perf_counter() - started,
+        "unigram_baseline": {"loss": unigram, "perplexity": math.exp(unigram)}, "unit": unit,
+        "gpt2_curve": gpt2_curve, "finetune_curve": finetune_curve, "generation": generation,
+        "blocks": {"train": len(train_set), "validation": len(eval_set), "block_size": args.block_size},
+        "conversion": {"copied": len(report["copied"]), "initialised": report["initialised"]},
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
-        "conversion": {"copied": len(linear.conversion_report["copied"]),
-                       "initialised": linear.conversion_report["initialised"]},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__},
+        "seconds": time.perf_counter() - started,
     }
     (out / "results.json").write_text(json.dumps(results, indent=2))
-    table = ["| stage | validation loss (nats/byte) | perplexity |", "|---|---|---|"]
+    table = [f"| stage | validation loss ({unit}) | perplexity |", "|---|---|---|"]
     table += [f"| {s} | {loss:.4f} | {math.exp(loss):.3f} |" for s, loss in stages]
+    table += [f"| unigram frequencies (baseline) | {unigram:.4f} | {math.exp(unigram):.3f} |"]
     (out / "results.md").write_text("\n".join(table) + "\n")
-    plot(results, out / "finetune_converted.png", args)
+    plot(results, out / "finetune_converted.png")
     print("\n".join(table))
-    print(f"state after {args.generate_tokens} new tokens: {sizes[args.generate_tokens]} bytes; "
-          f"after {2 * args.generate_tokens}: {sizes[2 * args.generate_tokens]} bytes")
-    print(f"sample: {sample[:160]!r}")
+    g = generation
+    print(f"state after {g['new_tokens'][0]} new tokens: {g['state_after_n']['bytes']} bytes "
+          f"({g['state_after_n']['tokens_in_state']} tokens folded in); after {sum(g['new_tokens'])}: "
+          f"{g['state_after_2n']['bytes']} bytes ({g['state_after_2n']['tokens_in_state']} tokens folded in)")
+    print(f"continued from the state == one greedy call of {sum(g['new_tokens'])} tokens: {g['continued_equals_one_call']}")
+    print(f"prompt: {g['prompt']!r}\ngreedy: {g['greedy']!r}\nsampled: {g['sampled']!r}")
     print(f"wrote {out / 'results.md'}, {out / 'finetune_converted.png'} and {final_dir} in {results['seconds']:.0f} s")
     return results
 
 
-def plot(results: dict, path: Path, args: argparse.Namespace) -> None:
+def plot(results: dict, path: Path) -> None:
     """Validation loss: GPT-2 while it trains, the Linear GPT right after conversion and while it
-    is fine-tuned (its steps counted after GPT-2's)."""
+    is fine-tuned (its steps counted after GPT-2's); GPT-2's final loss and the unigram baseline
+    as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -239,8 +334,9 @@ def plot(results: dict, path: Path, args: argparse.Namespace) -> None:
     fine = [(offset, conv)] + [(offset + s, loss) for s, loss in results["finetune_curve"]]
     ax.plot(*zip(*fine), marker="o", ms=3, label="Linear GPT: converted, then fine-tuned")
     ax.axhline(results["stages"][0]["loss"], color="gray", ls="--", lw=1, label="GPT-2 before conversion")
+    ax.axhline(results["unigram_baseline"]["loss"], color="gray", ls=":", lw=1, label="unigram baseline")
     ax.set_xlabel("optimizer steps")
-    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_ylabel(f"validation loss ({results['unit']})")
     ax.set_title("Converting GPT-2 into Linear GPT and fine-tuning")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
