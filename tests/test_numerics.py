@@ -215,12 +215,18 @@ def _positive_inputs(n, seed, b=2, h=2, m=5, d=4, dtype=torch.float32, span=1.0)
     return q.to(dtype), k.to(dtype), v.to(dtype), bias.to(dtype)
 
 
+@pytest.mark.parametrize("seed", [10, 110, 210])
 @pytest.mark.parametrize("causal", [True, False])
-def test_fft_rows_without_allowed_keys_are_exactly_zero(causal):
+def test_fft_rows_without_allowed_keys_are_exactly_zero(causal, seed):
     """Causal with left padding: the padded prefix has no allowed key. Non-causal: a batch row
     that is all padding. Those rows are exactly 0 (as in dense), gradients finite, the other
-    rows equal the float64 reference (float32 inputs: 1e-5 covers the fft bound here, ~1e-6)."""
-    q, k, v, bias = _positive_inputs(64, seed=10)
+    rows equal the float64 reference within the transform's own bound, ``fft_error_bound`` times
+    max|v| (causal: the first real row after the padding sees one key while the transform's
+    error scales with the mass of all 59, so the bound is ~2e-4 there, not the ~1e-6 of a
+    non-causal call)."""
+    from hf_kernattn.modeling.kernels_fft import fft_error_bound
+
+    q, k, v, bias = _positive_inputs(64, seed=seed)
     mask = torch.ones(2, 64, dtype=torch.long)
     if causal:
         mask[1, :5] = 0
@@ -233,7 +239,9 @@ def test_fft_rows_without_allowed_keys_are_exactly_zero(causal):
     assert (out[empty[:, None, :, None].expand_as(out)] == 0).all()
     dense = hf_kernattn.kernelized_attention(q, k, v, bias, causal, mask, backend="dense")
     assert (dense[empty[:, None, :, None].expand_as(dense)] == 0).all()
-    torch.testing.assert_close(out.double(), literal_reference(q, k, v, bias, causal, mask), rtol=0, atol=1e-5)
+    tol = fft_error_bound(q, k, rpe_bias=bias, causal=causal, key_mask=mask.bool()) * float(v.abs().max())
+    assert tol < 1e-3  # a meaningful bound for these inputs
+    torch.testing.assert_close(out.double(), literal_reference(q, k, v, bias, causal, mask), rtol=0, atol=tol)
     out.pow(2).sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in xs)
 
@@ -267,14 +275,15 @@ def test_constant_bias_cancels_in_every_backend(backend, causal):
             torch.testing.assert_close(g, g0, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("seed", [12, 112, 212])
 @pytest.mark.parametrize("n,causal,span", [(256, False, 0.0), (256, True, 0.0), (1024, True, 0.0),
                                            (1024, False, 8.0), (512, True, 6.0), (300, True, 8.0)])
-def test_fft_float32_error_stays_within_its_stated_bound(n, causal, span):
+def test_fft_float32_error_stays_within_its_stated_bound(n, causal, span, seed):
     """fft_error_bound is an upper bound of the measured float32 error (relative to max|v|)
     against the float64 formula, and it is not vacuous (below 1) in these cases."""
     from hf_kernattn.modeling.kernels_fft import fft_error_bound
 
-    q, k, v, bias = _positive_inputs(n, seed=12, b=1, h=1, span=span)
+    q, k, v, bias = _positive_inputs(n, seed=seed, b=1, h=1, span=span)
     out = hf_kernattn.kernelized_attention(q, k, v, bias, causal, backend="fft")
     err = ((out.double() - literal_reference(q, k, v, bias, causal)).abs().max() / v.abs().max()).item()
     bound = fft_error_bound(q, k, rpe_bias=bias, causal=causal)
