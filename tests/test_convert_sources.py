@@ -233,3 +233,37 @@ def test_a_malformed_config_is_one_error_line_naming_it(text, what, tmp_path, ca
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
     assert str(tmp_path / "src" / "config.json") in err and what in err
+
+
+# --- the command's help ------------------------------------------------------------------
+
+
+def _convert_parser():
+    from hf_kernattn import cli
+
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    conv = sub.choices["convert"]
+    conv.parse_known_args(["x", "y"])  # the lazy parser adds its arguments on first use
+    return conv
+
+
+def test_help_states_the_defaults_conversion_uses(tmp_path):
+    """``--num-random-features``'s help quotes per source the number a conversion without the
+    flag gives; every help sentence is whole and shows no markup."""
+    import re
+
+    conv = _convert_parser()
+    helps = {a.dest: a.help for a in conv._actions}
+    m = re.fullmatch(r"random features per attention head \(default: (\d+) for BERT and RoBERTa, (\d+) for GPT-2, "
+                     r"Llama and ViT\)", helps["num_random_features"])
+    assert m, helps["num_random_features"]
+    for kind, stated in (("bert", m.group(1)), ("gpt2", m.group(2)), ("vit", m.group(2))):
+        _saved(kind, tmp_path / kind)
+        assert convert(tmp_path / kind).config.num_random_features == int(stated), kind
+    assert re.search(r"\(default: (\w+)\)", helps["feature_map"]).group(1) == convert(tmp_path / "bert").config.feature_map
+    texts = [conv.description] + [h for h in helps.values() if h]
+    for text in texts:
+        assert "``" not in text and ":func:" not in text, text
+    assert conv.description.endswith(".") and "\n" not in conv.description
+    assert "pytorch_model*.bin" in helps["allow_pickle"] and "trust" in helps["allow_pickle"]
