@@ -687,6 +687,7 @@ def _convert_llama(src: Path, cfg: dict[str, Any], output_dir, base_model, overr
     # through transformers' own loading: every Llama key layout arrives in one; what it had to
     # initialise is not in ``state``, so it is refused (or reported initialised), never copied
     state, unused = _load_source(LlamaForCausalLM, LlamaConfig.from_dict(dict(cfg)), raw, src)
+    del raw
     fields = {dst: cfg[s] for s, dst in _LLAMA_FIELDS.items() if s in cfg}
     fields.update(feature_map=CONVERTED_FEATURE_MAP, num_random_features=CONVERTED_NUM_RANDOM_FEATURES, normalize_qk=False)
     fields.update(overrides)
@@ -757,6 +758,7 @@ def convert_to_relative_performer_vit(
     # through transformers' own loading: checkpoints of every ViT key layout arrive in one; what
     # it had to initialise is not in ``state``, so it is refused (or reported initialised), never copied
     state, unused = _load_source(ViTForImageClassification if classifier else ViTModel, ViTConfig.from_dict(dict(cfg)), raw, src)
+    del raw
     fields = {k: cfg[k] for k in _VIT_FIELDS if k in cfg}
     if "id2label" in fields:
         fields["id2label"] = {int(k): v for k, v in fields["id2label"].items()}
