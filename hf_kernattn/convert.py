@@ -212,7 +212,7 @@ def _read_state_dict(src: Path, allow_pickle: bool = False) -> dict[str, torch.T
         state, listed = _read_sharded(src, src / _SAFE_INDEX, _load_safetensors)
         ignored = sorted(p.name for p in src.glob("*.safetensors") if p.name not in listed)
         if ignored:
-            logger.warning(f"{str(src)!r}: reading the weights {_SAFE_INDEX} lists; ignoring {', '.join(ignored)} beside them")
+            logger.warning(f"{str(src)!r}: {_SAFE_INDEX} lists the weights to read; ignoring {', '.join(ignored)} beside them")
         return state
     if (src / _SAFE_SINGLE).is_file():
         return _load_safetensors(src / _SAFE_SINGLE)

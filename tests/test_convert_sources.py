@@ -222,6 +222,18 @@ def test_a_damaged_safetensors_file_is_one_error_line_naming_it(kind, tmp_path, 
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err and str(path) in err
 
 
+def test_a_damaged_index_or_pickle_file_is_an_error_naming_it(tmp_path):
+    _saved("gpt2", tmp_path / "sharded", max_shard_size="20KB")
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"weights index '.*model.safetensors.index.json' must hold a JSON object"):
+        convert(tmp_path / "sharded")
+    _pickle_only("gpt2", tmp_path / "pickled")
+    path = tmp_path / "pickled" / "pytorch_model.bin"
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match=f"cannot read weights file '{path}'"):
+        convert(tmp_path / "pickled", allow_pickle=True)
+
+
 @pytest.mark.parametrize("text, what", [("{not json", "not valid JSON"), ("[1, 2]", "a JSON object")])
 def test_a_malformed_config_is_one_error_line_naming_it(text, what, tmp_path, capsys):
     _saved("bert", tmp_path / "src")
