@@ -1,6 +1,17 @@
-"""Convert a softmax checkpoint (a local directory or a Hub model id) into a kernelized family:
-BERT and RoBERTa into NPRF-BERT (below), GPT-2 and Llama into Linear GPT (:func:`convert_to_linear_gpt`),
-ViT into the relative-performer ViT (:func:`convert_to_relative_performer_vit`), through one mechanism (:func:`_finish_conversion`: exact copies, a report, a Hub-ready save).
+"""Convert a softmax checkpoint (BERT, RoBERTa, GPT-2, Llama or ViT; a folder or a Hub model id) into a kernelized model.
+
+BERT and RoBERTa become NPRF-BERT (below), GPT-2 and Llama Linear GPT (:func:`convert_to_linear_gpt`),
+ViT the relative-performer ViT (:func:`convert_to_relative_performer_vit`), through one mechanism
+(:func:`_finish_conversion`: exact copies, a report, a Hub-ready save).
+
+What is read: ``config.json`` and the weights, from safetensors only: a sharded set through its
+``model.safetensors.index.json`` (another ``*.safetensors`` file beside it is ignored, with a
+warning), else ``model.safetensors``. Pickled weights (``pytorch_model*.bin``) are refused
+unless ``allow_pickle=True`` (command line: ``--allow-pickle``) is given, with the warning model
+loading gives for them: unpickling a file can run code from it. A source that lacks a tensor the
+conversion copies, or whose ``config.json`` counts more or fewer layers than its weights hold, is
+refused with the missing tensors named; nothing that was not in the source is ever reported as
+copied.
 
 Copied: word / token-type / absolute-position embeddings and their LayerNorm, the q/k/v/output
 projections of every layer, the feed-forward weights, both LayerNorms per layer, the pooler and
@@ -34,7 +45,9 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -43,6 +56,8 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.utils import validate_repo_id
 from transformers.utils import logging
+
+from .modeling.pretrained import warn_pickle_weights
 
 logger = logging.get_logger(__name__)
 
@@ -61,17 +76,31 @@ _COPIED_FIELDS = (
 )
 
 
-def _resolve_checkpoint(checkpoint: str | Path, revision: Optional[str] = None) -> Path:
+# The number of random features per head a converted GPT-2, Llama or ViT gets unless told
+# otherwise (NPRF-BERT keeps its config's default); quoted by ``hf-kernattn convert --help``.
+CONVERTED_NUM_RANDOM_FEATURES = 256
+CONVERTED_FEATURE_MAP = "prf"
+_SAFE_INDEX = "model.safetensors.index.json"
+_SAFE_SINGLE = "model.safetensors"
+_PICKLE_INDEX = "pytorch_model.bin.index.json"
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split()) or type(err).__name__
+
+
+def _resolve_checkpoint(checkpoint: str | Path, revision: Optional[str] = None, allow_pickle: bool = False) -> Path:
     """A local checkpoint directory, or the local snapshot of Hub model id ``checkpoint``.
 
     Only what conversion reads is downloaded: the config, tokenizer files and one weight format
-    (safetensors, else ``pytorch_model*.bin``)."""
+    (safetensors; ``pytorch_model*.bin`` only with ``allow_pickle``)."""
     src = Path(checkpoint)
     if src.is_dir():
         return src
     name = str(checkpoint)
     if src.exists():
-        raise ValueError(f"checkpoint_dir {name!r} is not a directory; expected a BERT or RoBERTa checkpoint directory or Hub model id")
+        raise ValueError(f"checkpoint_dir {name!r} is not a directory; expected a checkpoint directory "
+                         f"({', '.join(SUPPORTED_MODEL_TYPES)}) or Hub model id")
     try:
         validate_repo_id(name)
     except ValueError:
@@ -83,13 +112,30 @@ def _resolve_checkpoint(checkpoint: str | Path, revision: Optional[str] = None) 
         logger.info(f"fetching {name!r} from the Hugging Face Hub")
         folder = Path(snapshot_download(name, revision=revision, allow_patterns=metadata + ["*.safetensors", "*.safetensors.index.json"]))
         if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name, revision=revision, allow_patterns=metadata + ["pytorch_model*.bin", "pytorch_model.bin.index.json"]))
+            if not allow_pickle:
+                raise ValueError(
+                    f"checkpoint_dir {name!r} (Hugging Face Hub) has no safetensors weights; pickled weights "
+                    "(pytorch_model*.bin), if it has them, are downloaded and read only with allow_pickle=True "
+                    "(command line: --allow-pickle), as unpickling a file can run code from it: only for sources you trust"
+                )
+            folder = Path(snapshot_download(name, revision=revision, allow_patterns=metadata + ["pytorch_model*.bin", _PICKLE_INDEX]))
     except OSError as err:  # not found, gated, offline without a cached copy, no connection
         raise OSError(
             f"checkpoint_dir {name!r} is not a local directory and could not be fetched from the Hugging Face Hub: "
-            f"{' '.join(str(err).split())}"
+            f"{_one_line(err)}"
         ) from err
     return folder
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``path``; ``ValueError`` naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON: {_one_line(err)}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {str(path)!r} must hold a JSON object ({{...}}), got a JSON {type(data).__name__}")
+    return data
 
 
 def _read_config(src: Path, supported: tuple[str, ...] = ("bert", "roberta")) -> dict[str, Any]:
@@ -97,7 +143,7 @@ def _read_config(src: Path, supported: tuple[str, ...] = ("bert", "roberta")) ->
     if not path.is_file():
         raise ValueError(f"checkpoint_dir {str(src)!r} has no config.json; expected a checkpoint directory of one of "
                          f"{list(supported)}")
-    cfg = json.loads(path.read_text())
+    cfg = _read_json(path, "config")
     model_type = cfg.get("model_type")
     if model_type not in supported:
         raise ValueError(
@@ -118,22 +164,159 @@ def _check_bert_config(cfg: dict[str, Any]) -> None:
         raise ValueError(f"cannot convert position_embedding_type={pet!r}; only 'absolute' source positions are supported")
 
 
-def _read_state_dict(src: Path) -> dict[str, torch.Tensor]:
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise ValueError(f"cannot read weights file {str(path)!r} (damaged or not a safetensors file): {_one_line(err)}") from None
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    import pickle
+
+    try:
+        state = torch.load(str(path), map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as err:
+        raise ValueError(f"cannot read weights file {str(path)!r} (damaged, or more than tensors in it): {_one_line(err)}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"weights file {str(path)!r} holds a {type(state).__name__}, not a state dict")
+    return state
+
+
+def _read_sharded(src: Path, index: Path, load) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """The tensors of every file ``index`` (a ``*.index.json``) lists; also the file names."""
+    weight_map = _read_json(index, "weights index").get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"weights index {str(index)!r} has no weight_map ({{tensor name: file name}})")
+    files = sorted(set(weight_map.values()))
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (src / name).is_file():
+            raise ValueError(f"weights index {str(index)!r} lists {name!r}, which is not in {str(src)!r}")
+        state.update(load(src / name))
+    absent = sorted(k for k, f in weight_map.items() if k not in state)
+    if absent:
+        raise ValueError(f"weights index {str(index)!r} lists tensors its files do not hold: {_names(absent)}")
+    return state, set(files)
+
+
+def _read_state_dict(src: Path, allow_pickle: bool = False) -> dict[str, torch.Tensor]:
+    """The source's weights: the files ``model.safetensors.index.json`` lists when there is one
+    (other safetensors files beside them are ignored, with a warning), else ``model.safetensors``,
+    else every ``*.safetensors`` file. Pickled weights (``pytorch_model*.bin``, through their
+    index when present) only when there are no safetensors ones and ``allow_pickle`` is set."""
+    if (src / _SAFE_INDEX).is_file():
+        state, listed = _read_sharded(src, src / _SAFE_INDEX, _load_safetensors)
+        ignored = sorted(p.name for p in src.glob("*.safetensors") if p.name not in listed)
+        if ignored:
+            logger.warning(f"{str(src)!r}: {_SAFE_INDEX} lists the weights to read; ignoring {', '.join(ignored)} beside them")
+        return state
+    if (src / _SAFE_SINGLE).is_file():
+        return _load_safetensors(src / _SAFE_SINGLE)
     files = sorted(src.glob("*.safetensors"))
     if files:
-        from safetensors.torch import load_file
-
-        state: dict[str, torch.Tensor] = {}
+        state, seen = {}, {}
         for f in files:
-            state.update(load_file(str(f)))
+            for key, value in _load_safetensors(f).items():
+                if key in seen:
+                    raise ValueError(f"tensor {key!r} is in both {seen[key]!r} and {f.name!r} and no {_SAFE_INDEX} says which to read")
+                seen[key], state[key] = f.name, value
         return state
-    bins = sorted(src.glob("pytorch_model*.bin"))
-    if bins:
+    pickled = [src / _PICKLE_INDEX] if (src / _PICKLE_INDEX).is_file() else sorted(src.glob("pytorch_model*.bin"))
+    if pickled:
+        if not allow_pickle:
+            raise ValueError(
+                f"checkpoint_dir {str(src)!r} has only pickled weights ({', '.join(p.name for p in pickled)}): conversion "
+                "reads safetensors only, as loading does, since unpickling a file can run code from it. Pass "
+                "allow_pickle=True (command line: --allow-pickle) for a source you trust, or save the source again "
+                "with save_pretrained (safetensors)"
+            )
+        warn_pickle_weights("allow_pickle=True")
+        if pickled[0].name == _PICKLE_INDEX:
+            return _read_sharded(src, pickled[0], _load_pickle)[0]
         state = {}
-        for f in bins:
-            state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+        for f in pickled:
+            state.update(_load_pickle(f))
         return state
     raise ValueError(f"checkpoint_dir {str(src)!r} has no *.safetensors or pytorch_model*.bin weights")
+
+
+def _names(keys: list[str], shown: int = 8) -> str:
+    """``'a', 'b', ... and N more``."""
+    head = ", ".join(repr(k) for k in keys[:shown])
+    return head + (f" and {len(keys) - shown} more" if len(keys) > shown else "")
+
+
+def _spans(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    parts: list[list[int]] = []
+    for i in indices:
+        if parts and parts[-1][1] == i - 1:
+            parts[-1][1] = i
+        else:
+            parts.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in parts)
+
+
+# a layer's index in a tensor name: BERT/ViT "encoder.layer.3.", Llama "model.layers.3.", GPT-2 "h.3."
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layer|layers|h)\.(\d+)\.")
+
+
+def _check_layer_count(keys, num_layers: int, field: str) -> None:
+    """``ValueError`` unless the weights hold exactly layers ``0 .. num_layers - 1`` (``num_layers``
+    from ``config.json``'s ``field``), naming the missing tensors or the extra layers."""
+    example: dict[int, tuple[str, re.Match]] = {}
+    for key in sorted(keys):
+        if (m := _LAYER_INDEX.search(key)) is not None:
+            example.setdefault(int(m.group(1)), (key, m))
+    found = sorted(example)
+    if found == list(range(num_layers)):
+        return
+    held = f"{len(found)} layer{'s' if len(found) != 1 else ''} ({_spans(found)})" if found else "no layer tensors"
+    msg = f"config.json has {field}={num_layers} but the weights hold {held}"
+    absent = [i for i in range(num_layers) if i not in example]
+    if absent and found:
+        key, m = example[found[0]]
+        like = key[: m.start(1)] + str(absent[0]) + key[m.end(1):]
+        msg += f"; missing: every tensor of layer{'s' if len(absent) > 1 else ''} {_spans(absent)}, e.g. {like!r}"
+    extra = [i for i in found if i >= num_layers]
+    if extra:
+        msg += f"; beyond {field}: layer{'s' if len(extra) > 1 else ''} {_spans(extra)}"
+    raise ValueError(msg + ". The config does not describe these weights")
+
+
+@contextlib.contextmanager
+def _transformers_quiet():
+    """transformers' own load report and progress bar off: conversion reports what it copied,
+    and refuses what is missing, itself."""
+    from transformers.utils import logging as hf_logging
+
+    level, bar = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def _load_source(model_class, config, state: dict[str, torch.Tensor], src: Path):
+    """``model_class`` (a transformers model) holding ``state``, read as transformers reads a
+    checkpoint (its key renamings included), and the source's state dict without the tensors
+    transformers had to initialise (missing from ``state``), plus the keys it did not use."""
+    try:
+        with _transformers_quiet():
+            source, info = model_class.from_pretrained(None, config=config, state_dict=state, output_loading_info=True)
+    except RuntimeError as err:  # e.g. a tensor of another shape than config.json implies
+        raise ValueError(f"the weights in {str(src)!r} do not fit its config.json: {_one_line(err)}") from None
+    missing = set(info.get("missing_keys", ()))
+    loaded = {k: v.detach() for k, v in source.state_dict().items() if k not in missing}
+    return loaded, sorted(info.get("unexpected_keys", ()))
 
 
 def _infer_head(cfg: dict[str, Any]) -> str:
@@ -206,6 +389,7 @@ def convert_to_nprf_bert(
     head: str = "auto",
     revision: Optional[str] = None,
     base_model: Optional[str] = None,
+    allow_pickle: bool = False,
     **attention_overrides: Any,
 ):
     """Build an NPRF-BERT model from a BERT or RoBERTa checkpoint.
@@ -221,6 +405,9 @@ def convert_to_nprf_bert(
             ``"sequence_classification"``, ``"token_classification"`` or ``"question_answering"``.
         revision: branch, tag or commit of a Hub model id (ignored for a local directory).
         base_model: the name the model card gives the source (default: ``checkpoint_dir``).
+        allow_pickle: read pickled weights (``pytorch_model*.bin``) of a source that has no
+            safetensors ones, with a warning (unpickling a file can run code from it: only for
+            sources you trust). By default they are refused.
         **attention_overrides: NPRF-BERT config fields to set (``num_random_features``,
             ``max_relative_position``, ``feature_map``, ``attn_backend``, ``num_labels``, ...).
             Head weights the source lacks (e.g. a classifier when converting a pre-trained
@@ -229,7 +416,9 @@ def convert_to_nprf_bert(
         The NPRF-BERT model (``eval()`` mode); ``model.conversion_report`` lists the copied
         keys, the target keys left at initialisation and the unused source keys.
     Raises:
-        ValueError: unknown architecture, missing files, or a head the checkpoint cannot fill.
+        ValueError: unknown architecture; missing or damaged files; a malformed ``config.json``;
+            missing tensors or a layer count the weights do not hold (named); pickled weights
+            without ``allow_pickle``.
         OSError: a Hub model id that cannot be fetched (unknown, gated, or offline and not cached).
     """
     from .modeling.configuration_nprf_bert import NPRFBertConfig
@@ -243,11 +432,12 @@ def convert_to_nprf_bert(
 
     if head not in HEADS:
         raise ValueError(f"head must be one of {list(HEADS)}, got {head!r}")
-    src = _resolve_checkpoint(checkpoint_dir, revision)
+    src = _resolve_checkpoint(checkpoint_dir, revision, allow_pickle)
     cfg = _read_config(src)
     _check_bert_config(cfg)
     model_type = cfg["model_type"]
-    state = _read_state_dict(src)
+    state = _read_state_dict(src, allow_pickle)
+    _check_layer_count(state, int(cfg.get("num_hidden_layers", 12)), "num_hidden_layers")
     if head == "auto":
         head = _infer_head(cfg)
 
@@ -294,25 +484,26 @@ def convert_to_nprf_bert(
 
 
 def _finish_conversion(model, state, pairs, src, base_model, output_dir, model_type, head, cfg, *,
-                       transform, required, zero, tied):
+                       transform, required, zero, tied, unused=()):
     """What every conversion shares: copy ``state[src_key]`` (after ``transform(dst, value)``)
-    into each target key of ``pairs`` exactly, refusing a missing key that is ``required`` or a
-    shape mismatch; zero the new tensors ``zero`` names; tie; attach ``conversion_report``
-    (copied, initialised, unused source keys); with ``output_dir`` save the model Hub-ready with
-    the source tokenizer files and a model card naming the base model."""
+    into each target key of ``pairs`` exactly, refusing missing keys that are ``required`` (all
+    named) or a shape mismatch; zero the new tensors ``zero`` names; tie; attach
+    ``conversion_report`` (copied, initialised, unused source keys, with ``unused`` added); with
+    ``output_dir`` save the model Hub-ready with the source tokenizer files and a model card
+    naming the base model. ``state`` holds only tensors read from the source: whatever is copied
+    came from it."""
+    missing = [srck for dst, srck in pairs.items() if srck not in state and dst != tied and required(dst)]
+    if missing:
+        raise ValueError(
+            f"checkpoint has no {_names(missing)}: not a complete {model_type} model "
+            f"(architectures={cfg.get('architectures')})"
+        )
     target = model.state_dict()
     copied, used = [], set()
     with torch.no_grad():
         for dst, srck in pairs.items():
             if srck not in state:
-                if dst == tied:  # tied: comes with the word embeddings
-                    continue
-                if not required(dst):
-                    continue  # a head / pooler the source does not have: stays initialised (fine-tune it)
-                raise ValueError(
-                    f"checkpoint has no {srck!r}: not a complete {model_type} model "
-                    f"(architectures={cfg.get('architectures')})"
-                )
+                continue  # tied (comes with the word embeddings), or a head / pooler the source does not have: stays initialised
             value = transform(dst, state[srck])
             if tuple(value.shape) != tuple(target[dst].shape):
                 raise ValueError(f"shape mismatch for {dst!r} <- {srck!r}: {tuple(target[dst].shape)} vs {tuple(value.shape)}")
@@ -328,7 +519,8 @@ def _finish_conversion(model, state, pairs, src, base_model, output_dir, model_t
         "head": head,
         "copied": copied,
         "initialised": sorted(k for k in target if k not in copied and k != tied),
-        "unused_source_keys": sorted(k for k in state if k not in used and not k.endswith(("position_ids", ".attn.bias", ".attn.masked_bias"))),
+        "unused_source_keys": sorted({k for k in state if k not in used and not k.endswith(("position_ids", ".attn.bias", ".attn.masked_bias"))}
+                                     | set(unused)),
     }
     if output_dir is not None:
         from .cards import save_model_card
@@ -361,6 +553,7 @@ def convert_to_linear_gpt(
     *,
     revision: Optional[str] = None,
     base_model: Optional[str] = None,
+    allow_pickle: bool = False,
     **attention_overrides: Any,
 ):
     """Build a Linear GPT from a GPT-2 or Llama checkpoint (a directory or a Hub model id).
@@ -389,16 +582,16 @@ def convert_to_linear_gpt(
     """
     from .modeling.configuration_linear_gpt import LinearGPTConfig
 
-    src = _resolve_checkpoint(checkpoint_dir, revision)
+    src = _resolve_checkpoint(checkpoint_dir, revision, allow_pickle)
     cfg = _read_config(src, ("gpt2", "llama"))
     unknown = set(attention_overrides) - set(LinearGPTConfig().to_dict())
     if unknown:
         raise ValueError(f"unknown Linear GPT config fields in overrides: {sorted(unknown)}")
     convert_one = _convert_llama if cfg["model_type"] == "llama" else _convert_gpt2
-    return convert_one(src, cfg, output_dir, base_model or checkpoint_dir, attention_overrides)
+    return convert_one(src, cfg, output_dir, base_model or checkpoint_dir, attention_overrides, allow_pickle)
 
 
-def _convert_gpt2(src: Path, cfg: dict[str, Any], output_dir, base_model, overrides: dict[str, Any]):
+def _convert_gpt2(src: Path, cfg: dict[str, Any], output_dir, base_model, overrides: dict[str, Any], allow_pickle: bool):
     from .modeling.configuration_linear_gpt import LinearGPTConfig
     from .modeling.modeling_linear_gpt import LinearGPTForCausalLM
 
@@ -406,10 +599,11 @@ def _convert_gpt2(src: Path, cfg: dict[str, Any], output_dir, base_model, overri
                       ("add_cross_attention", False), ("reorder_and_upcast_attn", False)):
         if cfg.get(field, ok) != ok:
             raise ValueError(f"cannot convert a GPT-2 with {field}={cfg[field]!r}; supported: {field}={ok!r}")
-    state = _read_state_dict(src)
+    state = _read_state_dict(src, allow_pickle)
+    _check_layer_count(state, int(cfg.get("n_layer", 12)), "n_layer")
     fields = {dst: cfg[s] for s, dst in _GPT2_FIELDS.items() if s in cfg}
     fields["intermediate_size"] = cfg.get("n_inner") or 4 * fields["hidden_size"]
-    fields.update(feature_map="prf", num_random_features=256, normalize_qk=False)
+    fields.update(feature_map=CONVERTED_FEATURE_MAP, num_random_features=CONVERTED_NUM_RANDOM_FEATURES, normalize_qk=False)
     fields.update(overrides)
     fields["position_embedding_type"] = "absolute"
     model = LinearGPTForCausalLM(LinearGPTConfig(**fields)).eval()
@@ -474,8 +668,8 @@ def _llama_rope_theta(cfg: dict[str, Any]) -> float:
     return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
 
 
-def _convert_llama(src: Path, cfg: dict[str, Any], output_dir, base_model, overrides: dict[str, Any]):
-    from transformers import AutoModelForCausalLM
+def _convert_llama(src: Path, cfg: dict[str, Any], output_dir, base_model, overrides: dict[str, Any], allow_pickle: bool):
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from .modeling.configuration_linear_gpt import LinearGPTConfig
     from .modeling.modeling_linear_gpt import LinearGPTForCausalLM
@@ -488,11 +682,14 @@ def _convert_llama(src: Path, cfg: dict[str, Any], output_dir, base_model, overr
             f"cannot convert a Llama with head_dim={head_dim} != hidden_size / num_attention_heads = "
             f"{cfg['hidden_size']} / {heads}; supported: head_dim = hidden_size / num_attention_heads"
         )
-    # through transformers' own loading: every Llama key layout (and sharded checkpoints) arrive in one
-    source = AutoModelForCausalLM.from_pretrained(src)
-    state = {k: v.detach() for k, v in source.state_dict().items()}
+    raw = _read_state_dict(src, allow_pickle)
+    _check_layer_count(raw, int(cfg.get("num_hidden_layers", 32)), "num_hidden_layers")
+    # through transformers' own loading: every Llama key layout arrives in one; what it had to
+    # initialise is not in ``state``, so it is refused (or reported initialised), never copied
+    state, unused = _load_source(LlamaForCausalLM, LlamaConfig.from_dict(dict(cfg)), raw, src)
+    del raw
     fields = {dst: cfg[s] for s, dst in _LLAMA_FIELDS.items() if s in cfg}
-    fields.update(feature_map="prf", num_random_features=256, normalize_qk=False)
+    fields.update(feature_map=CONVERTED_FEATURE_MAP, num_random_features=CONVERTED_NUM_RANDOM_FEATURES, normalize_qk=False)
     fields.update(overrides)
     fields.update(position_embedding_type="rope", rotary_base=theta, norm_type="rmsnorm", mlp_type="gated")
     model = LinearGPTForCausalLM(LinearGPTConfig(**fields)).eval()
@@ -512,7 +709,7 @@ def _convert_llama(src: Path, cfg: dict[str, Any], output_dir, base_model, overr
     return _finish_conversion(
         model, state, pairs, src, base_model, output_dir, "llama", "causal_lm", cfg, transform=lambda dst, value: value,
         required=lambda dst: True, zero=lambda name: False,
-        tied="lm_head.weight" if model.config.tie_word_embeddings else None,
+        tied="lm_head.weight" if model.config.tie_word_embeddings else None, unused=unused,
     )
 
 
@@ -530,6 +727,7 @@ def convert_to_relative_performer_vit(
     *,
     revision: Optional[str] = None,
     base_model: Optional[str] = None,
+    allow_pickle: bool = False,
     **attention_overrides: Any,
 ):
     """Build a relative-performer ViT from a ViT checkpoint (``ViTModel`` or
@@ -542,7 +740,7 @@ def convert_to_relative_performer_vit(
     head, estimating ViT's ``exp(q . k / sqrt(d))``). Switch to a relative position option by
     fine-tuning from it. Args and returns as :func:`convert_to_nprf_bert`.
     """
-    from transformers import AutoModel, AutoModelForImageClassification
+    from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
     from .modeling.configuration_relative_performer_vit import RelativePerformerViTConfig
     from .modeling.modeling_relative_performer_vit import (
@@ -550,18 +748,22 @@ def convert_to_relative_performer_vit(
         RelativePerformerViTModel,
     )
 
-    src = _resolve_checkpoint(checkpoint_dir, revision)
+    src = _resolve_checkpoint(checkpoint_dir, revision, allow_pickle)
     cfg = _read_config(src, ("vit",))
     if not cfg.get("qkv_bias", True):
         raise ValueError("cannot convert a ViT with qkv_bias=False; supported: qkv_bias=True")
     classifier = "ForImageClassification" in " ".join(cfg.get("architectures") or [])
-    # through transformers' own loading: checkpoints of every ViT key layout arrive in one
-    source = (AutoModelForImageClassification if classifier else AutoModel).from_pretrained(src)
-    state = {k: v.detach() for k, v in source.state_dict().items()}
+    raw = _read_state_dict(src, allow_pickle)
+    _check_layer_count(raw, int(cfg.get("num_hidden_layers", 12)), "num_hidden_layers")
+    # through transformers' own loading: checkpoints of every ViT key layout arrive in one; what
+    # it had to initialise is not in ``state``, so it is refused (or reported initialised), never copied
+    state, unused = _load_source(ViTForImageClassification if classifier else ViTModel, ViTConfig.from_dict(dict(cfg)), raw, src)
+    del raw
     fields = {k: cfg[k] for k in _VIT_FIELDS if k in cfg}
     if "id2label" in fields:
         fields["id2label"] = {int(k): v for k, v in fields["id2label"].items()}
-    fields.update(rpe="absolute", pooling="cls", feature_map="prf", num_random_features=256, normalize_qk=False)
+    fields.update(rpe="absolute", pooling="cls", feature_map=CONVERTED_FEATURE_MAP, num_random_features=CONVERTED_NUM_RANDOM_FEATURES,
+                  normalize_qk=False)
     unknown = set(attention_overrides) - set(RelativePerformerViTConfig().to_dict()) - {"num_labels"}
     if unknown:
         raise ValueError(f"unknown relative-performer ViT config fields in overrides: {sorted(unknown)}")
@@ -569,9 +771,11 @@ def convert_to_relative_performer_vit(
     config = RelativePerformerViTConfig(**fields)
     model = (RelativePerformerViTForImageClassification if classifier else RelativePerformerViTModel)(config).eval()
     s = "vit." if classifier else ""
-    state[f"{s}embeddings.cls_token+position"] = state[f"{s}embeddings.cls_token"] + state[f"{s}embeddings.position_embeddings"][:, :1]
+    if f"{s}embeddings.cls_token" in state and f"{s}embeddings.position_embeddings" in state:
+        state[f"{s}embeddings.cls_token+position"] = state.pop(f"{s}embeddings.cls_token") + state[f"{s}embeddings.position_embeddings"][:, :1]
+    cls_source = f"{s}embeddings.cls_token" + ("+position" if f"{s}embeddings.cls_token+position" in state else "")
     pairs = {
-        f"{s}embeddings.cls_token": f"{s}embeddings.cls_token+position",
+        f"{s}embeddings.cls_token": cls_source,
         f"{s}embeddings.position_embeddings": f"{s}embeddings.position_embeddings",
         f"{s}layernorm.weight": f"{s}layernorm.weight", f"{s}layernorm.bias": f"{s}layernorm.bias",
     }
@@ -590,11 +794,10 @@ def convert_to_relative_performer_vit(
     def transform(dst: str, value: torch.Tensor) -> torch.Tensor:
         return value[:, 1:] if dst.endswith("position_embeddings") else value  # the patches' rows
 
-    state.pop(f"{s}embeddings.cls_token")
     return _finish_conversion(
         model, state, pairs, src, base_model or checkpoint_dir, output_dir, "vit",
         "image_classification" if classifier else "base", cfg, transform=transform,
-        required=lambda dst: not dst.startswith("classifier."), zero=lambda name: False, tied=None,
+        required=lambda dst: not dst.startswith("classifier."), zero=lambda name: False, tied=None, unused=unused,
     )
 
 
@@ -602,7 +805,7 @@ def convert(checkpoint_dir: str | Path, output_dir: Optional[str | Path] = None,
     """Convert a softmax checkpoint into the family that fits it: BERT and RoBERTa into NPRF-BERT
     (:func:`convert_to_nprf_bert`), GPT-2 and Llama into Linear GPT (:func:`convert_to_linear_gpt`), ViT into
     the relative-performer ViT (:func:`convert_to_relative_performer_vit`)."""
-    src = _resolve_checkpoint(checkpoint_dir, kwargs.get("revision"))
+    src = _resolve_checkpoint(checkpoint_dir, kwargs.get("revision"), bool(kwargs.get("allow_pickle", False)))
     model_type = _read_config(src, SUPPORTED_MODEL_TYPES)["model_type"]
     kwargs.pop("revision", None)  # resolved above: the converters get the local folder
     if model_type == "vit":
@@ -615,16 +818,34 @@ def convert(checkpoint_dir: str | Path, output_dir: Optional[str | Path] = None,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint_dir", help="BERT, RoBERTa, GPT-2, Llama or ViT checkpoint: a directory (save_pretrained output) or a Hub model id")
-    parser.add_argument("output_dir", help="where to save the converted checkpoint (+ tokenizer / image processor files)")
+    from .modeling.configuration_nprf_bert import ATTENTION_SCHEMA as NPRF_BERT_SCHEMA
+    from .modeling.feature_maps import FEATURE_MAPS
+
+    nprf_features, nprf_map = NPRF_BERT_SCHEMA.default("num_random_features"), NPRF_BERT_SCHEMA.default("feature_map")
+    map_default = (f"{nprf_map}" if nprf_map == CONVERTED_FEATURE_MAP
+                   else f"{nprf_map} for BERT and RoBERTa, {CONVERTED_FEATURE_MAP} for GPT-2, Llama and ViT")
+    parser.add_argument("checkpoint_dir", help="a BERT, RoBERTa, GPT-2, Llama or ViT checkpoint: a directory written by "
+                                               "save_pretrained, or a Hub model id")
+    parser.add_argument("output_dir", help="where to save the converted checkpoint, with the source's tokenizer or "
+                                           "image-processor files")
     parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id")
-    parser.add_argument("--head", choices=HEADS, default="auto", help="which head to build (default: from architectures)")
-    parser.add_argument("--num-random-features", type=int, default=None, help="PRF features per head (default 64)")
+    parser.add_argument("--head", choices=HEADS, default="auto",
+                        help="the head a BERT or RoBERTa source is converted with (default: auto, the one its "
+                             "config's architectures name); other sources keep their own")
+    parser.add_argument("--num-random-features", type=int, default=None,
+                        help=f"random features per attention head (default: {nprf_features} for BERT and RoBERTa, "
+                             f"{CONVERTED_NUM_RANDOM_FEATURES} for GPT-2, Llama and ViT)")
     parser.add_argument("--max-relative-position", type=int, default=None,
-                        help="relative offsets beyond this share one bias (default: max_position_embeddings)")
-    parser.add_argument("--feature-map", default=None, help="prf (default), trf, elu or relu")
-    parser.add_argument("--attn-backend", default=None, help="auto (default) or a registered backend name")
-    parser.add_argument("--num-labels", type=int, default=None, help="labels of a new classification head")
+                        help="BERT and RoBERTa: relative offsets beyond this share one position bias (default: the "
+                             "source's number of positions)")
+    parser.add_argument("--feature-map", default=None, choices=FEATURE_MAPS,
+                        help=f"the feature map of the converted attention (default: {map_default})")
+    parser.add_argument("--attn-backend", default=None,
+                        help="auto (the default) or a registered backend name (hf-kernattn backends lists them)")
+    parser.add_argument("--num-labels", type=int, default=None, help="the number of labels of a new classification head")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="read pickled weights (pytorch_model*.bin) of a source that has no safetensors ones; "
+                             "unpickling a file can run code from it, so only for sources you trust (default: refused)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -640,7 +861,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if v is not None
     }
-    model = convert(args.checkpoint_dir, args.output_dir, head=args.head, revision=args.revision, **overrides)
+    model = convert(args.checkpoint_dir, args.output_dir, head=args.head, revision=args.revision,
+                    allow_pickle=args.allow_pickle, **overrides)
     rep = model.conversion_report
     print(f"converted {rep['source_model_type']} -> {type(model).__name__} (head={rep['head']})")
     print(f"copied {len(rep['copied'])} tensors; left at initialisation: {rep['initialised']}")

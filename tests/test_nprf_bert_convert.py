@@ -210,14 +210,18 @@ def test_hub_model_id_is_downloaded_and_converted(tmp_path, monkeypatch, capsys)
             assert torch.equal(from_hub.state_dict()[k], v), k
     assert (tmp_path / "out" / "vocab.txt").is_file()
 
-    # A repository without safetensors: a second request for the PyTorch weights.
+    # A repository without safetensors: pickled weights are not even downloaded unless asked for;
+    # with allow_pickle=True a second request fetches them.
     remote2 = tmp_path / "hub" / "some-org" / "config-only"
     remote2.mkdir(parents=True)
     (remote2 / "config.json").write_text((remote / "config.json").read_text())
     calls.clear()
-    with pytest.raises(ValueError, match="no \\*.safetensors or pytorch_model\\*.bin"):
+    with pytest.raises(ValueError, match="has no safetensors weights; pickled weights .* only with allow_pickle=True"):
         convert_to_nprf_bert("some-org/config-only")
-    assert len(calls) == 2 and "pytorch_model*.bin" in calls[1]["allow_patterns"]
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="no \\*.safetensors or pytorch_model\\*.bin"):
+        convert_to_nprf_bert("some-org/config-only", allow_pickle=True)
+    assert len(calls) == 3 and "pytorch_model*.bin" in calls[2]["allow_patterns"]
 
     # An unknown id: one error line naming it.
     capsys.readouterr()

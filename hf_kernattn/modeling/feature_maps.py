@@ -338,6 +338,7 @@ class FeatureMap(nn.Module):
             return F.elu(x) + 1.0
         if self.kind == "relu":
             return F.relu(x)
+        keys = x  # the keys as given: the range error states their norm, not that of u
         if not self.normalize_qk:
             x = x * self.head_dim ** -0.25
         # trf
@@ -346,7 +347,7 @@ class FeatureMap(nn.Module):
         if is_query:  # a per-query factor cancels in attention: cap it (no change below the cap)
             log_amp = log_amp.clamp(max=TRF_QUERY_MAX_LOG_AMPLITUDE)
         else:
-            log_amp = self._check_key_range(lambda: log_amp.detach()[..., 0], x, compute_dtype, False, key_mask,
+            log_amp = self._check_key_range(lambda: log_amp.detach()[..., 0], keys, compute_dtype, False, key_mask,
                                             log_amp, sync_free)
         amp = torch.exp(log_amp) * self.num_random_features ** -0.5
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
@@ -358,7 +359,8 @@ class FeatureMap(nn.Module):
         """``result`` after checking the real keys' log feature scales (``log_scale()``,
         ``(B, H, N)``) against ``[-limit, +inf)`` (``low``, prf) or ``(-inf, limit]`` (trf):
         ``ValueError`` for a key outside (eager mode), or with ``sync_free`` ``result`` with
-        NaN in the rows of such keys (no host synchronisation)."""
+        NaN in the rows of such keys (no host synchronisation). ``x``: the keys as the caller
+        gave them (before any scaling), whose norm the error states."""
         if torch.compiler.is_compiling():
             return result
         limit = KEY_MAX_LOG_SCALE[dtype]
@@ -378,7 +380,8 @@ class FeatureMap(nn.Module):
         )
         raise ValueError(
             f"feature_map={self.kind!r} cannot represent a key of norm {norm:.3g} in {str(dtype).replace('torch.', '')}: "
-            f"its log feature scale is {worst:.4g}, the valid range is {rule} with u = x * d**-0.25 "
+            f"its log feature scale is {worst:.4g}{'' if math.isfinite(worst) else ' (every feature underflows)'}, "
+            f"the valid range is {rule} with u = x * d**-0.25 "
             f"(normalize_qk=False), i.e. key norms up to about {math.sqrt(2 * limit) * d ** 0.25:.3g} for head_dim={d}. "
             "Use normalize_qk=True, keep the key projections smaller, or use feature_map='elu'."
         )

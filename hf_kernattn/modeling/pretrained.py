@@ -33,6 +33,15 @@ FEATURE_BUFFERS = ("projection", "num_draws", "num_steps")
 
 
 
+def warn_pickle_weights(option: str) -> None:
+    """The warning given whenever the caller's ``option`` (``"use_safetensors=False"``, conversion's
+    ``"allow_pickle=True"``) lets weights be read from a pickle file."""
+    logger.warning(
+        f"{option}: the weights may be loaded from a pickle file (pytorch_model.bin), "
+        "which runs the unpickler on it; load only files you trust"
+    )
+
+
 def eager_checks() -> bool:
     """True when value checks on tensors may run: not while ``torch.compile`` / ``torch.export``
     trace the model (reading a value there is a data-dependent guard)."""
@@ -125,10 +134,7 @@ class KernelizedPreTrainedModel(PreTrainedModel):
         if kwargs.get("use_safetensors") is None:
             kwargs["use_safetensors"] = True
         elif kwargs["use_safetensors"] is False:
-            logger.warning(
-                "use_safetensors=False: the weights may be loaded from a pickle file (pytorch_model.bin), "
-                "which runs the unpickler on it; load only files you trust"
-            )
+            warn_pickle_weights("use_safetensors=False")
         want_info = bool(kwargs.get("output_loading_info", False))
         kwargs["output_loading_info"] = True
         model, info = super().from_pretrained(*args, **kwargs)
@@ -154,4 +160,4 @@ class KernelizedPreTrainedModel(PreTrainedModel):
 
 
 __all__ = ["KernelizedPreTrainedModel", "classification_loss", "eager_checks", "refuse_output_attentions",
-           "NO_ATTENTION_WEIGHTS"]
+           "NO_ATTENTION_WEIGHTS", "warn_pickle_weights"]
