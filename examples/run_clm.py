@@ -56,6 +56,7 @@ from hf_kernattn.training import (  # noqa: E402
     optimizer_grouped_parameters,
     push_if_asked,
     resolve_checkpoint,
+    run_main,
     run_fingerprint,
     train_loop,
     warmup_steps,
@@ -161,11 +162,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
-                      f"mixed precision: {accelerator.mixed_precision}")
+                      f"mixed precision: {accelerator.mixed_precision}, threads per process: {torch.get_num_threads()}")
     settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
         "script": "run_clm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
     fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint, settings=settings)
 
     raw = load_text(args)
     column = args.text_column
@@ -276,4 +277,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -71,6 +71,7 @@ from hf_kernattn.training import (
     push_if_asked,
     parse_overrides,
     resolve_checkpoint,
+    run_main,
     run_fingerprint,
     train_loop,
     warmup_steps,
@@ -229,12 +230,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
-                      f"mixed precision: {accelerator.mixed_precision}")
+                      f"mixed precision: {accelerator.mixed_precision}, threads per process: {torch.get_num_threads()}")
     settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
         "script": "run_image_classification", "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision}
     fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint, settings=settings)
 
     with accelerator.main_process_first():
         raw, labels = load_images(args)
@@ -332,4 +333,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

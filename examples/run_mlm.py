@@ -71,6 +71,7 @@ from hf_kernattn.training import (
     parse_overrides,
     push_if_asked,
     resolve_checkpoint,
+    run_main,
     run_fingerprint,
     train_loop,
     warmup_steps,
@@ -143,7 +144,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
         "script": "run_mlm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
     fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, fingerprint)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, fingerprint, settings=settings)
 
     check_text_files([args.train_file], "--train_file")
     if args.validation_file:
@@ -287,4 +288,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
