@@ -247,8 +247,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         loss = torch.cat(losses).mean().item()
         return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
-    logger.info("training: %d blocks, %d processes, %d steps, warm-up %d, peak lr %g",
-                len(data["train"]), accelerator.num_processes, args.max_train_steps, warmup, args.learning_rate)
+    logger.info("training: %d blocks, %d processes (%d CPU threads each), %d steps, warm-up %d, peak lr %g",
+                len(data["train"]), accelerator.num_processes, torch.get_num_threads(), args.max_train_steps, warmup,
+                args.learning_rate)
     result = train_loop(
         accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
         max_train_steps=args.max_train_steps, evaluate=evaluate_ppl, eval_steps=args.eval_steps,

@@ -171,9 +171,30 @@ def save_tree(folder: Path, name: str, tree: Any) -> None:
 
 
 def load_tree(folder: Path, name: str) -> Any:
-    """Read what :func:`save_tree` wrote (JSON and safetensors only)."""
-    tensors = safetensors.torch.load_file(str(folder / f"{name}.safetensors"))
-    return _decode(json.loads((folder / f"{name}.json").read_text()), tensors)
+    """Read what :func:`save_tree` wrote (JSON and safetensors only); an unreadable file raises
+    :class:`CheckpointError` naming it."""
+    folder = Path(folder)
+    with _naming(folder / f"{name}.safetensors"):
+        tensors = safetensors.torch.load_file(str(folder / f"{name}.safetensors"))
+    with _naming(folder / f"{name}.json"):
+        encoded = json.loads((folder / f"{name}.json").read_text())
+    return _decode(encoded, tensors)
+
+
+class _naming:
+    """Turn an error while reading ``path`` into a one-line :class:`CheckpointError` naming it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if kind is None or isinstance(err, CheckpointError) or not isinstance(err, Exception):
+            return False
+        raise CheckpointError(f"cannot read {self.path}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                              ) from err
 
 
 # --------------------------------------------------------------------------------------------
@@ -518,9 +539,10 @@ def load_checkpoint(
     if state["num_processes"] != accelerator.num_processes:
         raise ValueError(f"the checkpoint {path} was written by {state['num_processes']} processes; "
                          f"resume it with the same number (now {accelerator.num_processes})")
-    missing, unexpected = safetensors.torch.load_model(
-        accelerator.unwrap_model(model), str(path / MODEL_FILE), strict=False, device="cpu"
-    )
+    with _naming(path / MODEL_FILE):
+        missing, unexpected = safetensors.torch.load_model(
+            accelerator.unwrap_model(model), str(path / MODEL_FILE), strict=False, device="cpu"
+        )
     if missing or unexpected:
         raise ValueError(f"the checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
     optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer

@@ -58,20 +58,22 @@ def _tiny_checkpoints(tmp_path, steps=(2, 4), fingerprint="fp", settings=None):
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
 def test_latest_skips_a_damaged_checkpoint_with_a_warning(tmp_path, damage):
-    from hf_kernattn.training import CheckpointError, resolve_checkpoint, verify_checkpoint
+    from hf_kernattn.training import resolve_checkpoint
 
     older, newest = _tiny_checkpoints(tmp_path)
     state = json.loads((newest / "training_state.json").read_text())
-    # every file is recorded with its size and SHA-256
-    assert set(state["files"]) == {p.name for p in newest.iterdir()} - {"training_state.json"}
-    assert all(len(v["sha256"]) == 64 and v["size"] > 0 for v in state["files"].values())
-    assert verify_checkpoint(newest) == []
     target = newest / "model.safetensors"
     {"truncate": _truncate, "flip": _flip_last_byte, "delete": Path.unlink}[damage](target)
     with CaptureLogger(_training_logger()) as cl:
         assert resolve_checkpoint("latest", tmp_path, "fp") == older
     assert f"skipping the damaged checkpoint {newest}: model.safetensors" in cl.out
     assert "resuming from" in cl.out and str(older) in cl.out
+    from hf_kernattn.training import CheckpointError, verify_checkpoint
+
+    # every file is recorded with its size and SHA-256
+    assert set(state["files"]) == {p.name for p in newest.iterdir()} - {"training_state.json"} | {"model.safetensors"}
+    assert all(len(v["sha256"]) == 64 and v["size"] > 0 for v in state["files"].values())
+    assert verify_checkpoint(older) == []
     # named explicitly: a one-line error naming the file
     with pytest.raises(CheckpointError, match=r"step_4 is damaged: model\.safetensors") as err:
         resolve_checkpoint(str(newest), tmp_path, "fp")
@@ -254,6 +256,8 @@ def test_glue_writes_no_pickle_and_resumes_exactly(tmp_path, monkeypatch):
     full = mod.main(args + ["--output_dir", str(tmp_path / "full")])
     run = args + ["--output_dir", str(tmp_path / "run")]
     assert mod.main(run + ["--stop_after_steps", "4"]) == {"stopped": True, "step": 4}
+    pickles = [p for p in (tmp_path / "run").rglob("*") if p.suffix in PICKLE_SUFFIXES]
+    assert not pickles, pickles
     assert mod.main(run + ["--stop_after_steps", "4", "--resume_from_checkpoint", "latest"]) == \
         {"stopped": True, "step": 8}
     checkpoint = tmp_path / "run" / "checkpoint-8"
@@ -335,3 +339,21 @@ def test_evaluation_lines_are_not_written_onto_the_progress_bar(tmp_path, monkey
     assert len(lines) == 4
     for line in lines:
         assert line.split("\r")[-1].startswith('{"eval_loss"'), repr(line)
+
+
+def test_an_unreadable_checkpoint_file_is_named(tmp_path):
+    """Past the checks (say, damaged after it was chosen), reading a file still fails naming it."""
+    from accelerate import Accelerator
+
+    from hf_kernattn.training import load_checkpoint, load_tree
+
+    (ckpt,) = _tiny_checkpoints(tmp_path, steps=(2,))
+    _truncate(ckpt / "optimizer.safetensors")
+    with pytest.raises(ValueError, match=r"cannot read .*step_2/optimizer\.safetensors"):
+        load_tree(ckpt, "optimizer")
+    _truncate(ckpt / "model.safetensors")
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    with pytest.raises(ValueError, match=r"cannot read .*step_2/model\.safetensors"):
+        load_checkpoint(Accelerator(cpu=True), ckpt, model, opt, sched)
