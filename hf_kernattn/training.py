@@ -446,7 +446,11 @@ def _check_fingerprint(path: Path, fingerprint: str, state_file: str = STATE_FIL
     if state.get("fingerprint") == fingerprint:
         return
     diff = settings_diff(state.get("settings", {}), settings) if settings is not None else []
-    what = ", ".join(diff) if diff else f"fingerprint {state.get('fingerprint')}, this run {fingerprint}"
+    if diff:
+        what = ", ".join(diff)
+    else:  # no settings to compare with: show the checkpoint's
+        what = (f"fingerprint {state.get('fingerprint')}, this run {fingerprint}; its settings: "
+                f"{json.dumps(state.get('settings', {}), sort_keys=True, default=str)}")
     raise CheckpointError(
         f"the checkpoint {path} was written by a run with other settings ({what}). "
         "Resume with the same arguments, or use another --output_dir."
