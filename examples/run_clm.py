@@ -10,8 +10,11 @@
   (or ``--warmup_ratio``); no weight decay for biases, normalisation weights and the
   relative-position bias tables (the rule shared by every example script).
 * Checkpoints every ``--checkpointing_steps`` (``output_dir/step_N``, written atomically, no
-  pickle); ``--resume_from_checkpoint latest`` continues from the newest complete checkpoint of
-  the same run and ends bitwise where the uninterrupted run ends (same number of processes).
+  pickle, every file checksummed); ``--resume_from_checkpoint latest`` continues from the newest
+  complete and intact checkpoint of the same run (a damaged one is skipped with a warning) and
+  ends bitwise where the uninterrupted run ends (same number of processes and threads);
+  ``--checkpoints_total_limit`` keeps the newest N; ``--stop_after_steps N`` ends an invocation N
+  steps after where it started; ``--num_threads`` sets torch's CPU threads per process.
 * Saves a Hub-ready checkpoint: ``save_pretrained`` (weights, config with ``auto_map``, the
   modeling code for ``trust_remote_code=True``), the tokenizer and a model card.
 

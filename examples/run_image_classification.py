@@ -17,9 +17,11 @@
 * Training: AdamW with the schedule of ``--lr_scheduler_type`` after a warm-up, gradient
   accumulation, mixed precision where the device has it (``--mixed_precision``), a progress bar,
   evaluation accuracy (scikit-learn) every ``--eval_steps`` or each epoch, checkpoints into
-  ``--output_dir/step_N`` (no pickle); ``--resume_from_checkpoint latest`` continues the newest
-  complete checkpoint of the same run and ends bitwise where the uninterrupted run ends (same
-  number of processes).
+  ``--output_dir/step_N`` (no pickle, every file checksummed; ``--checkpoints_total_limit`` keeps
+  the newest N); ``--resume_from_checkpoint latest`` continues the newest complete and intact
+  checkpoint of the same run (a damaged one is skipped with a warning) and ends bitwise where the
+  uninterrupted run ends (same number of processes and threads); ``--num_threads`` sets torch's
+  CPU threads per process.
 * Output: a Hub-ready folder: ``model.safetensors``, ``config.json`` with ``auto_map`` and the
   modeling code (loads with ``trust_remote_code=True`` where hf_kernattn is not installed),
   ``preprocessor_config.json``, a model card (``README.md``) with the evaluation results, and

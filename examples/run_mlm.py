@@ -14,10 +14,12 @@
   decay for biases, normalisation weights and the relative-position bias table (the rule shared
   by every example script).
 * Checkpoints every ``--checkpointing_steps`` into ``--output_dir/step_N`` (written atomically, no
-  pickle); ``--resume_from_checkpoint latest`` (or a path) continues from the newest complete
-  checkpoint of the same run and ends bitwise where the uninterrupted run ends (data order,
-  masking, dropout and all other random states, optimizer, scheduler, counters, evaluation
-  history; same number of processes). The final model is saved Hub-ready.
+  pickle, every file checksummed); ``--resume_from_checkpoint latest`` (or a path) continues from
+  the newest complete and intact checkpoint of the same run (a damaged one is skipped with a
+  warning) and ends bitwise where the uninterrupted run ends (data order, masking, dropout and all
+  other random states, optimizer, scheduler, counters, evaluation history; same number of
+  processes and threads); ``--checkpoints_total_limit`` keeps the newest N; ``--num_threads``
+  sets torch's CPU threads per process. The final model is saved Hub-ready.
 * Model: ``--model_name_or_path`` (an NPRF-BERT checkpoint, or a BERT/RoBERTa one converted on
   the fly), or ``--config_name``/``--tokenizer_name`` to start from scratch with
   ``NPRFBertConfig`` fields given as ``--config_overrides key=value,...``.

@@ -21,6 +21,9 @@ and intact checkpoint of the same run for ``--resume_from_checkpoint latest`` (a
 a truncated ``model.safetensors``, is skipped with a warning naming the file), refuses a named
 checkpoint that is damaged, and refuses one written with other arguments, naming the settings that
 differ. :func:`prune_checkpoints` keeps at most ``--checkpoints_total_limit`` of them.
+
+Threads (:func:`configure_threads`): ``--num_threads``, else ``OMP_NUM_THREADS``, else the
+physical cores divided among this machine's processes (what ``accelerate launch`` sets on CPU).
 """
 
 from __future__ import annotations

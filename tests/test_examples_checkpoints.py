@@ -271,9 +271,16 @@ def test_glue_writes_no_pickle_and_resumes_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(pickle, "load", trap)
     monkeypatch.setattr(pickle, "loads", trap)
     monkeypatch.setattr(torch, "load", trap)
-    resumed = mod.main(run + ["--resume_from_checkpoint", "latest"])
+    with CaptureLogger(_training_logger()) as cl:
+        resumed = mod.main(run + ["--resume_from_checkpoint", "latest"])
     monkeypatch.undo()
+    assert "damaged" not in cl.out and "ignoring" not in cl.out, cl.out
     assert resumed["eval_loss"] == full["eval_loss"]
+    from hf_kernattn.training import verify_checkpoint
+
+    # the Trainer changes nothing in a checkpoint after it is marked complete
+    remaining = sorted((tmp_path / "run").glob("checkpoint-*"))
+    assert remaining and all(verify_checkpoint(c, mod.RUN_STATE_FILE) == [] for c in remaining)
     assert eval_history("run_glue", tmp_path / "run") == eval_history("run_glue", tmp_path / "full")
     written = [p for p in tmp_path.rglob("*") if p.is_file() and p.relative_to(tmp_path).parts[0] in ("full", "run")]
     assert written and not [p for p in written if p.suffix in PICKLE_SUFFIXES], written
