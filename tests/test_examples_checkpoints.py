@@ -338,9 +338,15 @@ def test_evaluation_lines_are_not_written_onto_the_progress_bar(tmp_path, monkey
     stream = io.StringIO()
     monkeypatch.setattr(sys, "stdout", stream)
     monkeypatch.setattr(sys, "stderr", stream)
-    mod.main(args + ["--output_dir", str(tmp_path / "out")])
+    before = torch.get_num_threads()
+    try:
+        mod.main(args + ["--output_dir", str(tmp_path / "out"), "--num_threads", "2"])
+        assert torch.get_num_threads() == 2  # --num_threads is applied
+    finally:
+        torch.set_num_threads(before)
     monkeypatch.undo()
     text = stream.getvalue()
+    assert "threads per process: 2" in text
     assert "train:" in text  # the bar was drawn into this stream
     lines = [line for line in text.split("\n") if '{"eval_loss"' in line and "final {" not in line]
     assert len(lines) == 4
