@@ -295,8 +295,10 @@ def _check_safetensors_header(path: Path) -> Optional[str]:
             header = json.loads(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError):
         return f"{path.name} has an unreadable header"
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
-            and "data_offsets" in v]
+    try:
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return f"{path.name} has an unreadable header"
     expected = 8 + n + max(ends, default=0)
     if size != expected:
         return f"{path.name} has {size} bytes, its header says {expected} (truncated or damaged)"
