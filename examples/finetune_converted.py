@@ -32,8 +32,10 @@ import argparse
 import json
 import math
 import platform
+import shutil
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,6 +48,8 @@ from transformers.utils import logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_clm import EOS, build_tokenizer  # noqa: E402  (the byte tokenizer of the CLM example)
+
+from hf_kernattn.training import NUM_THREADS_HELP, configure_threads  # noqa: E402
 
 logger = logging.get_logger("finetune_converted")
 
@@ -75,6 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--generate_tokens", type=int, default=48,
                    help="new tokens per generation call (then as many more from the returned state)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_threads", type=int, default=None, help=NUM_THREADS_HELP)
     args = p.parse_args(argv)
     if bool(args.train_file) != bool(args.validation_file):
         p.error("give both --train_file and --validation_file, or neither")
@@ -87,6 +92,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name} must be > 0, got {getattr(args, name)}")
     if args.n_embd % args.n_head:
         p.error(f"--n_embd ({args.n_embd}) must be divisible by --n_head ({args.n_head})")
+    if args.num_threads is not None and args.num_threads < 1:
+        p.error(f"--num_threads must be >= 1, got {args.num_threads}")
     if args.prompt is not None and not args.prompt:
         p.error("--prompt must not be empty")
     return args
@@ -204,9 +211,20 @@ def generate_demo(model, tokenizer, prompt_ids: torch.Tensor, n: int, seed: int)
 def main(argv=None) -> dict:
     args = parse_args(argv)
     logging.set_verbosity_info()
+    logger.info(f"CPU threads: {configure_threads(args.num_threads)}")
     set_seed(args.seed)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # The Trainers save nothing (save_strategy="no"): their output folders are scratch space, removed
+    # at the end, so that only the results and the three models are left in --output_dir.
+    scratch = Path(tempfile.mkdtemp(prefix="finetune_converted_"))
+    try:
+        return _run(args, out, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
     started = time.perf_counter()
     tokenizer, gpt2 = load_source(args)
     if args.train_file:
@@ -236,14 +254,14 @@ def main(argv=None) -> dict:
             vocab_size=len(tokenizer), n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
             n_head=args.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id))
-        trainer = Trainer(model=gpt2, args=training_args(out / "gpt2_run", args.gpt2_steps, args.learning_rate, args),
+        trainer = Trainer(model=gpt2, args=training_args(scratch / "gpt2_run", args.gpt2_steps, args.learning_rate, args),
                           train_dataset=train_set, eval_dataset=eval_set)
         trainer.train()
         gpt2_curve = curve(trainer)
         gpt2.save_pretrained(gpt2_dir)
         tokenizer.save_pretrained(gpt2_dir)
     source_name = "GPT-2" if gpt2.config.model_type == "gpt2" else gpt2.config.model_type
-    gpt2_loss = evaluate(gpt2, eval_set, out / "eval", args)
+    gpt2_loss = evaluate(gpt2, eval_set, scratch / "eval", args)
     vocab_size = gpt2.config.vocab_size
     del gpt2
 
@@ -254,17 +272,17 @@ def main(argv=None) -> dict:
     linear = convert_to_linear_gpt(gpt2_dir, out / "linear_gpt_converted", num_random_features=args.num_random_features,
                                    feature_seed=args.feature_seed)
     report = linear.conversion_report
-    converted_loss = evaluate(linear, eval_set, out / "eval", args)
+    converted_loss = evaluate(linear, eval_set, scratch / "eval", args)
 
     # 3. fine-tuning with Trainer
     set_seed(args.seed)
-    trainer = Trainer(model=linear, args=training_args(out / "finetune_run", args.finetune_steps,
+    trainer = Trainer(model=linear, args=training_args(scratch / "finetune_run", args.finetune_steps,
                                                        args.finetune_learning_rate, args),
                       train_dataset=train_set, eval_dataset=eval_set)
     trainer.train()
     finetune_curve = curve(trainer)
     linear.eval()
-    finetuned_loss = evaluate(linear, eval_set, out / "eval", args)
+    finetuned_loss = evaluate(linear, eval_set, scratch / "eval", args)
 
     # 4. generation with the constant-size state (GPT-2's absolute positions bound the length)
     if args.prompt is not None:

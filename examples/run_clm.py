@@ -10,8 +10,11 @@
   (or ``--warmup_ratio``); no weight decay for biases, normalisation weights and the
   relative-position bias tables (the rule shared by every example script).
 * Checkpoints every ``--checkpointing_steps`` (``output_dir/step_N``, written atomically, no
-  pickle); ``--resume_from_checkpoint latest`` continues from the newest complete checkpoint of
-  the same run and ends bitwise where the uninterrupted run ends (same number of processes).
+  pickle, every file checksummed); ``--resume_from_checkpoint latest`` continues from the newest
+  complete and intact checkpoint of the same run (a damaged one is skipped with a warning) and
+  ends bitwise where the uninterrupted run ends (same number of processes and threads);
+  ``--checkpoints_total_limit`` keeps the newest N; ``--stop_after_steps N`` ends an invocation N
+  steps after where it started; ``--num_threads`` sets torch's CPU threads per process.
 * Saves a Hub-ready checkpoint: ``save_pretrained`` (weights, config with ``auto_map``, the
   modeling code for ``trust_remote_code=True``), the tokenizer and a model card.
 
@@ -56,6 +59,7 @@ from hf_kernattn.training import (  # noqa: E402
     optimizer_grouped_parameters,
     push_if_asked,
     resolve_checkpoint,
+    run_main,
     run_fingerprint,
     train_loop,
     warmup_steps,
@@ -161,11 +165,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
-                      f"mixed precision: {accelerator.mixed_precision}")
+                      f"mixed precision: {accelerator.mixed_precision}, threads per process: {torch.get_num_threads()}")
     settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
         "script": "run_clm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
     fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint, settings=settings)
 
     raw = load_text(args)
     column = args.text_column
@@ -276,4 +280,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

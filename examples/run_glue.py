@@ -24,10 +24,15 @@ Also: dynamic padding; the data files are checked before anything runs (a clear 
 file, row and problem); ``--cpu`` is ``--use_cpu``; weight decay follows the rule shared by every
 example script (none for biases, normalisation weights and the relative-position bias table);
 checkpoints carry a fingerprint of the run, and ``--resume_from_checkpoint latest`` resumes the
-newest complete checkpoint of the same run exactly (the Trainer restores data position, random
-states, optimizer and scheduler; a half-written checkpoint is skipped, another run's refused). The
-best checkpoint is saved Hub-ready (weights, modeling code for ``trust_remote_code``, tokenizer,
-model card, results) in ``--output_dir``.
+newest complete and intact checkpoint of the same run exactly (the Trainer restores data position,
+random states, optimizer and scheduler; a half-written checkpoint is skipped, a damaged one skipped
+with a warning, another run's refused, naming the settings that differ). Checkpoints hold no
+pickle: the optimizer, scheduler, gradient scaler and random states are written as safetensors +
+JSON and the training arguments as ``training_args.json`` (instead of the Trainer's
+``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth`` and ``training_args.bin``),
+except under DeepSpeed, FSDP or XLA, whose own checkpoint formats are kept. The best checkpoint is
+saved Hub-ready (weights, modeling code for ``trust_remote_code``, tokenizer, model card, results)
+in ``--output_dir``. ``--num_threads`` sets torch's CPU threads per process.
 
 Examples::
 
@@ -79,7 +84,21 @@ from hf_kernattn.cards import save_model_card
 from hf_kernattn.convert import convert_to_nprf_bert
 from hf_kernattn.hub import PushError, push_folder
 from hf_kernattn.metrics import GLUE_METRIC_PATH
-from hf_kernattn.training import decay_parameter_names, resolve_checkpoint, run_fingerprint, write_state_file
+from hf_kernattn.training import (
+    NUM_THREADS_HELP,
+    CheckpointError,
+    configure_threads,
+    decay_parameter_names,
+    load_tree,
+    local_process_count,
+    resolve_checkpoint,
+    rng_state,
+    run_fingerprint,
+    run_main,
+    save_tree,
+    set_rng_state,
+    write_state_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -131,15 +150,19 @@ class RunArguments:
     cpu: bool = field(default=False, metadata={"help": "run on CPU (the same as --use_cpu)"})
     stop_after_steps: Optional[int] = field(
         default=None,
-        metadata={"help": "end this invocation after N optimizer steps in all, with a checkpoint, as a job with a "
-                          "time limit would; continue with --resume_from_checkpoint latest"},
+        metadata={"help": "end this invocation after N more optimizer steps (counted from where it starts or "
+                          "resumes), with a checkpoint, as a job with a time limit would; the same command with "
+                          "--resume_from_checkpoint latest then runs the next N"},
     )
+    num_threads: Optional[int] = field(default=None, metadata={"help": NUM_THREADS_HELP})
 
     def __post_init__(self) -> None:
         if self.early_stopping_patience < 0:
             raise ValueError(f"--early_stopping_patience must be >= 0, got {self.early_stopping_patience}")
         if self.stop_after_steps is not None and self.stop_after_steps < 1:
             raise ValueError(f"--stop_after_steps must be >= 1, got {self.stop_after_steps}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"--num_threads must be >= 1, got {self.num_threads}")
 
 
 @dataclass
@@ -340,31 +363,125 @@ def build_model(args: ModelArguments, num_labels: int, is_regression: bool, labe
     )
 
 
+TRAINING_ARGS_JSON = "training_args.json"
+
+
 class NPRFBertTrainer(Trainer):
     """The Trainer with the weight-decay rule of every example script
-    (:func:`hf_kernattn.training.decay_parameter_names`)."""
+    (:func:`hf_kernattn.training.decay_parameter_names`) and checkpoints without pickle.
+
+    The Trainer pickles the optimizer, scheduler, scaler and random states (``optimizer.pt``,
+    ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth``) and the training arguments
+    (``training_args.bin``); here they are safetensors + JSON (``optimizer``, ``scheduler``,
+    ``scaler``, ``rng_state_{process}`` ``.safetensors``/``.json``, :func:`hf_kernattn.training.save_tree`)
+    and ``training_args.json``, read back without unpickling. Under DeepSpeed, FSDP or XLA the
+    Trainer's own formats are kept. With ``run_state=(fingerprint, settings)``, each checkpoint is
+    marked complete and of this run once every process has written its files (``RUN_STATE_FILE``:
+    the fingerprint and the size and SHA-256 of every file)."""
+
+    def __init__(self, *a, run_state: Optional[tuple[str, dict]] = None, **kw):
+        super().__init__(*a, **kw)
+        self.run_state = run_state
 
     def get_decay_parameter_names(self, model) -> list[str]:
         return decay_parameter_names(model)
 
+    def _own_format(self) -> bool:
+        from transformers.utils import is_torch_xla_available
 
-class RunStateCallback(TrainerCallback):
-    """Marks each saved checkpoint as complete and of this run (``RUN_STATE_FILE``, written after
-    the Trainer has written everything else), and ends the run early for ``--stop_after_steps``."""
+        return not (self.is_deepspeed_enabled or self.is_fsdp_enabled or is_torch_xla_available())
 
-    def __init__(self, fingerprint: str, settings: dict, stop_after_steps: Optional[int]):
-        self.fingerprint, self.settings, self.stop_after_steps = fingerprint, settings, stop_after_steps
+    def _save(self, output_dir: Optional[str] = None, state_dict=None) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.args.should_save:
+            return super()._save(output_dir, state_dict)  # non-writer ranks of sharded models join the gathers
+        os.makedirs(output_dir, exist_ok=True)
+        self.accelerator.unwrap_model(self.model, keep_torch_compile=False).save_pretrained(
+            output_dir, state_dict=state_dict, is_main_process=True)
+        if self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
+        # The Trainer would pickle its arguments into training_args.bin: JSON instead.
+        Path(output_dir, TRAINING_ARGS_JSON).write_text(self.args.to_json_string())
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.stop_after_steps is not None and state.global_step >= self.stop_after_steps:
-            control.should_save = True
-            control.should_training_stop = True
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if not self._own_format():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        if self.args.should_save:
+            save_tree(Path(output_dir), "optimizer", self.optimizer.state_dict())
+            save_tree(Path(output_dir), "scheduler", self.lr_scheduler.state_dict())
+
+    def _save_scaler(self, output_dir: str) -> None:
+        if not self._own_format():
+            return super()._save_scaler(output_dir)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and self.args.should_save:
+            save_tree(Path(output_dir), "scaler", scaler.state_dict())
+
+    def _save_rng_state(self, output_dir: str) -> None:
+        if not self._own_format():
+            return super()._save_rng_state(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        save_tree(Path(output_dir), f"rng_state_{self.args.process_index}", rng_state())
+
+    def _load_optimizer_and_scheduler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None or not self._own_format():
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        self._require(checkpoint, "optimizer")
+        self.optimizer.load_state_dict(load_tree(Path(checkpoint), "optimizer"))
+        self._require(checkpoint, "scheduler")
+        self.lr_scheduler.load_state_dict(load_tree(Path(checkpoint), "scheduler"))
+
+    def _load_scaler(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None or not self._own_format():
+            return super()._load_scaler(checkpoint)
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is not None and Path(checkpoint, "scaler.json").is_file():
+            scaler.load_state_dict(load_tree(Path(checkpoint), "scaler"))
+
+    def _load_rng_state(self, checkpoint: Optional[str]) -> None:
+        if checkpoint is None or not self._own_format():
+            return super()._load_rng_state(checkpoint)
+        name = f"rng_state_{self.args.process_index}"
+        self._require(checkpoint, name)
+        set_rng_state(load_tree(Path(checkpoint), name))
+
+    @staticmethod
+    def _require(checkpoint: str, name: str) -> None:
+        if not (Path(checkpoint, f"{name}.json").is_file() and Path(checkpoint, f"{name}.safetensors").is_file()):
+            raise CheckpointError(
+                f"the checkpoint {checkpoint} has no {name}.json/.safetensors (a checkpoint written with pickled "
+                "optimizer and random states, or by another number of processes): it is not resumed, as this "
+                "script never unpickles; start afresh or resume one of its own checkpoints")
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        if self.run_state is None:
+            return
+        self.accelerator.wait_for_everyone()  # every process's random state is written
+        if self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            write_state_file(folder, *self.run_state, RUN_STATE_FILE, step=self.state.global_step)
+        self.accelerator.wait_for_everyone()
+
+
+class StopAfterStepsCallback(TrainerCallback):
+    """``--stop_after_steps N``: end the run, with a checkpoint, N optimizer steps after the step
+    this invocation started (or resumed) at."""
+
+    def __init__(self, stop_after_steps: int):
+        self.stop_after_steps, self.stop_at = stop_after_steps, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stop_at = state.global_step + self.stop_after_steps
+        if self.stop_at < state.max_steps:
+            logger.info("--stop_after_steps %d: this invocation stops after step %d (of %d), with a checkpoint",
+                        self.stop_after_steps, self.stop_at, state.max_steps)
         return control
 
-    def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-            write_state_file(folder, self.fingerprint, self.settings, RUN_STATE_FILE, step=state.global_step)
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop_at is not None and state.global_step >= self.stop_at:
+            control.should_save = True
+            control.should_training_stop = True
         return control
 
 
@@ -391,6 +508,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO
                         if training_args.process_index == 0 else logging.WARNING, handlers=[logging.StreamHandler()])
     transformers.utils.logging.set_verbosity_warning()
+    logger.info("CPU threads per process: %d", configure_threads(run_args.num_threads, local_process_count()))
 
     if run_args.mixed_precision == "no":
         if training_args.fp16 or training_args.bf16:
@@ -499,21 +617,25 @@ def main(argv: Optional[list[str]] = None) -> dict:
     resume = None
     if training_args.do_train and training_args.resume_from_checkpoint:
         resume = resolve_checkpoint(training_args.resume_from_checkpoint, training_args.output_dir, fingerprint,
-                                    prefix=f"{PREFIX_CHECKPOINT_DIR}-", state_file=RUN_STATE_FILE)
+                                    prefix=f"{PREFIX_CHECKPOINT_DIR}-", state_file=RUN_STATE_FILE,
+                                    settings=json.loads(json.dumps(settings, default=str)))
         if resume is None:
             logger.warning("no checkpoint of this run in %s: starting fresh", training_args.output_dir)
-    callbacks.append(RunStateCallback(fingerprint, settings, run_args.stop_after_steps))
+    stopper = StopAfterStepsCallback(run_args.stop_after_steps) if run_args.stop_after_steps is not None else None
+    if stopper is not None:
+        callbacks.append(stopper)
 
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8 if (training_args.fp16 or training_args.bf16) else None)
     trainer = NPRFBertTrainer(
         model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tokenizer,
         data_collator=collator, compute_metrics=compute_metrics, callbacks=callbacks,
+        run_state=(fingerprint, settings),
     )
     results: dict = {}
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)
-        if trainer.state.global_step < trainer.state.max_steps and run_args.stop_after_steps is not None \
-                and trainer.state.global_step >= run_args.stop_after_steps:
+        if stopper is not None and stopper.stop_at is not None and \
+                stopper.stop_at <= trainer.state.global_step < trainer.state.max_steps:
             logger.warning("stopped after step %d (--stop_after_steps); resume with --resume_from_checkpoint latest",
                            trainer.state.global_step)
             return {"stopped": True, "step": trainer.state.global_step}
@@ -568,4 +690,4 @@ NOT_METRICS = {"eval_loss", "eval_runtime", "eval_samples_per_second", "eval_ste
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -17,9 +17,11 @@
 * Training: AdamW with the schedule of ``--lr_scheduler_type`` after a warm-up, gradient
   accumulation, mixed precision where the device has it (``--mixed_precision``), a progress bar,
   evaluation accuracy (scikit-learn) every ``--eval_steps`` or each epoch, checkpoints into
-  ``--output_dir/step_N`` (no pickle); ``--resume_from_checkpoint latest`` continues the newest
-  complete checkpoint of the same run and ends bitwise where the uninterrupted run ends (same
-  number of processes).
+  ``--output_dir/step_N`` (no pickle, every file checksummed; ``--checkpoints_total_limit`` keeps
+  the newest N); ``--resume_from_checkpoint latest`` continues the newest complete and intact
+  checkpoint of the same run (a damaged one is skipped with a warning) and ends bitwise where the
+  uninterrupted run ends (same number of processes and threads); ``--num_threads`` sets torch's
+  CPU threads per process.
 * Output: a Hub-ready folder: ``model.safetensors``, ``config.json`` with ``auto_map`` and the
   modeling code (loads with ``trust_remote_code=True`` where hf_kernattn is not installed),
   ``preprocessor_config.json``, a model card (``README.md``) with the evaluation results, and
@@ -71,6 +73,7 @@ from hf_kernattn.training import (
     push_if_asked,
     parse_overrides,
     resolve_checkpoint,
+    run_main,
     run_fingerprint,
     train_loop,
     warmup_steps,
@@ -229,12 +232,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
     accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
-                      f"mixed precision: {accelerator.mixed_precision}")
+                      f"mixed precision: {accelerator.mixed_precision}, threads per process: {torch.get_num_threads()}")
     settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
         "script": "run_image_classification", "num_processes": accelerator.num_processes,
         "mixed_precision": accelerator.mixed_precision}
     fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint, settings=settings)
 
     with accelerator.main_process_first():
         raw, labels = load_images(args)
@@ -332,4 +335,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

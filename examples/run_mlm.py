@@ -14,10 +14,12 @@
   decay for biases, normalisation weights and the relative-position bias table (the rule shared
   by every example script).
 * Checkpoints every ``--checkpointing_steps`` into ``--output_dir/step_N`` (written atomically, no
-  pickle); ``--resume_from_checkpoint latest`` (or a path) continues from the newest complete
-  checkpoint of the same run and ends bitwise where the uninterrupted run ends (data order,
-  masking, dropout and all other random states, optimizer, scheduler, counters, evaluation
-  history; same number of processes). The final model is saved Hub-ready.
+  pickle, every file checksummed); ``--resume_from_checkpoint latest`` (or a path) continues from
+  the newest complete and intact checkpoint of the same run (a damaged one is skipped with a
+  warning) and ends bitwise where the uninterrupted run ends (data order, masking, dropout and all
+  other random states, optimizer, scheduler, counters, evaluation history; same number of
+  processes and threads); ``--checkpoints_total_limit`` keeps the newest N; ``--num_threads``
+  sets torch's CPU threads per process. The final model is saved Hub-ready.
 * Model: ``--model_name_or_path`` (an NPRF-BERT checkpoint, or a BERT/RoBERTa one converted on
   the fly), or ``--config_name``/``--tokenizer_name`` to start from scratch with
   ``NPRFBertConfig`` fields given as ``--config_overrides key=value,...``.
@@ -71,6 +73,7 @@ from hf_kernattn.training import (
     parse_overrides,
     push_if_asked,
     resolve_checkpoint,
+    run_main,
     run_fingerprint,
     train_loop,
     warmup_steps,
@@ -143,7 +146,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
         "script": "run_mlm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
     fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, fingerprint)
+    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, fingerprint, settings=settings)
 
     check_text_files([args.train_file], "--train_file")
     if args.validation_file:
@@ -246,8 +249,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
         loss = torch.cat(losses).mean().item()
         return {"eval_loss": loss, "perplexity": math.exp(min(loss, 50.0))}
 
-    logger.info("training: %d blocks, %d processes, %d steps, warm-up %d, peak lr %g",
-                len(data["train"]), accelerator.num_processes, args.max_train_steps, warmup, args.learning_rate)
+    logger.info("training: %d blocks, %d processes (%d CPU threads each), %d steps, warm-up %d, peak lr %g",
+                len(data["train"]), accelerator.num_processes, torch.get_num_threads(), args.max_train_steps, warmup,
+                args.learning_rate)
     result = train_loop(
         accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
         max_train_steps=args.max_train_steps, evaluate=evaluate_ppl, eval_steps=args.eval_steps,
@@ -287,4 +291,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

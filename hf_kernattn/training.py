@@ -14,9 +14,16 @@ step counters, the data position, the evaluation history, and every process's ra
 (torch, CUDA, Python ``random``, NumPy, and any named ``torch.Generator``). Tensors go to
 safetensors files and everything else to JSON: nothing is pickled and loading never executes code.
 A checkpoint is written into a temporary folder and renamed into place when complete, with its
-``training_state.json`` (which records a fingerprint of the run's arguments) written last; a folder
-without it is ignored. :func:`resolve_checkpoint` picks the newest complete checkpoint of the same
-run for ``--resume_from_checkpoint latest`` and refuses one written with other arguments.
+``training_state.json`` written last: it records a fingerprint of the run's arguments and the size
+and SHA-256 of every other file, which are flushed to disk (``fsync``, files and folder) before it
+is written; a folder without it is ignored. :func:`resolve_checkpoint` picks the newest complete
+and intact checkpoint of the same run for ``--resume_from_checkpoint latest`` (a damaged one, say
+a truncated ``model.safetensors``, is skipped with a warning naming the file), refuses a named
+checkpoint that is damaged, and refuses one written with other arguments, naming the settings that
+differ. :func:`prune_checkpoints` keeps at most ``--checkpoints_total_limit`` of them.
+
+Threads (:func:`configure_threads`): ``--num_threads``, else ``OMP_NUM_THREADS``, else the
+physical cores divided among this machine's processes (what ``accelerate launch`` sets on CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -46,6 +54,22 @@ STATE_FILE = "training_state.json"
 MODEL_FILE = "model.safetensors"
 FORMAT_VERSION = 1
 _TMP_SUFFIX = ".tmp"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed (damaged, incomplete, or of a run with other settings).
+    The example scripts print it as one line and exit with status 1 (see :func:`run_main`)."""
+
+
+def run_main(main: Callable[[], Any]) -> None:
+    """Run a script's ``main()``; a :class:`CheckpointError` ends it with its one-line message
+    (no traceback) and exit status 1."""
+    try:
+        main()
+    except CheckpointError as err:
+        name = Path(sys.argv[0]).name or "script"
+        print(f"{name}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
 
 # transformers' patterns (Trainer.get_decay_parameter_names), matched on lower-cased names.
 _NO_DECAY_PATTERNS = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
@@ -150,9 +174,30 @@ def save_tree(folder: Path, name: str, tree: Any) -> None:
 
 
 def load_tree(folder: Path, name: str) -> Any:
-    """Read what :func:`save_tree` wrote (JSON and safetensors only)."""
-    tensors = safetensors.torch.load_file(str(folder / f"{name}.safetensors"))
-    return _decode(json.loads((folder / f"{name}.json").read_text()), tensors)
+    """Read what :func:`save_tree` wrote (JSON and safetensors only); an unreadable file raises
+    :class:`CheckpointError` naming it."""
+    folder = Path(folder)
+    with _naming(folder / f"{name}.safetensors"):
+        tensors = safetensors.torch.load_file(str(folder / f"{name}.safetensors"))
+    with _naming(folder / f"{name}.json"):
+        encoded = json.loads((folder / f"{name}.json").read_text())
+    return _decode(encoded, tensors)
+
+
+class _naming:
+    """Turn an error while reading ``path`` into a one-line :class:`CheckpointError` naming it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if kind is None or isinstance(err, CheckpointError) or not isinstance(err, Exception):
+            return False
+        raise CheckpointError(f"cannot read {self.path}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                              ) from err
 
 
 # --------------------------------------------------------------------------------------------
@@ -198,69 +243,240 @@ def is_complete(path: Path, state_file: str = STATE_FILE) -> bool:
     return isinstance(state, dict) and state.get("format_version") == FORMAT_VERSION and state.get("complete") is True
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file or a folder to disk (folders: where the platform allows it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # folders cannot be fsynced on some platforms
+    finally:
+        os.close(fd)
+
+
+def checkpoint_manifest(folder: str | os.PathLike, state_file: str = STATE_FILE, sync: bool = True) -> dict:
+    """``{relative path: {"size", "sha256"}}`` of every file in ``folder`` (recursively) except the
+    state file; with ``sync``, each file and folder is flushed to disk first."""
+    folder = Path(folder)
+    files = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel in (state_file, state_file + _TMP_SUFFIX):
+            continue
+        if sync:
+            _fsync(path)
+        files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    if sync:
+        for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
+            _fsync(sub)
+        _fsync(folder)
+    return files
+
+
+def _check_safetensors_header(path: Path) -> Optional[str]:
+    """Why a safetensors file is unreadable (bad header, size not the one its header gives), or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > size - 8:
+                return f"{path.name} is truncated ({size} bytes, shorter than its header says)"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"{path.name} has an unreadable header"
+    try:
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError):
+        return f"{path.name} has an unreadable header"
+    expected = 8 + n + max(ends, default=0)
+    if size != expected:
+        return f"{path.name} has {size} bytes, its header says {expected} (truncated or damaged)"
+    return None
+
+
+def verify_checkpoint(path: str | os.PathLike, state_file: str = STATE_FILE) -> list[str]:
+    """What is damaged in a complete checkpoint (an empty list when it is intact).
+
+    Checks every file the state file lists: present, of the recorded size and SHA-256.
+    Checkpoints written before sizes and checksums were recorded get the checks their files
+    allow: safetensors headers against file sizes, JSON files parse."""
+    path = Path(path)
+    state = _read_state(path, state_file)
+    files = state.get("files")
+    problems = []
+    if isinstance(files, dict):
+        for rel, meta in sorted(files.items()):
+            f = path / rel
+            if not f.is_file():
+                problems.append(f"{rel} is missing")
+            elif f.stat().st_size != meta.get("size"):
+                problems.append(f"{rel} has {f.stat().st_size} bytes, {meta.get('size')} were written (truncated or "
+                                "damaged)")
+            elif _sha256(f) != meta.get("sha256"):
+                problems.append(f"{rel} does not match the SHA-256 recorded when it was written (corrupted)")
+        return problems
+    for f in sorted(path.rglob("*")):
+        if not f.is_file() or f.name == state_file:
+            continue
+        if f.suffix == ".safetensors":
+            problem = _check_safetensors_header(f)
+            if problem:
+                problems.append(problem)
+        elif f.suffix == ".json":
+            try:
+                json.loads(f.read_text())
+            except (OSError, ValueError):
+                problems.append(f"{f.relative_to(path).as_posix()} is not valid JSON (truncated or damaged)")
+    return problems
+
+
+def _checkpoints(output_dir: str | os.PathLike, prefix: str) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of the folders ``{prefix}N`` in ``output_dir``, newest first."""
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
+    out = Path(output_dir)
+    return sorted(((int(m.group(1)), p) for p in (out.iterdir() if out.is_dir() else [])
+                   if p.is_dir() and (m := pattern.match(p.name))), reverse=True)
+
+
 def resolve_checkpoint(spec: Optional[str], output_dir: str | os.PathLike, fingerprint: str,
-                       prefix: str = CHECKPOINT_PREFIX, state_file: str = STATE_FILE) -> Optional[Path]:
+                       prefix: str = CHECKPOINT_PREFIX, state_file: str = STATE_FILE,
+                       settings: Optional[dict[str, Any]] = None) -> Optional[Path]:
     """The checkpoint folder to resume from, or ``None`` to start fresh.
 
-    ``spec`` is ``None`` (no resume), ``"latest"`` (the newest complete checkpoint
+    ``spec`` is ``None`` (no resume), ``"latest"`` (the newest complete and intact checkpoint
     ``output_dir/{prefix}N`` written by a run with the same ``fingerprint``; half-written folders
-    are skipped; ``None`` when there is none at all) or a folder. Raises ``ValueError`` for a folder
-    that is incomplete or was written with other settings, and for ``latest`` when the output
-    folder holds complete checkpoints but all of another run.
+    are skipped, damaged ones (see :func:`verify_checkpoint`) skipped with a warning naming what is
+    damaged; ``None`` when there is none at all) or a folder. Raises :class:`CheckpointError` (a
+    ``ValueError``) for a folder that is incomplete, damaged or was written with other settings
+    (naming the ones that differ from ``settings``), for ``latest`` when the output folder holds
+    complete checkpoints but all of another run, and when every checkpoint of this run is damaged.
     """
     if spec is None:
         return None
     if spec != "latest":
         path = Path(spec)
         if not path.is_dir():
-            raise ValueError(f"--resume_from_checkpoint: {spec} is not a folder")
+            raise CheckpointError(f"--resume_from_checkpoint: {spec} is not a folder")
         if not is_complete(path, state_file):
-            raise ValueError(f"--resume_from_checkpoint: {spec} is not a complete checkpoint (no valid {state_file}; "
-                             "it may have been interrupted while being written)")
-        _check_fingerprint(path, fingerprint, state_file)
+            raise CheckpointError(f"--resume_from_checkpoint: {spec} is not a complete checkpoint (no valid "
+                                  f"{state_file}; it may have been interrupted while being written)")
+        _check_fingerprint(path, fingerprint, state_file, settings)
+        problems = verify_checkpoint(path, state_file)
+        if problems:
+            raise CheckpointError(f"--resume_from_checkpoint: the checkpoint {spec} is damaged: {'; '.join(problems)}")
         return path
-    pattern = re.compile(rf"^{re.escape(prefix)}(\d+)$")
-    out = Path(output_dir)
-    found = sorted(((int(m.group(1)), p) for p in (out.iterdir() if out.is_dir() else [])
-                    if p.is_dir() and (m := pattern.match(p.name))), reverse=True)
-    others = []
-    for _, path in found:
+    others, damaged = [], []
+    for _, path in _checkpoints(output_dir, prefix):
         if not is_complete(path, state_file):
             logger.warning(f"ignoring the incomplete checkpoint {path}")
             continue
-        if _read_state(path, state_file)["fingerprint"] == fingerprint:
-            return path
-        others.append(path)
+        if _read_state(path, state_file).get("fingerprint") != fingerprint:
+            others.append(path)
+            continue
+        problems = verify_checkpoint(path, state_file)
+        if problems:
+            logger.warning(f"skipping the damaged checkpoint {path}: {'; '.join(problems)}")
+            damaged.append(path)
+            continue
+        if damaged:
+            logger.warning(f"resuming from {path}, the newest intact checkpoint of this run")
+        return path
+    if damaged:
+        raise CheckpointError(f"every checkpoint of this run in {output_dir} is damaged "
+                              f"({', '.join(p.name for p in damaged)}); remove them to start afresh")
     if others:
-        _check_fingerprint(others[0], fingerprint, state_file)  # raises, naming the settings
+        _check_fingerprint(others[0], fingerprint, state_file, settings)  # raises, naming the settings
     return None
+
+
+def prune_checkpoints(output_dir: str | os.PathLike, limit: Optional[int], fingerprint: str,
+                      prefix: str = CHECKPOINT_PREFIX, state_file: str = STATE_FILE) -> list[Path]:
+    """Delete the oldest complete checkpoints of the run ``fingerprint`` beyond the newest
+    ``limit`` (``None``: keep all); returns the deleted folders. Half-written folders and other
+    runs' checkpoints are left alone."""
+    if limit is None:
+        return []
+    mine = [p for _, p in _checkpoints(output_dir, prefix)
+            if is_complete(p, state_file) and _read_state(p, state_file).get("fingerprint") == fingerprint]
+    removed = mine[limit:]
+    for path in removed:
+        logger.info(f"deleting {path} (--checkpoints_total_limit {limit})")
+        shutil.rmtree(path, ignore_errors=True)
+    return removed
 
 
 def _read_state(path: Path, state_file: str = STATE_FILE) -> dict:
     return json.loads((Path(path) / state_file).read_text())
 
 
-def _check_fingerprint(path: Path, fingerprint: str, state_file: str = STATE_FILE) -> None:
+def _flatten(settings: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(settings, dict):
+        out: dict[str, Any] = {}
+        for k, v in settings.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: settings}
+
+
+_ABSENT = object()
+
+
+def settings_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """``name: old -> new`` for every setting that differs (nested settings as ``a.b``; values as
+    JSON, an absent one as ``(absent)``)."""
+    old = _flatten(json.loads(json.dumps(old, default=str)))
+    new = _flatten(json.loads(json.dumps(new, default=str)))
+
+    def show(v):
+        return "(absent)" if v is _ABSENT else json.dumps(v)
+
+    return [f"{k}: {show(old.get(k, _ABSENT))} -> {show(new.get(k, _ABSENT))}" for k in sorted(set(old) | set(new))
+            if old.get(k, _ABSENT) != new.get(k, _ABSENT)]
+
+
+def _check_fingerprint(path: Path, fingerprint: str, state_file: str = STATE_FILE,
+                       settings: Optional[dict[str, Any]] = None) -> None:
     state = _read_state(path, state_file)
-    if state["fingerprint"] != fingerprint:
-        raise ValueError(
-            f"the checkpoint {path} was written by a run with other settings (fingerprint {state['fingerprint']}, "
-            f"this run {fingerprint}; its settings: {json.dumps(state.get('settings', {}), sort_keys=True, default=str)}). "
-            "Resume with the same arguments, or use another --output_dir."
-        )
+    if state.get("fingerprint") == fingerprint:
+        return
+    diff = settings_diff(state.get("settings", {}), settings) if settings is not None else []
+    if diff:
+        what = ", ".join(diff)
+    else:  # no settings to compare with: show the checkpoint's
+        what = (f"fingerprint {state.get('fingerprint')}, this run {fingerprint}; its settings: "
+                f"{json.dumps(state.get('settings', {}), sort_keys=True, default=str)}")
+    raise CheckpointError(
+        f"the checkpoint {path} was written by a run with other settings ({what}). "
+        "Resume with the same arguments, or use another --output_dir."
+    )
 
 
 def write_state_file(folder: Path, fingerprint: str, settings: dict[str, Any], state_file: str = STATE_FILE,
                      **extra: Any) -> None:
-    """Mark ``folder`` as a complete checkpoint of the run ``fingerprint`` (call it last)."""
+    """Mark ``folder`` as a complete checkpoint of the run ``fingerprint`` (call it last, when every
+    other file is written): records the size and SHA-256 of every file after flushing them to disk,
+    then writes the state file atomically and flushes the folder."""
+    files = checkpoint_manifest(folder, state_file)
     state = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "settings": settings, **extra,
-             "complete": True}
+             "files": files, "complete": True}
     tmp = Path(folder) / (state_file + _TMP_SUFFIX)
     with open(tmp, "w") as f:
         f.write(json.dumps(state, indent=1, default=str))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, Path(folder) / state_file)
+    _fsync(Path(folder))
 
 
 def save_checkpoint(
@@ -275,12 +491,15 @@ def save_checkpoint(
     progress: dict[str, Any],
     generators: Optional[dict[str, torch.Generator]] = None,
     save_extra: Optional[Callable[[Path], None]] = None,
+    total_limit: Optional[int] = None,
 ) -> Path:
     """Write ``output_dir/step_{step}`` atomically; every process must call it.
 
     ``progress`` is JSON (counters, data position, evaluation history); ``generators`` are
     torch generators of this process to restore as well; ``save_extra(folder)`` (main process)
-    adds files such as the tokenizer.
+    adds files such as the tokenizer. Every file is flushed to disk and recorded (size, SHA-256)
+    in the state file, which is written last. With ``total_limit``, the oldest complete
+    checkpoints of this run beyond the newest ``total_limit`` are deleted afterwards.
     """
     final = Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}"
     tmp = Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}{_TMP_SUFFIX}"
@@ -306,6 +525,8 @@ def save_checkpoint(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        _fsync(Path(output_dir))
+        prune_checkpoints(output_dir, total_limit, fingerprint)
     accelerator.wait_for_everyone()
     return final
 
@@ -327,9 +548,10 @@ def load_checkpoint(
     if state["num_processes"] != accelerator.num_processes:
         raise ValueError(f"the checkpoint {path} was written by {state['num_processes']} processes; "
                          f"resume it with the same number (now {accelerator.num_processes})")
-    missing, unexpected = safetensors.torch.load_model(
-        accelerator.unwrap_model(model), str(path / MODEL_FILE), strict=False, device="cpu"
-    )
+    with _naming(path / MODEL_FILE):
+        missing, unexpected = safetensors.torch.load_model(
+            accelerator.unwrap_model(model), str(path / MODEL_FILE), strict=False, device="cpu"
+        )
     if missing or unexpected:
         raise ValueError(f"the checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
     optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
@@ -355,7 +577,7 @@ SCHEDULER_TYPES = ["linear", "cosine", "cosine_with_restarts", "polynomial", "co
                    "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay"]
 # Flags that do not change what a run computes: a checkpoint may be resumed with other values.
 NOT_FINGERPRINTED = ("output_dir", "resume_from_checkpoint", "stop_after_steps", "checkpointing_steps",
-                     "with_tracking", "report_to", "preprocessing_num_workers", "push_to_hub", "hub_model_id",
+                     "checkpoints_total_limit", "num_threads", "with_tracking", "report_to", "preprocessing_num_workers", "push_to_hub", "hub_model_id",
                      "hub_private_repo", "hub_token")
 
 
@@ -374,13 +596,19 @@ def add_training_args(p: argparse.ArgumentParser, *, learning_rate: float, weigh
     g.add_argument("--gradient_accumulation_steps", type=int, default=1)
     g.add_argument("--checkpointing_steps", default=checkpointing_steps,
                    help="save a resumable checkpoint (output_dir/step_N) every N optimizer steps, or 'epoch'")
+    g.add_argument("--checkpoints_total_limit", type=int, default=None,
+                   help="keep at most this many checkpoints of this run in --output_dir, deleting the oldest "
+                        "(default: keep all; keep 2 or more so that resuming can fall back on an older one if the "
+                        "newest is damaged)")
     g.add_argument("--resume_from_checkpoint", default=None,
-                   help="a step_N folder, or 'latest': the newest complete checkpoint of this run in --output_dir "
-                        "(none: start fresh). Checkpoints of a run with other settings are refused")
+                   help="a step_N folder, or 'latest': the newest complete and intact checkpoint of this run in "
+                        "--output_dir (none: start fresh; a damaged one is skipped with a warning). Checkpoints of a "
+                        "run with other settings are refused, naming the settings that differ")
     g.add_argument("--stop_after_steps", type=int, default=None,
-                   help="end this invocation after N optimizer steps in all, with a checkpoint, as a job with a "
-                        "time limit would; continue with --resume_from_checkpoint latest (the schedule still "
-                        "spans the whole run)")
+                   help="end this invocation after N more optimizer steps (counted from where it starts or resumes), "
+                        "with a checkpoint, as a job with a time limit would; the same command with "
+                        "--resume_from_checkpoint latest then runs the next N (the schedule still spans the whole run)")
+    g.add_argument("--num_threads", type=int, default=None, help=NUM_THREADS_HELP)
     g.add_argument("--with_tracking", action="store_true", help="log metrics to the trackers of --report_to")
     g.add_argument("--report_to", default="all",
                    help="trackers for --with_tracking: 'all', or tensorboard, wandb, comet_ml, clearml, ...")
@@ -425,6 +653,10 @@ def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--weight_decay must be >= 0, got {args.weight_decay}")
     if args.stop_after_steps is not None and args.stop_after_steps < 1:
         p.error(f"--stop_after_steps must be >= 1, got {args.stop_after_steps}")
+    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
+        p.error(f"--checkpoints_total_limit must be >= 1, got {args.checkpoints_total_limit}")
+    if args.num_threads is not None and args.num_threads < 1:
+        p.error(f"--num_threads must be >= 1, got {args.num_threads}")
     c = args.checkpointing_steps
     if c is not None and c != "epoch" and not (str(c).isdigit() and int(c) >= 1):
         p.error(f"--checkpointing_steps must be a positive integer or 'epoch', got {c!r}")
@@ -440,14 +672,59 @@ def warmup_steps(args: argparse.Namespace, max_train_steps: int, default: int = 
     return default if args.num_warmup_steps is None else args.num_warmup_steps
 
 
+NUM_THREADS_HELP = (
+    "CPU threads of torch in each process (default: OMP_NUM_THREADS when set, else the machine's physical cores "
+    "divided among the processes on it, as accelerate launch does; on a machine shared with other jobs, 1 is "
+    "often fastest)"
+)
+
+
+def local_process_count() -> int:
+    """Processes of this run on this machine (``LOCAL_WORLD_SIZE`` of torchrun / accelerate launch, else 1)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def configure_threads(num_threads: Optional[int] = None, local_processes: Optional[int] = None) -> int:
+    """Set torch's CPU thread count for this process and return it: ``num_threads`` when given,
+    else ``OMP_NUM_THREADS`` when set, else the physical cores divided among the
+    ``local_processes`` of this run on the machine (at least 1), the default of
+    ``accelerate launch`` on CPU. torch's own default (every core, in every process) oversubscribes
+    the cores when several processes run, and on a shared machine."""
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int)
+                                    or num_threads < 1):
+        raise ValueError(f"num_threads must be a positive integer, got {num_threads!r}")
+    if num_threads is None:
+        env = os.environ.get("OMP_NUM_THREADS", "").strip()
+        if env.isdigit() and int(env) >= 1:
+            num_threads = int(env)
+        else:
+            try:
+                import psutil
+
+                cores = psutil.cpu_count(logical=False)
+            except ImportError:
+                cores = None
+            cores = cores or os.cpu_count() or 1
+            num_threads = max(1, cores // (local_processes or local_process_count()))
+    torch.set_num_threads(num_threads)
+    return num_threads
+
+
 def make_accelerator(args: argparse.Namespace, **kwargs):
+    """The ``Accelerator`` of an example script; also sets the CPU threads (``--num_threads``,
+    :func:`configure_threads`)."""
     from accelerate import Accelerator
 
     if args.mixed_precision:
         kwargs["mixed_precision"] = args.mixed_precision
     if args.with_tracking:
         kwargs.update(log_with=args.report_to, project_dir=args.output_dir)
-    return Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=args.cpu, **kwargs)
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=args.cpu, **kwargs)
+    configure_threads(getattr(args, "num_threads", None))
+    return accelerator
 
 
 def parse_overrides(text: Optional[str], flag: str = "--config_overrides") -> dict:
@@ -537,7 +814,10 @@ def train_loop(
     steps, else at the end of each epoch) and per-step training losses, kept across resumes.
     ``stopped`` is true when ``--stop_after_steps`` ended the run early (a checkpoint was saved).
     ``resume`` is the checkpoint from :func:`resolve_checkpoint` (``None``: start fresh);
-    ``report`` receives the progress lines (default: this module's logger, at info level)."""
+    ``report`` receives the progress lines (default: this module's logger, at info level); lines
+    reported while the progress bar is shown are written above it, never onto it.
+    ``--stop_after_steps N`` counts from the step this invocation starts (or resumes) at.
+    ``--checkpoints_total_limit`` keeps that many checkpoints of the run."""
     from tqdm.auto import tqdm
 
     step, epoch, batch_in_epoch, history = 0, 0, 0, {"eval": [], "train": []}
@@ -550,9 +830,17 @@ def train_loop(
         step, epoch, batch_in_epoch, history = (progress["step"], progress["epoch"], progress["batch_in_epoch"],
                                                 progress["history"])
         report(f"resumed from {ckpt} at step {step} (epoch {epoch}, batch {batch_in_epoch})")
-    stop_at = min(max_train_steps, args.stop_after_steps or max_train_steps)
+    stop_at = max_train_steps if args.stop_after_steps is None else min(max_train_steps, step + args.stop_after_steps)
+    if args.stop_after_steps is not None and stop_at < max_train_steps:
+        report(f"--stop_after_steps {args.stop_after_steps}: this invocation stops after step {stop_at} "
+               f"(of {max_train_steps}), with a checkpoint")
     every = None if args.checkpointing_steps in (None, "epoch") else int(args.checkpointing_steps)
+    total_limit = getattr(args, "checkpoints_total_limit", None)
     bar = tqdm(total=max_train_steps, initial=step, disable=not accelerator.is_local_main_process, desc=desc)
+
+    def say(line: str) -> None:  # above the progress bar, not onto it
+        with tqdm.external_write_mode():
+            report(line)
     model.train()
     running, counted = 0.0, 0
     while step < stop_at:
@@ -589,7 +877,7 @@ def train_loop(
             if (eval_steps and step % eval_steps == 0) or (not eval_steps and epoch_done):
                 metrics = evaluate() | {"step": step, "epoch": epoch}
                 history["eval"].append(metrics)
-                report(json.dumps(metrics))
+                say(json.dumps(metrics))
                 if args.with_tracking:
                     accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
             if (every and step % every == 0) or (args.checkpointing_steps == "epoch" and epoch_done) \
@@ -598,7 +886,7 @@ def train_loop(
                 save_checkpoint(
                     accelerator, args.output_dir, step, model, optimizer, scheduler, fingerprint, settings,
                     {"step": step, "epoch": position[0], "batch_in_epoch": position[1], "history": history},
-                    generators, save_extra,
+                    generators, save_extra, total_limit,
                 )
             if step >= stop_at:
                 break

@@ -119,3 +119,12 @@ def test_bad_arguments(toy_run):
         script.main(["--output_dir", str(tmp / "d"), "--train_file", str(tmp / "empty.txt"), "--validation_file", data[3]])
     with pytest.raises(ValueError, match="--block_size"):
         script.main(["--output_dir", str(tmp / "d"), *data, *TOY, "--block_size", "100000"])
+
+
+def test_no_empty_folders_left_behind(toy_run):
+    """The Trainers' output folders (they save nothing) are scratch space: --output_dir holds the
+    results and the three models only, and no empty folder."""
+    _, tmp, _, _ = toy_run
+    out = tmp / "a"
+    assert not [p for p in out.rglob("*") if p.is_dir() and not any(p.iterdir())]
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["gpt2", "linear_gpt", "linear_gpt_converted"]
