@@ -34,6 +34,7 @@ import torch
 
 from .attention_inputs import (
     check_clipped_bias,
+    check_state_kind,
     check_denominator_features,
     check_grid,
     check_rpe,
@@ -44,6 +45,7 @@ from .attention_inputs import (
 )
 from .kernels_common import (
     AttentionState,
+    StateKind,
     autocast_disabled,
     clipped_table,
     compute_dtype_for,
@@ -234,10 +236,13 @@ def kernelized_attention(
     full = None  # the bias as (H, 2N-1) / (H, 2Hg-1, 2Wg-1), made once when a backend or the fft check needs it
     window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
     m_den = m if q_den is None else q_den.shape[-1]
+    kind = StateKind(split=q_den is not None, features=m, den_features=m_den, values=d, window=window)
     shapes = {"kv": (b, h, m, d), "z": (b, h, m_den)}
     if window is not None:
         shapes.update(window_k=(b, h, window, m), window_v=(b, h, window, d))
+    given_kind = getattr(initial_state, "kind", None)
     initial_state = check_state(initial_state, shapes, q.device)
+    check_state_kind(given_kind, kind)  # what the shapes cannot tell apart (the rotary split has M' = M)
     if in_place:
         _check_in_place(initial_state, output_final_state, compute_dtype_for(q), q, k, v, q_den, k_den, rpe_bias)
     # a one-token step from a state (decoding) reads no mask values: no host sync per token
@@ -274,7 +279,8 @@ def kernelized_attention(
             out = (v * 0 + attached * 0).to(out_dtype)
             if not output_final_state:
                 return out
-            return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den, window)
+            return out, AttentionState(*fold_into_state(initial_state, k, v, k if k_den is None else k_den, window),
+                                       kind=kind)
         bias = None
         if rpe_bias is not None:
             if clipped is not None and "rpe_clip" in spec.takes:
@@ -301,7 +307,7 @@ def kernelized_attention(
                 if mine is not None and mine is not new:
                     mine.copy_(new)
             state = given_state
-    return out if state is None else (out, state)
+    return out if state is None else (out, AttentionState(*state, kind=kind))
 
 
 def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
@@ -315,6 +321,7 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
         return None
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in tensors):
         return None
+    given_kind = getattr(state, "kind", None)
     state = AttentionState(*state)
     kv, z = state.kv, state.z
     if state.window_k is not None or not (isinstance(kv, torch.Tensor) and isinstance(z, torch.Tensor)):
@@ -329,6 +336,11 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
         return None
     if q_den is not None and (k_den.shape != q_den.shape or q_den.shape[:3] != q.shape[:3] or m_den == 0):
         return None
+    kind = StateKind(split=q_den is not None, features=m, den_features=m_den, values=d, window=None)
+    if given_kind is not None and given_kind != kind:
+        return None  # a state of another kind: the general path names the mismatch
+    if _shares_memory(kv) or _shares_memory(z):
+        return None  # an expanded state cannot be written in place: the general path says so
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         return None
     if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, kv, z)):
@@ -346,7 +358,13 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
             k_den = mask_keys(k_den, k_den[..., :1], keep)[0]
     den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
     out = recurrent_step_in_place(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, float(eps), *den_t)
-    return out[:, :, None], state
+    return out[:, :, None], AttentionState(kv, z, kind=kind)
+
+
+def _shares_memory(x: torch.Tensor) -> bool:
+    """Whether several elements of ``x`` lie at one memory location (a dimension of size > 1
+    with stride 0, as ``expand`` makes): such a tensor cannot be written in place."""
+    return any(st == 0 and sz > 1 for st, sz in zip(x.stride(), x.shape))
 
 
 def _check_in_place(state, output_final_state, dt, *inputs) -> None:
@@ -358,6 +376,14 @@ def _check_in_place(state, output_final_state, dt, *inputs) -> None:
     if any(x.dtype != dt for x in tensors):
         raise ValueError(f"in_place=True needs initial_state in the compute dtype {dt}, got "
                          f"{sorted({str(x.dtype) for x in tensors})}")
+    for name, x in state._asdict().items():
+        if x is not None and _shares_memory(x):
+            raise ValueError(
+                f"in_place=True cannot write into initial_state.{name} of shape {tuple(x.shape)} and strides "
+                f"{x.stride()}: it is expanded (a dimension of stride 0, as .expand() makes), so one memory location "
+                "holds several of its elements. Pass a state that owns its memory (.contiguous() or .clone() of each "
+                "tensor), or in_place=False"
+            )
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*tensors, *inputs)):
         raise ValueError("in_place=True cannot be used while autograd records through the state or the inputs "
                          "(the earlier graph needs the old state): use in_place=False")
