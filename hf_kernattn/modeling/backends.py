@@ -22,7 +22,9 @@ Causal calls carry a state (``initial_state``, ``output_final_state``; see
 decoding are one call. ``auto`` then takes a backend declared ``state``: for a single new token
 one declared ``decoding`` (``recurrent``: no per-call set-up), otherwise ``causal_chunked``
 (no bias) or ``windowed`` (a bias clipped at K; a state with an unclipped bias would have to
-keep every key, so it is refused).
+keep every key, so it is refused). A named backend that carries no state runs a call that
+starts without one and asks for the final state: the state is folded from the call's keys and
+values. Reading a state (``initial_state``) needs a backend declared ``state``.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ from .registry import (  # noqa: F401  (the registry's public names are also thi
     DEVICE_TYPES,
     BackendSpec,
     available_backends,
+    backends_for,
     choose_backend,
     get_backend,
     register_backend,
@@ -149,6 +152,9 @@ def kernelized_attention(
         initial_state: keyword-only, causal only: the :class:`AttentionState` an earlier call
             returned; the new tokens continue after it (a bias needs ``rpe_clip``).
         output_final_state: keyword-only, causal only: also return the state after these tokens.
+            A backend that does not carry a state (not declared ``state``, e.g. ``dense``, ``fft``)
+            still runs a call without ``initial_state``: the state is then folded from the call's
+            keys and values (O(N M D)); continuing from a state needs a backend declared ``state``.
         in_place: keyword-only: write the state after these tokens into ``initial_state``'s own
             tensors and return them (decoding without allocating a state per token; a one-token
             step of the ``recurrent`` backend without a bias updates them with one fused
@@ -260,6 +266,11 @@ def kernelized_attention(
         full = full_bias(rpe_bias, n, rpe_clip) if rpe else None
         name, dt = _auto_fft_precision(q, k, full, causal, key_mask, request)
     spec = get_backend(name)
+    # A backend that carries no state still runs a call that starts without one: the final state is then folded
+    # from this call's keys and values (O(N M D)), so a named backend also serves training and prefill with a state.
+    fold = output_final_state and initial_state is None and not spec.state
+    if fold:
+        request["state"] = False
     lacks = spec.missing(**request)
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
@@ -293,7 +304,10 @@ def kernelized_attention(
             q_den=q_den, k_den=k_den, initial_state=initial_state, output_final_state=output_final_state,
         )
         result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
-        out, state = result if output_final_state else (result, None)
+        if fold:
+            out, state = result, fold_into_state(None, k, v, k if k_den is None else k_den, window)
+        else:
+            out, state = result if output_final_state else (result, None)
         nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
         if poisoned is not None:
             out = torch.where(poisoned[..., None], nan, out)
