@@ -300,24 +300,6 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
         elif isinstance(module, FeatureMap):
             self._init_feature_map(module)
 
-    def post_init(self) -> None:
-        super().post_init()
-        self.stream_weights()
-
-    def stream_weights(self) -> None:
-        """Store the blocks' linear weights column-major (the transpose of ``nn.Linear``'s
-        ``(out, in)`` row-major layout; values, shapes and state-dict keys unchanged, as
-        ``channels_last`` does for convolutions): a one-token step then streams each weight as
-        the ``(in, out)`` matrix a batch-1 product reads fastest (GPT-2's Conv1D layout). Done
-        at construction and by ``generate()`` (weights loaded by ``from_pretrained`` arrive
-        row-major); a no-op for weights already in this layout."""
-        for module in self.modules():
-            if isinstance(module, (LinearGPTAttention, LinearGPTMLP, LinearGPTGatedMLP)):
-                for linear in module.children():
-                    if isinstance(linear, nn.Linear) and linear.weight.is_contiguous() and linear.weight.dim() == 2:
-                        with torch.no_grad():
-                            linear.weight.data = linear.weight.data.t().contiguous().t()
-
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         """The state is recurrent: ``forward`` builds a :class:`LinearGPTCache`, never a DynamicCache."""
@@ -591,7 +573,6 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                     + (" or (batch, past + seq)" if past is not None else "")
                     + f" (1 = keep, 0 = padding), got {tuple(mask.shape)}"
                 )
-        self.stream_weights()
         return super().generate(inputs, *args, **kwargs)
 
     def prepare_inputs_for_generation(
