@@ -10,7 +10,7 @@ from .modeling.backends import (
     kernelized_attention,
     register_backend,
 )
-from .modeling.kernels_common import AttentionState
+from .modeling.kernels_common import AttentionState, StateKind
 from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
 from .modeling.attention import KernelizedSelfAttention
@@ -87,6 +87,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionState",
+    "StateKind",
     "BackendSpec",
     "FeatureMap",
     "KernelizedSelfAttention",

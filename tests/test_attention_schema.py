@@ -220,7 +220,7 @@ def test_config_json_written_before_the_schema_loads_with_the_same_values(name, 
 def test_model_from_a_config_written_before_the_schema_gives_the_same_logits(name, model_cls, tmp_path):
     """Logits saved by the code before the schema (seed 0 init, fixed ids, eval). float32; the
     same function up to rounding: Linear GPT's fused GELU differs from the saved run's
-    multi-step one by an ulp, and its column-major weights change the products' summation
+    multi-step one by an ulp, and a weight layout can change the products' summation
     order: a few ulps per operation of values of order 1 (2^-23 ~ 1.2e-7) over two layers,
     well under 1e-5 absolute, while any change of the init, a default or the math moves the
     logits by 1e-3 or more."""

@@ -14,7 +14,8 @@ Models of one shape (hidden 512, 6 layers, 8 heads, MLP 2048, byte vocabulary of
 * ``weights``: the time the Linear GPT's weights take as batch-1 matrix products (every linear
   layer once per token, in the layout the model stores them), the bound a decoding step
   approaches; ``weights_row_major``: the same products with ``nn.Linear``'s default row-major
-  layout.
+  layout (the layout the model stores them in now: the two agree; an earlier column-major
+  storage was compared this way).
 
 Every comparison alternates: the cases of one group run A B C ..., then ... C B A, over
 ``--rounds`` rounds, each in a fresh process (``bench.common.alternate``), 1 thread by default;

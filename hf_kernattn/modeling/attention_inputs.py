@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import AttentionState
+from .kernels_common import AttentionState, StateKind
 
 
 def check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:
@@ -189,3 +189,17 @@ def check_state(
             "has no clipped bias: a state only continues a call of the same kind"
         )
     return state
+
+
+def check_state_kind(given: Optional[StateKind], kind: StateKind) -> None:
+    """``ValueError`` naming what differs when a state records the :class:`StateKind` ``given``
+    of the call that produced it and that kind differs from this call's ``kind`` (separate
+    denominator features or not, feature and value sizes, the window of a clipped bias; the
+    sizes are checked on the tensors' shapes first, with their own messages). A state without a
+    recorded kind (built by hand: ``given`` None) is trusted."""
+    if given is None or given == kind:
+        return
+    raise ValueError(
+        "initial_state was produced by a call of another kind, and a state only continues a call of the same "
+        f"kind: {'; '.join(given.differences(kind))} (state: {given.describe()}; this call: {kind.describe()})"
+    )

@@ -22,7 +22,9 @@ Causal calls carry a state (``initial_state``, ``output_final_state``; see
 decoding are one call. ``auto`` then takes a backend declared ``state``: for a single new token
 one declared ``decoding`` (``recurrent``: no per-call set-up), otherwise ``causal_chunked``
 (no bias) or ``windowed`` (a bias clipped at K; a state with an unclipped bias would have to
-keep every key, so it is refused).
+keep every key, so it is refused). A named backend that carries no state runs a call that
+starts without one and asks for the final state: the state is folded from the call's keys and
+values. Reading a state (``initial_state``) needs a backend declared ``state``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from .attention_inputs import (
     check_clipped_bias,
+    check_state_kind,
     check_denominator_features,
     check_grid,
     check_rpe,
@@ -44,6 +47,7 @@ from .attention_inputs import (
 )
 from .kernels_common import (
     AttentionState,
+    StateKind,
     autocast_disabled,
     clipped_table,
     compute_dtype_for,
@@ -68,6 +72,7 @@ from .registry import (  # noqa: F401  (the registry's public names are also thi
     DEVICE_TYPES,
     BackendSpec,
     available_backends,
+    backends_for,
     choose_backend,
     get_backend,
     register_backend,
@@ -147,6 +152,9 @@ def kernelized_attention(
         initial_state: keyword-only, causal only: the :class:`AttentionState` an earlier call
             returned; the new tokens continue after it (a bias needs ``rpe_clip``).
         output_final_state: keyword-only, causal only: also return the state after these tokens.
+            A backend that does not carry a state (not declared ``state``, e.g. ``dense``, ``fft``)
+            still runs a call without ``initial_state``: the state is then folded from the call's
+            keys and values (O(N M D)); continuing from a state needs a backend declared ``state``.
         in_place: keyword-only: write the state after these tokens into ``initial_state``'s own
             tensors and return them (decoding without allocating a state per token; a one-token
             step of the ``recurrent`` backend without a bias updates them with one fused
@@ -234,10 +242,13 @@ def kernelized_attention(
     full = None  # the bias as (H, 2N-1) / (H, 2Hg-1, 2Wg-1), made once when a backend or the fft check needs it
     window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
     m_den = m if q_den is None else q_den.shape[-1]
+    kind = StateKind(split=q_den is not None, features=m, den_features=m_den, values=d, window=window)
     shapes = {"kv": (b, h, m, d), "z": (b, h, m_den)}
     if window is not None:
         shapes.update(window_k=(b, h, window, m), window_v=(b, h, window, d))
+    given_kind = getattr(initial_state, "kind", None)
     initial_state = check_state(initial_state, shapes, q.device)
+    check_state_kind(given_kind, kind)  # what the shapes cannot tell apart (the rotary split has M' = M)
     if in_place:
         _check_in_place(initial_state, output_final_state, compute_dtype_for(q), q, k, v, q_den, k_den, rpe_bias)
     # a one-token step from a state (decoding) reads no mask values: no host sync per token
@@ -255,6 +266,11 @@ def kernelized_attention(
         full = full_bias(rpe_bias, n, rpe_clip) if rpe else None
         name, dt = _auto_fft_precision(q, k, full, causal, key_mask, request)
     spec = get_backend(name)
+    # A backend that carries no state still runs a call that starts without one: the final state is then folded
+    # from this call's keys and values (O(N M D)), so a named backend also serves training and prefill with a state.
+    fold = output_final_state and initial_state is None and not spec.state
+    if fold:
+        request["state"] = False
     lacks = spec.missing(**request)
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
@@ -274,7 +290,8 @@ def kernelized_attention(
             out = (v * 0 + attached * 0).to(out_dtype)
             if not output_final_state:
                 return out
-            return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den, window)
+            return out, AttentionState(*fold_into_state(initial_state, k, v, k if k_den is None else k_den, window),
+                                       kind=kind)
         bias = None
         if rpe_bias is not None:
             if clipped is not None and "rpe_clip" in spec.takes:
@@ -287,7 +304,10 @@ def kernelized_attention(
             q_den=q_den, k_den=k_den, initial_state=initial_state, output_final_state=output_final_state,
         )
         result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
-        out, state = result if output_final_state else (result, None)
+        if fold:
+            out, state = result, fold_into_state(None, k, v, k if k_den is None else k_den, window)
+        else:
+            out, state = result if output_final_state else (result, None)
         nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
         if poisoned is not None:
             out = torch.where(poisoned[..., None], nan, out)
@@ -301,7 +321,7 @@ def kernelized_attention(
                 if mine is not None and mine is not new:
                     mine.copy_(new)
             state = given_state
-    return out if state is None else (out, state)
+    return out if state is None else (out, AttentionState(*state, kind=kind))
 
 
 def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
@@ -315,6 +335,7 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
         return None
     if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in tensors):
         return None
+    given_kind = getattr(state, "kind", None)
     state = AttentionState(*state)
     kv, z = state.kv, state.z
     if state.window_k is not None or not (isinstance(kv, torch.Tensor) and isinstance(z, torch.Tensor)):
@@ -329,6 +350,11 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
         return None
     if q_den is not None and (k_den.shape != q_den.shape or q_den.shape[:3] != q.shape[:3] or m_den == 0):
         return None
+    kind = StateKind(split=q_den is not None, features=m, den_features=m_den, values=d, window=None)
+    if given_kind is not None and given_kind != kind:
+        return None  # a state of another kind: the general path names the mismatch
+    if _shares_memory(kv) or _shares_memory(z):
+        return None  # an expanded state cannot be written in place: the general path says so
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         return None
     if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, kv, z)):
@@ -346,7 +372,13 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
             k_den = mask_keys(k_den, k_den[..., :1], keep)[0]
     den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
     out = recurrent_step_in_place(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, float(eps), *den_t)
-    return out[:, :, None], state
+    return out[:, :, None], AttentionState(kv, z, kind=kind)
+
+
+def _shares_memory(x: torch.Tensor) -> bool:
+    """Whether several elements of ``x`` lie at one memory location (a dimension of size > 1
+    with stride 0, as ``expand`` makes): such a tensor cannot be written in place."""
+    return any(st == 0 and sz > 1 for st, sz in zip(x.stride(), x.shape))
 
 
 def _check_in_place(state, output_final_state, dt, *inputs) -> None:
@@ -358,6 +390,14 @@ def _check_in_place(state, output_final_state, dt, *inputs) -> None:
     if any(x.dtype != dt for x in tensors):
         raise ValueError(f"in_place=True needs initial_state in the compute dtype {dt}, got "
                          f"{sorted({str(x.dtype) for x in tensors})}")
+    for name, x in state._asdict().items():
+        if x is not None and _shares_memory(x):
+            raise ValueError(
+                f"in_place=True cannot write into initial_state.{name} of shape {tuple(x.shape)} and strides "
+                f"{x.stride()}: it is expanded (a dimension of stride 0, as .expand() makes), so one memory location "
+                "holds several of its elements. Pass a state that owns its memory (.contiguous() or .clone() of each "
+                "tensor), or in_place=False"
+            )
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*tensors, *inputs)):
         raise ValueError("in_place=True cannot be used while autograd records through the state or the inputs "
                          "(the earlier graph needs the old state): use in_place=False")

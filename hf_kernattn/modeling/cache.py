@@ -43,6 +43,9 @@ class LinearGPTCacheLayer(LinearAttentionLayer):
     def __init__(self, window: Optional[int] = None) -> None:
         super().__init__(number_of_states=2 if window is None else 4)
         self.window = window
+        # the StateKind of the call that produced the state (kept with it, so that a call of
+        # another kind, e.g. another model, refuses to continue it)
+        self.state_kind = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(window={self.window}, initialized={self.is_initialized})"
@@ -55,7 +58,7 @@ class LinearGPTCacheLayer(LinearAttentionLayer):
         """The state to continue from (None before the first tokens)."""
         if not self.is_initialized:
             return None
-        return AttentionState(*(self.recurrent_states[i] for i in range(self.number_of_states)))
+        return AttentionState(*(self.recurrent_states[i] for i in range(self.number_of_states)), kind=self.state_kind)
 
     def set_state(self, state: AttentionState) -> None:
         """Store the state after the latest tokens: nothing to do for tensors the core already
@@ -63,6 +66,7 @@ class LinearGPTCacheLayer(LinearAttentionLayer):
         copied in place into the layer's tensors, except while autograd records through it (training across calls), where the tensors are
         replaced so that the graph of the earlier call keeps the values it saw."""
         tensors = state[: self.number_of_states]
+        self.state_kind = getattr(state, "kind", None)
         self.device, self.dtype = tensors[0].device, tensors[0].dtype
         replace = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
         for i, x in enumerate(tensors):
@@ -201,5 +205,5 @@ class LinearGPTCache(Cache):
         for src, dst in zip(self.layers, new.layers):
             state = src.get_state()
             if state is not None:
-                dst.set_state(AttentionState(*(None if x is None else x.clone() for x in state)))
+                dst.set_state(AttentionState(*(None if x is None else x.clone() for x in state), kind=state.kind))
         return new

@@ -8,6 +8,7 @@ from transformers import PreTrainedConfig
 
 from .attention_config import AttentionSchema, validate_model_fields
 from .feature_maps import feature_size
+from .registry import backends_for, get_backend
 
 # The one Auto-class table of Linear GPT: written into config.json as ``auto_map`` (remote-code
 # loading) and read by ``hf_kernattn/__init__.py`` for the in-process registration.
@@ -25,6 +26,28 @@ ATTENTION_SCHEMA = AttentionSchema(
     "Linear GPT",
     recompute_attention=(False, "training and prefill keep their intermediates, as before the option existed"),
 )
+
+
+def check_attn_backend(attn_backend: str, *, rpe: str, max_relative_position: int, position_embedding_type: str) -> None:
+    """``ValueError`` unless ``attn_backend`` can run every call of a Linear GPT of these options
+    without a state (training, prefill): ``"auto"``, or a registered backend that does causal
+    attention, with the clipped 1D bias of ``rpe="learned"`` and with the separate denominator
+    features of ``position_embedding_type="rotary"`` when the model has them. The message names
+    the backends that can. (Calls that continue from a state use it when it carries a state, and
+    ``auto``'s choice among those that do otherwise: see the config's docstring.)"""
+    if attn_backend == "auto":
+        return
+    learned = rpe == "learned"
+    request = dict(causal=True, rpe="1d" if learned else None, rpe_clip=max_relative_position if learned else None,
+                   split=position_embedding_type == "rotary")
+    lacks = get_backend(attn_backend).missing(key_mask=False, device=None, **request)
+    if lacks:
+        model = "a causal LM" + (f" with a bias clipped at K={max_relative_position} (rpe='learned')" if learned else "")
+        model += " with separate denominator features (position_embedding_type='rotary')" if request["split"] else ""
+        raise ValueError(
+            f"attn_backend={attn_backend!r} cannot serve Linear GPT, {model}: it cannot do {', '.join(lacks)}; "
+            f"attn_backend must be 'auto' or one of {backends_for(**request)}"
+        )
 
 
 class LinearGPTConfig(PreTrainedConfig):
@@ -69,6 +92,17 @@ class LinearGPTConfig(PreTrainedConfig):
     ``attn_backend`` picks (``auto``: see below) and decoded exactly in constant time per token
     from a window of the last K - 1 keys (``cache.py``). ``recompute_attention`` applies to the
     parallel form: training forwards and the prefill of a decoding state.
+
+    ``attn_backend`` must be ``"auto"`` or a backend that does causal attention (with the
+    clipped bias of ``rpe="learned"``, and the separate denominator features of
+    ``position_embedding_type="rotary"``, when the model has them): e.g. ``dense``,
+    ``causal_chunked``, ``fft``, ``windowed`` (only with ``rpe="learned"``), ``recurrent``; a
+    ``ValueError`` names the ones that can. It runs every call that starts without a state
+    (training and prefill, with ``use_cache`` on or off; the state returned is folded from the
+    call's keys and values when the backend carries none). A call that continues from a state
+    (a continuation or a decoding step) runs it too when it carries a state (``causal_chunked``,
+    ``windowed``, ``recurrent`` or any backend registered with ``state=True``), otherwise
+    ``auto``'s choice among those that do.
 
     Generation and tokens:
         use_cache: return the recurrent state (``past_key_values``) from ``forward``.
@@ -163,6 +197,8 @@ class LinearGPTConfig(PreTrainedConfig):
             raise ValueError(
                 f"position_embedding_type='rope' needs an even head size, got {hidden_size // num_attention_heads}"
             )
+        check_attn_backend(attention["attn_backend"], rpe=rpe, max_relative_position=attention["max_relative_position"],
+                           position_embedding_type=position_embedding_type)
         if not isinstance(rotary_base, (int, float)) or rotary_base <= 1:
             raise ValueError(f"rotary_base must be a number > 1, got {rotary_base!r}")
         for name, value in (("embd_pdrop", embd_pdrop), ("resid_pdrop", resid_pdrop), ("attn_pdrop", attn_pdrop)):

@@ -43,8 +43,70 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 
 
-class AttentionState(NamedTuple):
+class StateKind(NamedTuple):
+    """What kind of call produced a state: a state only continues a call of the same kind.
+
+    The tensors' shapes tell the sizes apart, but not whether ``z`` sums separate denominator
+    features (rotary features keep ``M' = M``): a state of one kind read by a call of the other
+    gives wrong results without any error, so states record their kind and
+    ``kernelized_attention`` compares it.
+
+    Attributes:
+        split: ``z`` sums separate denominator features (``q_den``, ``k_den``).
+        features: M, the feature size of ``q`` and ``k``.
+        den_features: M', the feature size of ``z`` (``M`` unless ``split``).
+        values: D, the value size.
+        window: ``K - 1`` for a 1D bias clipped at ``K`` (the window of keys the state keeps);
+            None without a bias.
+    """
+
+    split: bool
+    features: int
+    den_features: int
+    values: int
+    window: Optional[int]
+
+    def describe(self) -> str:
+        """The kind in words, e.g. for error messages."""
+        den = ("separate denominator features (q_den, k_den) of size M'=" + str(self.den_features)
+               if self.split else "no separate denominator features")
+        bias = (f"a 1D bias clipped at K={self.window + 1} (a window of {self.window} keys)"
+                if self.window is not None else "no clipped bias (no window)")
+        return f"feature size M={self.features}, value size D={self.values}, {den}, {bias}"
+
+    def differences(self, other: "StateKind") -> list[str]:
+        """What differs between a state of kind ``self`` and a call of kind ``other``, in words."""
+        out = []
+        if self.split != other.split:
+            out.append("the state was produced " + ("with" if self.split else "without")
+                       + " separate denominator features (q_den, k_den), this call has "
+                       + ("none" if self.split else "them"))
+        if self.features != other.features:
+            out.append(f"feature size M: state {self.features}, call {other.features}")
+        if self.den_features != other.den_features and self.split == other.split:
+            out.append(f"denominator feature size M': state {self.den_features}, call {other.den_features}")
+        if self.values != other.values:
+            out.append(f"value size D: state {self.values}, call {other.values}")
+        if self.window != other.window:
+            def bias(w):
+                return f"a bias clipped at K={w + 1}" if w is not None else "no clipped bias"
+            out.append(f"relative-position bias: state {bias(self.window)}, call {bias(other.window)}")
+        return out
+
+
+class _StateTensors(NamedTuple):
+    kv: torch.Tensor
+    z: torch.Tensor
+    window_k: Optional[torch.Tensor] = None
+    window_v: Optional[torch.Tensor] = None
+
+
+class AttentionState(_StateTensors):
     """What causal attention carries from one call to the next (see the module docstring).
+
+    A tuple of its four tensors (``kv, z, window_k, window_v``; unpacking, indexing and
+    ``_asdict()`` see only these), plus the :class:`StateKind` of the call that produced it
+    (``kind``; keyword-only, None for a state built by hand, which is then trusted).
 
     Attributes:
         kv: ``S (B, H, M, D)``, the sum of ``k_j^T v_j`` over the keys folded in.
@@ -53,12 +115,21 @@ class AttentionState(NamedTuple):
         window_k: ``(B, H, K - 1, M)``, the most recent keys (oldest first; zeros before the
             first token), for a bias clipped at ``K``; None without a bias.
         window_v: ``(B, H, K - 1, D)``, their values; None without a bias.
+        kind: the :class:`StateKind` of the call that produced the state, or None.
     """
 
-    kv: torch.Tensor
-    z: torch.Tensor
-    window_k: Optional[torch.Tensor] = None
-    window_v: Optional[torch.Tensor] = None
+    kind: Optional[StateKind] = None
+
+    def __new__(cls, kv, z, window_k=None, window_v=None, *, kind: Optional[StateKind] = None):
+        self = super().__new__(cls, kv, z, window_k, window_v)
+        if kind is not None:
+            if not isinstance(kind, StateKind):
+                raise TypeError(f"kind must be a StateKind or None, got {type(kind).__name__}")
+            self.kind = kind
+        return self
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", kind={self.kind!r})"
 
 
 def fold_into_state(

@@ -5,8 +5,9 @@ et al. 2020): both are one call of the shared core (:func:`kernelized_attention`
 ``causal=True``), which continues from the layer's state and returns the next one; the state is
 stored in :class:`LinearGPTCache` (``past_key_values``), wired into ``transformers``'
 ``generate()``. ``attn_backend`` (the ``auto`` rule is documented with the config's shared
-attention fields) picks the backend of calls without a state; calls with one use it when it can
-carry a state, ``auto`` otherwise.
+attention fields) runs every call that starts without a state (training and prefill, with or
+without ``use_cache``); calls that continue from a state use it when it carries a state,
+``auto``'s choice among those that do otherwise.
 
 Blocks are pre-norm (norm, attention, norm, MLP): GPT-2 style by default (LayerNorm, GELU MLP)
 or Llama style (``norm_type="rmsnorm"``, ``mlp_type="gated"``, grouped-query attention through
@@ -39,7 +40,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .attention import KernelizedSelfAttention
 from .backends import get_backend, kernelized_attention
 from .cache import LinearGPTCache, LinearGPTCacheLayer
-from .configuration_linear_gpt import LinearGPTConfig
+from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin
 from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
@@ -75,8 +76,25 @@ class LinearGPTAttention(KernelizedSelfAttention):
         # keys a decoding state keeps apart for the bias clipped at K (None: no bias)
         self.window = config.max_relative_position - 1 if self.rpe is not None else None
         self.dropout = nn.Dropout(config.attn_pdrop)
-        # a call with a state needs a backend that carries one: the configured one if it can
-        self.state_backend = self.backend if self.backend == "auto" or get_backend(self.backend).state else "auto"
+        self._position_embedding_type = config.position_embedding_type
+        self._checked_backend = None  # the BackendSpec attn_backend was last checked as
+        self._call_backend(continuing=False)  # a backend that cannot serve this model fails here
+
+    def _call_backend(self, continuing: bool) -> str:
+        """The backend of a call: the configured ``attn_backend``, checked against this model's
+        options (again when it was re-registered); for a call that continues from a state, the
+        configured one if it carries a state, else ``auto`` (which picks one that does)."""
+        if self.backend == "auto":
+            return "auto"
+        spec = get_backend(self.backend)
+        if spec is not self._checked_backend:
+            check_attn_backend(
+                self.backend, rpe="learned" if self.rpe is not None else "none",
+                max_relative_position=self.rpe.max_relative_position if self.rpe is not None else 0,
+                position_embedding_type=self._position_embedding_type,
+            )
+            self._checked_backend = spec
+        return "auto" if continuing and not spec.state else self.backend
 
     def forward(  # type: ignore[override]
         self,
@@ -141,7 +159,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
             bias = (self.rpe.weight if output_final_state else self.rpe(q.shape[2])).to(q.dtype)
         result = kernelized_attention(
             q, k, v, rpe_bias=bias, causal=True, attention_mask=key_mask, eps=self.eps, rpe_clip=clip,
-            backend=self.state_backend if output_final_state else self.backend,
+            backend=self._call_backend(continuing=initial_state is not None),
             initial_state=initial_state, output_final_state=output_final_state,
             # decoding (nothing recorded for autograd): the state is updated in the cache's own tensors
             in_place=initial_state is not None and not torch.is_grad_enabled(), **extra,
@@ -281,24 +299,6 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
             nn.init.zeros_(module.weight)
         elif isinstance(module, FeatureMap):
             self._init_feature_map(module)
-
-    def post_init(self) -> None:
-        super().post_init()
-        self.stream_weights()
-
-    def stream_weights(self) -> None:
-        """Store the blocks' linear weights column-major (the transpose of ``nn.Linear``'s
-        ``(out, in)`` row-major layout; values, shapes and state-dict keys unchanged, as
-        ``channels_last`` does for convolutions): a one-token step then streams each weight as
-        the ``(in, out)`` matrix a batch-1 product reads fastest (GPT-2's Conv1D layout). Done
-        at construction and by ``generate()`` (weights loaded by ``from_pretrained`` arrive
-        row-major); a no-op for weights already in this layout."""
-        for module in self.modules():
-            if isinstance(module, (LinearGPTAttention, LinearGPTMLP, LinearGPTGatedMLP)):
-                for linear in module.children():
-                    if isinstance(linear, nn.Linear) and linear.weight.is_contiguous() and linear.weight.dim() == 2:
-                        with torch.no_grad():
-                            linear.weight.data = linear.weight.data.t().contiguous().t()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -573,7 +573,6 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                     + (" or (batch, past + seq)" if past is not None else "")
                     + f" (1 = keep, 0 = padding), got {tuple(mask.shape)}"
                 )
-        self.stream_weights()
         return super().generate(inputs, *args, **kwargs)
 
     def prepare_inputs_for_generation(

@@ -68,10 +68,11 @@ class BackendSpec:
     description: str = ""
 
     def missing(
-        self, *, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
+        self, *, causal: bool, rpe: Optional[str], key_mask: bool, device: Optional[str], rpe_clip: Optional[int] = None,
         state: bool = False, split: bool = False,
     ) -> list[str]:
-        """What this backend lacks for the requested call (empty when it can do it)."""
+        """What this backend lacks for the requested call (empty when it can do it); ``device``
+        None: on any device."""
         lacks = []
         if state and not self.state:
             lacks.append("a state (initial_state / output_final_state)")
@@ -90,7 +91,7 @@ class BackendSpec:
             lacks.append("a 2D rpe_bias (grid)")
         if key_mask and not self.key_mask:
             lacks.append("attention_mask with padding")
-        if device not in self.devices:
+        if device is not None and device not in self.devices:
             lacks.append(f"device {device!r}")
         return lacks
 
@@ -179,6 +180,15 @@ def register_backend(
 def available_backends() -> list[str]:
     """Names of every registered backend (``"auto"`` is also accepted by the calls)."""
     return list(_REGISTRY)
+
+
+def backends_for(
+    *, causal: bool, rpe: Optional[str] = None, rpe_clip: Optional[int] = None, split: bool = False, state: bool = False
+) -> list[str]:
+    """Names of the registered backends that can run calls of this kind (on some device, padded
+    or not): e.g. what a model's configured ``attn_backend`` may be."""
+    request = dict(causal=causal, rpe=rpe, key_mask=False, device=None, rpe_clip=rpe_clip, state=state, split=split)
+    return [name for name, spec in _REGISTRY.items() if not spec.missing(**request)]
 
 
 def get_backend(name: str) -> BackendSpec:
