@@ -97,10 +97,13 @@ def _record(config) -> None:
 
 def enable(model: nn.Module, **options) -> nn.Module:
     """Switch ``model`` to kernelized attention (``set_attn_implementation``) with ``options``
-    (the defaults of :func:`configure` for the rest), recorded in ``model.config`` with the
-    implementation, so that ``save_pretrained`` keeps them and ``from_pretrained`` restores
-    them (``hf_kernattn`` imported). Returns the model."""
-    opts = DropInOptions(**{**asdict(OPTIONS), **options})
+    (for the rest: the options already recorded in its config, e.g. by a saved checkpoint, else
+    the defaults of :func:`configure`), recorded in ``model.config`` with the implementation, so
+    that ``save_pretrained`` keeps them and ``from_pretrained`` restores them (``hf_kernattn``
+    imported). Returns the model."""
+    recorded = getattr(model.config, "kernelized_attention", None)
+    base = asdict(_options(model)) if recorded is not None else asdict(OPTIONS)
+    opts = DropInOptions(**{**base, **options})
     opts.check()
     model.config.kernelized_attention = asdict(opts)
     model.set_attn_implementation(ATTENTION_NAME)

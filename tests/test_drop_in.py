@@ -188,6 +188,10 @@ def test_a_saved_model_reloads_kernelized_without_arguments(name, tmp_path):
     assert again.config._attn_implementation == drop_in.ATTENTION_NAME
     with torch.no_grad():
         torch.testing.assert_close(result(again, kw), want, rtol=0, atol=1e-12)
+    fresh = type(model).from_pretrained(tmp_path / "b")  # not run yet: enable() keeps its recorded options
+    drop_in.enable(fresh).save_pretrained(tmp_path / "d")
+    with torch.no_grad():
+        torch.testing.assert_close(result(type(model).from_pretrained(tmp_path / "d").eval(), kw), want, rtol=0, atol=1e-12)
     drop_in.disable(again).save_pretrained(tmp_path / "c")
     plain = type(model).from_pretrained(tmp_path / "c").eval()
     assert plain.config._attn_implementation == "sdpa" and getattr(plain.config, "kernelized_attention", None) is None
