@@ -181,3 +181,66 @@ transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_
     assert out.count("REFUSED True") == 1 and out.index("REFUSED True") < out.index("EDITED CODE RAN")
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)  # the package's classes
     assert type(model).__module__ == "hf_kernattn.modeling.modeling_linear_gpt"
+
+
+def _card_snippets(folder: Path, model, **card) -> list[str]:
+    """The Python code blocks and inline ``...from_pretrained(...)`` calls of the card saved in
+    ``folder`` for ``model``, with ``repo_id`` the folder itself."""
+    import re
+
+    text = save_model_card(model, folder, repo_id=str(folder), **card).read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    inline = re.findall(r"`(Auto\w+\.from_pretrained\([^`]*\))`", text)
+    return blocks + [f"import transformers\ntransformers.{call}" for call in inline]
+
+
+def test_the_cards_loading_code_never_prompts(tmp_path):
+    """Every family's card: its loading code, run as shown on a checkpoint folder this project
+    saved, in a process without hf_kernattn, without stdin or a terminal, finishes without
+    transformers' "run custom code?" prompt (which blocks notebooks and batch jobs)."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from PIL import Image
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertTokenizerFast, PreTrainedTokenizerFast, ViTImageProcessor
+
+    from .conftest import V_BERT, V_GPT
+    from .remote import _BLOCKER
+
+    snippets = []
+    gpt = tmp_path / "gpt"
+    gpt_model = LinearGPTForCausalLM(tiny_linear_gpt_config(max_position_embeddings=256))  # the card generates 100
+    gpt_model.save_pretrained(gpt)
+    words = Tokenizer(models.WordLevel({"<unk>": 0, **{f"w{i}": i for i in range(1, V_GPT)}}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>").save_pretrained(gpt)
+    snippets += _card_snippets(gpt, gpt_model)
+    bert = tmp_path / "bert"
+    bert_model = NPRFBertForMaskedLM(tiny_nprf_bert_config())
+    bert_model.save_pretrained(bert)
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] +
+                                                  [f"w{i}" for i in range(5, V_BERT)]))
+    BertTokenizerFast(vocab_file=str(tmp_path / "vocab.txt")).save_pretrained(bert)
+    snippets += _card_snippets(bert, bert_model)
+    vit = tmp_path / "vit"
+    vit_model = RelativePerformerViTForImageClassification(tiny_relative_performer_vit_config(num_channels=3))
+    vit_model.save_pretrained(vit)
+    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(vit)
+    Image.new("RGB", (20, 20), (40, 90, 200)).save(tmp_path / "image.png")
+    snippets += _card_snippets(vit, vit_model)
+    assert sum("AutoTokenizer.from_pretrained" in s for s in snippets) == 2, snippets
+    assert sum("AutoImageProcessor.from_pretrained" in s for s in snippets) == 1, snippets
+
+    script = _BLOCKER + "".join(
+        f"\nexec({textwrap.dedent(s)!r}, {{}})\nprint('snippet {i} done', flush=True)\n" for i, s in enumerate(snippets))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=300, start_new_session=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "custom code" not in out and "[y/N]" not in out, out[-4000:]
+    assert all(f"snippet {i} done" in proc.stdout for i in range(len(snippets))), out[-4000:]
