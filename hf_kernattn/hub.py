@@ -152,7 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("repo_id", help="the model repository: 'name' or 'user-or-org/name'")
     parser.add_argument("--private", action="store_true", help="create the repository private")
     parser.add_argument("--revision", default=None, help="push to this branch (created from main if needed)")
-    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--commit-message", default=None,
+                        help="the commit message (default: 'Upload CHECKPOINT with hf-kernattn')")
     parser.add_argument("--token", default=None, help="a Hugging Face token (default: the one `hf auth login` saved)")
 
 
