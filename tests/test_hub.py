@@ -242,7 +242,7 @@ def test_the_cards_loading_code_never_prompts(tmp_path):
 
     from PIL import Image
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import BertTokenizerFast, PreTrainedTokenizerFast, ViTImageProcessor
+    from transformers import BertTokenizerFast, PreTrainedTokenizerFast, ViTImageProcessorPil
 
     from .conftest import V_BERT, V_GPT
     from .remote import _BLOCKER
@@ -265,7 +265,7 @@ def test_the_cards_loading_code_never_prompts(tmp_path):
     vit = tmp_path / "vit"
     vit_model = RelativePerformerViTForImageClassification(tiny_relative_performer_vit_config(num_channels=3))
     vit_model.save_pretrained(vit)
-    ViTImageProcessor(size={"height": 16, "width": 16}).save_pretrained(vit)
+    ViTImageProcessorPil(size={"height": 16, "width": 16}).save_pretrained(vit)
     Image.new("RGB", (20, 20), (40, 90, 200)).save(tmp_path / "image.png")
     snippets += _card_snippets(vit, vit_model)
     assert sum("AutoTokenizer.from_pretrained" in s for s in snippets) == 2, snippets

@@ -194,3 +194,27 @@ def test_the_readme_uses_no_deprecated_checkpointing_names():
     shown = [m.group(0) for old in deprecated for m in re.finditer(re.escape(old), readme)
              if "FutureWarning" not in readme[max(0, m.start() - 200):m.end() + 200]]
     assert not shown, shown
+
+
+def test_the_readme_vit_quickstart_runs_without_warnings(tmp_path):
+    """The README's relative-performer ViT quickstart, run as shown (a fresh process, whatever
+    of torchvision is installed), prints no warning: no torchvision fallback, no deprecation."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
+    (code,) = [b for b in blocks if "RelativePerformerViTForImageClassification(config)" in b]
+    code += "\nfrom PIL import Image\nprint('CLASSES', len(classify(Image.new('RGB', (40, 40)))))\n"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONWARNINGS": "always"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CLASSES 5" in proc.stdout
+    noise = [line for line in proc.stderr.splitlines()
+             if re.search(r"warn|torchvision|deprecat", line, flags=re.I) and "real_accelerator" not in line]
+    assert not noise, noise
