@@ -24,6 +24,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import re
 import sys
 from typing import Optional, Sequence
 
@@ -76,20 +77,53 @@ def _version() -> str:
         return "unknown"
 
 
+def format_columns(rows: Sequence[Sequence[str]], gap: int = 2) -> str:
+    """``rows`` (the first one the header) as text columns, each as wide as its widest cell;
+    the last column is not padded."""
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [str(c).ljust(w) for c, w in zip(row[:-1], widths)] + [str(row[-1])]
+        lines.append((" " * gap).join(cells).rstrip())
+    return "\n".join(lines)
+
+
 def _cmd_backends(_args: argparse.Namespace) -> int:
     from hf_kernattn.modeling.backends import _REGISTRY
 
+    rows = [("backend", "cost", "supports", "what it is")]
     for spec in _REGISTRY.values():
         caps = [c for c in ("causal", "noncausal", "rpe_1d", "rpe_2d", "key_mask", "state", "split_denominator",
                             "decoding") if getattr(spec, c)]
-        print(f"{spec.name:16s} {spec.complexity:42s} {','.join(caps):70s} {spec.description}")
+        rows.append((spec.name, spec.complexity, ",".join(caps), spec.description))
+    print(format_columns(rows))
     return 0
 
 
+_ROLE = re.compile(r":[a-z]+(?::[a-z]+)?:`~?([^`]+)`")  # Sphinx roles: :func:`x`, :class:`~a.B`
+_LITERAL = re.compile(r"``([^`]+)``")
+_XREF = re.compile(r"\s*\(:[a-z]+:`[^`]+`[^()]*\)")  # "(:func:`f`...)": a pointer into the code
+
+
+def plain_text(text: str) -> str:
+    """``text`` (reStructuredText from a docstring) as a terminal shows it: roles and double
+    backquotes reduced to their content (``:func:`~a.b``` -> ``b``, ````x```` -> ``x``)."""
+    text = _ROLE.sub(lambda m: m.group(1).rsplit(".", 1)[-1] if m.group(0).count("~") else m.group(1), text)
+    return _LITERAL.sub(r"\1", text)
+
+
+def docstring_summary(doc: str) -> str:
+    """The first paragraph of a docstring on one line, in plain text, without parenthesised
+    pointers into the code: a command's description (the first line alone may stop
+    mid-sentence)."""
+    first = (doc or "").strip().split("\n\n", 1)[0]
+    return plain_text(_XREF.sub("", " ".join(first.split())))
+
+
 def _module_summary(module: str) -> str:
-    """First line of ``hf_kernattn.<module>``'s docstring, read from its source without importing it."""
-    doc = _read_docstring(_package_file(module)).strip()
-    return doc.splitlines()[0] if doc else ""
+    """The summary (:func:`docstring_summary`) of ``hf_kernattn.<module>``'s docstring, read
+    from its source without importing it."""
+    return docstring_summary(_read_docstring(_package_file(module)))
 
 
 class _LazyCommandParser(argparse.ArgumentParser):

@@ -46,6 +46,8 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           TrainingArguments, set_seed)
 from transformers.utils import logging
 
+from hf_kernattn_cli import docstring_summary  # (the command line's text helpers, without importing the package)
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from run_clm import EOS, build_tokenizer  # noqa: E402  (the byte tokenizer of the CLM example)
 
@@ -55,8 +57,9 @@ logger = logging.get_logger("finetune_converted")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output_dir", required=True)
+    p = argparse.ArgumentParser(description=docstring_summary(__doc__),
+                                epilog="example: python examples/finetune_converted.py --output_dir out/finetune_converted")
+    p.add_argument("--output_dir", required=True, help="folder for the models, results.json/.md and the plot")
     p.add_argument("--train_file", help="plain-text training file (default: the Python standard library's sources)")
     p.add_argument("--validation_file", help="plain-text validation file (with --train_file)")
     p.add_argument("--max_chars", type=int, default=3_000_000, help="characters of the default corpus to use")
@@ -68,9 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n_head", type=int, default=4, help="heads of the GPT-2 trained here")
     p.add_argument("--gpt2_steps", type=int, default=1200, help="training steps of the GPT-2 trained here")
     p.add_argument("--finetune_steps", type=int, default=200, help="fine-tuning steps of the converted Linear GPT")
-    p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--learning_rate", type=float, default=2e-3, help="GPT-2 training")
-    p.add_argument("--finetune_learning_rate", type=float, default=3e-4)
+    p.add_argument("--batch_size", type=int, default=16, help="blocks per training step (both trainings)")
+    p.add_argument("--learning_rate", type=float, default=2e-3, help="learning rate of the GPT-2 trained here")
+    p.add_argument("--finetune_learning_rate", type=float, default=3e-4,
+                   help="learning rate of the Linear GPT's fine-tuning")
     p.add_argument("--num_random_features", type=int, default=128, help="PRF features per head of the Linear GPT")
     p.add_argument("--feature_seed", type=int, default=0, help="seed of the Linear GPT's random feature projections")
     p.add_argument("--eval_steps", type=int, default=50, help="evaluate every this many steps (the plot's points)")
@@ -78,7 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", help="generation prompt (default: the first 32 tokens of the validation text)")
     p.add_argument("--generate_tokens", type=int, default=48,
                    help="new tokens per generation call (then as many more from the returned state)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of data order, initialisation and sampling")
     p.add_argument("--num_threads", type=int, default=None, help=NUM_THREADS_HELP)
     args = p.parse_args(argv)
     if bool(args.train_file) != bool(args.validation_file):

@@ -82,7 +82,7 @@ import evaluate
 import hf_kernattn  # noqa: F401  (registers NPRF-BERT with the Auto classes)
 from hf_kernattn.cards import save_model_card
 from hf_kernattn.convert import convert_to_nprf_bert
-from hf_kernattn.hub import PushError, push_folder
+from hf_kernattn.hub import PushError, exit_not_pushed, push_folder
 from hf_kernattn.metrics import GLUE_METRIC_PATH
 from hf_kernattn.training import (
     NUM_THREADS_HELP,
@@ -680,8 +680,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
                 url = push_folder(training_args.output_dir, training_args.hub_model_id or Path(training_args.output_dir).name,
                                   private=bool(training_args.hub_private_repo), token=training_args.hub_token)
                 logger.info("pushed to %s", url)
-            except PushError as err:
-                logger.warning("not pushed: %s", err)
+            except (PushError, ValueError) as err:
+                exit_not_pushed(err)  # one line, exit status 1; everything above is saved
     return results
 
 

@@ -7,9 +7,9 @@ so that ``hf-kernattn --help`` and ``--version`` answer without importing ``hf_k
 
 import sys
 
-from hf_kernattn_cli import BENCHMARKS, COMMANDS, PROG, build_parser, main
+from hf_kernattn_cli import BENCHMARKS, COMMANDS, PROG, build_parser, docstring_summary, format_columns, main, plain_text
 
-__all__ = ["BENCHMARKS", "COMMANDS", "PROG", "build_parser", "main"]
+__all__ = ["BENCHMARKS", "COMMANDS", "PROG", "build_parser", "docstring_summary", "format_columns", "main", "plain_text"]
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,6 +22,15 @@ sets them for one model and records them in its config (``config.kernelized_atte
 they are saved with it and a reloaded model draws the same features;
 :func:`configure` sets the defaults for models without recorded options.
 
+Saving and loading: a model that runs kernelized attention (after :func:`enable`, or loaded or
+switched with ``attn_implementation="kernelized"`` and run once) records the implementation in
+its config (``config.attn_implementation``), so ``save_pretrained`` writes
+``"attn_implementation": "kernelized"`` into ``config.json`` and a plain
+``from_pretrained(path)`` loads it with kernelized attention again, as long as ``hf_kernattn``
+is imported first. Without it transformers refuses the unknown implementation with a
+``ValueError``; ``attn_implementation="sdpa"`` (or ``"eager"``) loads it as softmax on purpose.
+:func:`disable` switches a model back to softmax and drops both records.
+
 Decoding cost: with a stock model's own key/value cache, every new token still reads all
 cached keys (the cache is the model's, and its keys are what this function receives), so the
 per-token cost stays that of the cache. Constant-time decoding comes from converting the model
@@ -78,25 +87,66 @@ def configure(**options) -> DropInOptions:
     return OPTIONS
 
 
+def _record(config) -> None:
+    """Record the implementation in ``config`` so that ``save_pretrained`` writes it into
+    ``config.json`` and ``from_pretrained`` selects it again (transformers reads
+    ``attn_implementation`` from a saved config, and consumes it on loading)."""
+    if config is not None and getattr(config, "__dict__", {}).get("attn_implementation") != ATTENTION_NAME:
+        config.attn_implementation = ATTENTION_NAME
+
+
 def enable(model: nn.Module, **options) -> nn.Module:
     """Switch ``model`` to kernelized attention (``set_attn_implementation``) with ``options``
-    (the defaults of :func:`configure` for the rest), recorded in ``model.config`` so that
-    ``save_pretrained`` keeps them. Returns the model."""
-    opts = DropInOptions(**{**asdict(OPTIONS), **options})
+    (for the rest: the options already recorded in its config, e.g. by a saved checkpoint, else
+    the defaults of :func:`configure`), recorded in ``model.config`` with the implementation, so
+    that ``save_pretrained`` keeps them and ``from_pretrained`` restores them (``hf_kernattn``
+    imported). Returns the model."""
+    recorded = getattr(model.config, "kernelized_attention", None)
+    base = asdict(_options(model)) if recorded is not None else asdict(OPTIONS)
+    opts = DropInOptions(**{**base, **options})
     opts.check()
     model.config.kernelized_attention = asdict(opts)
     model.set_attn_implementation(ATTENTION_NAME)
+    _record(model.config)
+    return model
+
+
+def disable(model: nn.Module, attn_implementation: str = "sdpa") -> nn.Module:
+    """Switch ``model`` back to softmax attention (``attn_implementation``: ``"sdpa"`` or
+    ``"eager"``) and drop the kernelized records from its config, so that a saved copy loads
+    as softmax too. Returns the model."""
+    if attn_implementation == ATTENTION_NAME or not isinstance(attn_implementation, str):
+        raise ValueError(f"attn_implementation must name a softmax implementation such as 'sdpa' or 'eager', "
+                         f"got {attn_implementation!r}")
+    model.set_attn_implementation(attn_implementation)
+    for config in {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}.values():
+        for name in ("kernelized_attention", "attn_implementation"):
+            config.__dict__.pop(name, None)
     return model
 
 
 def _options(module: nn.Module) -> DropInOptions:
-    """The options recorded in the module's config by :func:`enable`, else the defaults."""
-    recorded = getattr(getattr(module, "config", None), "kernelized_attention", None)
-    if isinstance(recorded, dict):
-        opts = DropInOptions(**recorded)
+    """The options recorded in the module's config by :func:`enable`, else the defaults;
+    ``TypeError``/``ValueError`` naming ``config.kernelized_attention`` when it is not a dict
+    of known options with valid values."""
+    config = getattr(module, "config", None)
+    recorded = getattr(config, "kernelized_attention", None)
+    _record(config)
+    if recorded is None:
+        return OPTIONS
+    fields = list(DropInOptions.__dataclass_fields__)
+    if not isinstance(recorded, dict):
+        raise TypeError(f"config.kernelized_attention must be a dict of drop-in options {fields} (as "
+                        f"hf_kernattn.drop_in.enable records it) or None, got {type(recorded).__name__} {recorded!r}")
+    unknown = sorted(set(recorded) - set(fields), key=str)
+    if unknown:
+        raise ValueError(f"config.kernelized_attention has unknown options {unknown}; allowed: {fields}")
+    opts = DropInOptions(**recorded)
+    try:
         opts.check()
-        return opts
-    return OPTIONS
+    except ValueError as err:
+        raise ValueError(f"config.kernelized_attention: {err}") from None
+    return opts
 
 
 def _feature_map(module: nn.Module, head_dim: int, opts: DropInOptions, device) -> Optional[FeatureMap]:
@@ -197,4 +247,4 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, flash_attention_mask)  # hands over the 2D padding mask
 
 
-__all__ = ["ATTENTION_NAME", "DropInOptions", "configure", "enable", "kernelized_attention_forward", "register"]
+__all__ = ["ATTENTION_NAME", "DropInOptions", "configure", "disable", "enable", "kernelized_attention_forward", "register"]

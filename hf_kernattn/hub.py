@@ -8,16 +8,18 @@ weights, the modeling code that ``save_pretrained`` copied beside them (for
 results files and anything pickled (``*.bin``, ``*.pt``) stay local. It goes through
 ``huggingface_hub``'s ``create_repo`` / ``create_branch`` / ``upload_folder`` in one commit.
 
-Without a connection or a token the push fails with one :class:`PushError` line saying what to
-do; nothing local is changed.
+Without a connection or a token (connection errors of ``requests`` or ``httpx``, timeouts,
+``OfflineModeIsEnabled``, HTTP errors of the Hub) the push fails with one :class:`PushError` line
+saying what to do; nothing local is changed.
 """
 
 from __future__ import annotations
 
 import argparse
 import fnmatch
+import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 from transformers.utils import logging
 
@@ -36,6 +38,33 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 class PushError(OSError):
     """The push could not be done; the message says why and what to do (nothing local changed)."""
+
+
+def network_errors() -> tuple[type[BaseException], ...]:
+    """What the Hub client raises when the network fails: ``OSError`` (``ConnectionError``,
+    ``TimeoutError``, requests' errors, ``huggingface_hub``'s ``OfflineModeIsEnabled`` and
+    ``HfHubHTTPError``) and the HTTP library's own errors, which are no ``OSError`` (``httpx``'s
+    ``ConnectError``, ``ReadTimeout``...): the library base ``HfHubHTTPError`` is built on, and
+    ``httpx``'s where installed."""
+    import importlib
+
+    from huggingface_hub.errors import HfHubHTTPError
+
+    found: list[type[BaseException]] = [OSError]
+    found += [base for base in HfHubHTTPError.__mro__[1:]
+              if not base.__module__.startswith(("huggingface_hub", "builtins")) and not issubclass(base, OSError)]
+    for module in ("httpx", "httpx2"):
+        try:
+            found.append(importlib.import_module(module).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(dict.fromkeys(found))
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of an error's message (the Hub client's messages run over several)."""
+    text = str(err).strip()
+    return (text.splitlines()[0] if text else err.__class__.__name__)[:300]
 
 
 def files_to_push(folder: str | Path) -> list[str]:
@@ -74,13 +103,14 @@ def push_folder(
     one with ``token``). Raises :class:`PushError` with what to do when the Hub cannot be
     reached or the token is missing or refused."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
 
     if not isinstance(repo_id, str) or repo_id.count("/") > 1 or not repo_id.strip("/"):
         raise ValueError(f"repo_id must be 'name' or 'user-or-org/name', got {repo_id!r}")
     files = files_to_push(folder)
     api = api or HfApi(token=token)
     message = commit_message or f"Upload {Path(folder).name} with hf-kernattn"
+    again = f"push again with `hf-kernattn push {folder} {repo_id}`; {folder} is unchanged"
     try:
         api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
         if revision:
@@ -90,18 +120,31 @@ def push_folder(
     except LocalTokenNotFoundError as err:
         raise PushError(f"no Hugging Face token: log in with `hf auth login` (or set HF_TOKEN, or pass --token) "
                         f"and push again; {folder} is unchanged ({err.__class__.__name__})") from None
+    except OfflineModeIsEnabled:
+        raise PushError(f"HF_HUB_OFFLINE is set, so the Hub is not contacted: unset it and {again}") from None
     except HfHubHTTPError as err:
         status = getattr(getattr(err, "response", None), "status_code", None)
-        hint = ("the token was refused or may not write to this repository: check it with `hf auth whoami`"
-                if status in (401, 403) else "the Hub answered with an error")
-        raise PushError(f"could not push to {repo_id}: {hint} (HTTP {status}); {folder} is unchanged") from None
-    except (OSError, ConnectionError) as err:  # offline: requests' connection errors are OSErrors
-        raise PushError(f"could not reach the Hugging Face Hub to push to {repo_id} ({err.__class__.__name__}): "
-                        f"check the connection (or HF_HUB_OFFLINE) and push again with `hf-kernattn push {folder} "
-                        f"{repo_id}`; {folder} is unchanged") from None
+        if status in (401, 403):
+            hint = "the token was refused or may not write to this repository: check it with `hf auth whoami`"
+        elif status is None:
+            hint = "no answer from the Hub: check the connection"
+        else:
+            hint = "the Hub answered with an error"
+        raise PushError(f"could not push to {repo_id}: {hint} (HTTP {status}: {_first_line(err)}); {again}") from None
+    except network_errors() as err:
+        raise PushError(f"could not reach the Hugging Face Hub to push to {repo_id} ({err.__class__.__name__}: "
+                        f"{_first_line(err)}): check the connection (or HF_HUB_OFFLINE) and {again}") from None
     url = getattr(info, "commit_url", None) or str(info)
     logger.info(f"pushed {', '.join(files)} of {folder} to {repo_id}" + (f" ({revision})" if revision else ""))
     return url
+
+
+def exit_not_pushed(err: BaseException, prog: Optional[str] = None) -> NoReturn:
+    """End a script whose ``--push_to_hub`` failed (after everything was saved): one
+    ``PROG: error: not pushed: ...`` line on stderr, exit status 1, no traceback."""
+    prog = prog or Path(sys.argv[0]).name or "hf-kernattn"
+    print(f"{prog}: error: not pushed: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+    raise SystemExit(1)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +152,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("repo_id", help="the model repository: 'name' or 'user-or-org/name'")
     parser.add_argument("--private", action="store_true", help="create the repository private")
     parser.add_argument("--revision", default=None, help="push to this branch (created from main if needed)")
-    parser.add_argument("--commit-message", default=None)
+    parser.add_argument("--commit-message", default=None,
+                        help="the commit message (default: 'Upload CHECKPOINT with hf-kernattn')")
     parser.add_argument("--token", default=None, help="a Hugging Face token (default: the one `hf auth login` saved)")
 
 

@@ -627,16 +627,18 @@ def add_training_args(p: argparse.ArgumentParser, *, learning_rate: float, weigh
 
 def push_if_asked(args: argparse.Namespace, folder: str | os.PathLike, report: Callable[[str], None] = logger.info) -> None:
     """``--push_to_hub``: publish the saved model ``folder`` (``hf_kernattn.hub.push_folder``).
-    A failed push (offline, no token) is reported in one line; the saved folder stays as it is."""
+    A failed push (offline, no token, a refused token) ends the run with one ``error: not
+    pushed: ...`` line on stderr and exit status 1; the saved folder stays as it is."""
     if not args.push_to_hub:
         return
-    from .hub import PushError, push_folder
+    from .hub import PushError, exit_not_pushed, push_folder
 
     repo_id = args.hub_model_id or Path(folder).name
     try:
-        report(f"pushed to {push_folder(folder, repo_id, private=args.hub_private_repo, token=args.hub_token)}")
-    except PushError as err:
-        report(f"not pushed: {err}")
+        url = push_folder(folder, repo_id, private=args.hub_private_repo, token=args.hub_token)
+    except (PushError, ValueError) as err:
+        exit_not_pushed(err)
+    report(f"pushed to {url}")
 
 
 def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:

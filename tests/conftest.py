@@ -77,3 +77,29 @@ def linear_gpt_config():
 @pytest.fixture
 def attention_config():
     return tiny_attention_config
+
+
+def checkpointing_enable(model, **kwargs) -> None:
+    """Activation (gradient) checkpointing on ``model`` with ``kwargs`` for ``torch.utils.checkpoint``,
+    through transformers' current name (``activation_checkpointing_enable`` since 5.23; the old
+    ``gradient_checkpointing_enable`` warns there) or the old one on earlier versions."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs or None)
+
+
+def checkpointing_disable(model) -> None:
+    """Undo :func:`checkpointing_enable` (the current name where it exists)."""
+    (getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable)()
+
+
+def checkpointing_training_argument() -> dict:
+    """``TrainingArguments`` keyword that turns checkpointing on: ``activation_checkpointing``
+    since transformers 5.23 (``gradient_checkpointing`` warns there), the old name before."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    names = {f.name for f in fields(TrainingArguments)}
+    return {"activation_checkpointing": True} if "activation_checkpointing" in names else {"gradient_checkpointing": True}

@@ -103,8 +103,9 @@ def test_subcommand_help_is_the_module_docstring():
     bench = next(a for a in sub.choices["bench"]._actions if a.dest == "bench")
     for choices, table, prefix in ((sub.choices, cli.COMMANDS, ""), (bench.choices, cli.BENCHMARKS, "bench.")):
         for name, module in table.items():
-            doc = importlib.import_module(f"hf_kernattn.{prefix}{module}").__doc__.strip().splitlines()[0]
-            assert choices[name].description == doc
+            doc = importlib.import_module(f"hf_kernattn.{prefix}{module}").__doc__
+            assert choices[name].description == cli.docstring_summary(doc)
+            assert choices[name].description.endswith("."), choices[name].description  # the whole first paragraph
 
 
 def test_version(capsys):
@@ -145,3 +146,70 @@ def test_bench_reports_progress_through_logging_and_quiet_silences_it(tmp_path, 
     assert main(["-q"] + args) == 0
     out, err = capsys.readouterr()
     assert "R=1:" not in err and "wrote" in out
+
+
+def test_backends_table_columns_align(capsys):
+    """Every column of `hf-kernattn backends` starts at the same place on every line (the
+    widest cell sets the width), under a header."""
+    assert main(["backends"]) == 0
+    lines = capsys.readouterr().out.rstrip("\n").splitlines()
+    header, rows = lines[0], lines[1:]
+    starts = [header.index(title) for title in ("cost", "supports", "what it is")]
+    assert header.startswith("backend") and len(rows) >= 5
+    for row in rows:
+        for start in starts:
+            assert row[start - 2:start] == "  " and row[start] != " ", (row, start)
+
+
+def _help_of(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+MARKUP = ("``", ":func:", ":class:", ":mod:", ":data:", ":meth:")
+
+
+def _check_help(text: str, parser) -> None:
+    """No reStructuredText markup, a description that ends a sentence, and help for every option."""
+    assert not any(m in text for m in MARKUP), text
+    assert parser.description and parser.description.rstrip().endswith("."), parser.description
+    missing = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert not missing, missing
+
+
+@pytest.mark.parametrize("argv", [["push"], ["bench", "generate"], ["demo"], ["convert"], ["bench", "attention"],
+                                  ["bench", "encoder"], ["bench", "approx"], ["bench", "vision"]])
+def test_command_help_is_plain_text_in_whole_sentences(argv, capsys):
+    text = _help_of([*argv, "--help"], capsys)
+    from hf_kernattn.cli import build_parser
+
+    parser = build_parser()
+    for word in argv:  # the sub-parser argparse used, with its arguments added
+        parser = next(a for a in parser._actions if a.dest in ("command", "bench")).choices[word]
+    assert not any(m in text for m in MARKUP), text
+    assert parser.description.rstrip().endswith("."), parser.description
+    assert parser.description.split()[-1] in " ".join(text.split())  # printed whole, not cut
+    if argv in (["push"], ["bench", "generate"]):
+        parser.parse_known_args(["x"] * (2 if argv == ["push"] else 0))  # adds the command's arguments
+        _check_help(text, parser)
+
+
+def test_finetune_converted_help_is_plain_text_in_whole_sentences(monkeypatch, capsys):
+    import argparse
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "finetune_converted.py"
+    spec = importlib.util.spec_from_file_location("finetune_converted_help", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seen = []
+    monkeypatch.setattr(argparse.ArgumentParser, "print_help",
+                        lambda self, file=None: (seen.append(self), print(self.format_help())))
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--help"])
+    text = capsys.readouterr().out
+    _check_help(text, seen[0])
+    assert "with the constant-size state." in " ".join(text.split())

@@ -156,3 +156,82 @@ def test_bad_options_raise():
         drop_in.configure(feature_map="softmax")
     with pytest.raises(ValueError, match="num_random_features must be a positive int"):
         drop_in.configure(num_random_features=0)
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama", "vit"])
+def test_a_saved_model_reloads_kernelized_without_arguments(name, tmp_path):
+    """enable() -> save_pretrained -> a plain from_pretrained(path) (AutoModel too) runs kernelized
+    attention with the saved options: the same float64 logits (rounding only), not softmax ones
+    (which differ by 1e-4 and more here). A reloaded model that has run keeps the record when saved
+    again; disable() drops it, so that copy loads as softmax."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    model = drop_in.enable(build(name, "sdpa"), num_random_features=32, seed=3)
+    kw = inputs(name)
+    with torch.no_grad():
+        want = result(model, kw)
+    model.save_pretrained(tmp_path / "a")
+    drop_in.configure(seed=99, num_random_features=8)  # loading must use the saved options, not these
+    auto = AutoModelForCausalLM if name in DECODERS else AutoModel
+    for loaded in (type(model).from_pretrained(tmp_path / "a"), auto.from_pretrained(tmp_path / "a")):
+        loaded.eval()
+        assert loaded.dtype == torch.float64
+        assert loaded.config._attn_implementation == drop_in.ATTENTION_NAME
+        with torch.no_grad():
+            torch.testing.assert_close(result(loaded, kw), want, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        softmax = result(type(model).from_pretrained(tmp_path / "a", attn_implementation="sdpa").eval(), kw)
+    keep = real(kw, want)
+    assert (softmax[keep] - want[keep]).abs().max() > 1e-6  # the check above tells the two apart
+    loaded.save_pretrained(tmp_path / "b")
+    again = type(model).from_pretrained(tmp_path / "b").eval()
+    assert again.config._attn_implementation == drop_in.ATTENTION_NAME
+    with torch.no_grad():
+        torch.testing.assert_close(result(again, kw), want, rtol=0, atol=1e-12)
+    fresh = type(model).from_pretrained(tmp_path / "b")  # not run yet: enable() keeps its recorded options
+    drop_in.enable(fresh).save_pretrained(tmp_path / "d")
+    with torch.no_grad():
+        torch.testing.assert_close(result(type(model).from_pretrained(tmp_path / "d").eval(), kw), want, rtol=0, atol=1e-12)
+    drop_in.disable(again).save_pretrained(tmp_path / "c")
+    plain = type(model).from_pretrained(tmp_path / "c").eval()
+    assert plain.config._attn_implementation == "sdpa" and getattr(plain.config, "kernelized_attention", None) is None
+    with torch.no_grad():
+        torch.testing.assert_close(result(plain, kw)[keep], softmax[keep], rtol=0, atol=1e-12)
+
+
+def test_loading_a_kernelized_checkpoint_without_the_package_is_refused(tmp_path):
+    """Where hf_kernattn is not imported, from_pretrained of a kernelized checkpoint raises
+    (transformers does not know the implementation) instead of silently running softmax."""
+    from tests.remote import run_without_package
+
+    drop_in.enable(build("gpt2", "sdpa")).save_pretrained(tmp_path / "ckpt")
+    out = run_without_package(f"""
+        from transformers import AutoModelForCausalLM
+        try:
+            AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r})
+        except ValueError as err:
+            print("refused:", err)
+        else:
+            print("loaded")
+        m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'ckpt')!r}, attn_implementation="sdpa")
+        print("explicit:", m.config._attn_implementation)
+    """, cwd=str(tmp_path))
+    assert "refused:" in out and 'attn_implementation="kernelized"' in out, out
+    assert "explicit: sdpa" in out, out
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (["prf", 64], TypeError, "must be a dict"),
+    ("prf", TypeError, "must be a dict"),
+    ({"feature_map": "prf", "features": 8}, ValueError, "unknown options"),
+    ({"feature_map": "softmax"}, ValueError, "feature_map must be one of"),
+    ({"num_random_features": "64"}, ValueError, "num_random_features must be a positive int"),
+])
+def test_a_bad_recorded_config_is_refused(bad, error, words):
+    model = build("bert", "kernelized")
+    model.config.kernelized_attention = bad
+    with pytest.raises(error, match="config.kernelized_attention") as caught:
+        result(model, inputs("bert"))
+    assert words in str(caught.value)
+    with pytest.raises(ValueError, match="attn_implementation must name a softmax"):
+        drop_in.disable(model, "kernelized")

@@ -8,7 +8,7 @@ import torch
 from hf_kernattn import LinearGPTCache, LinearGPTForCausalLM
 from hf_kernattn.modeling.kernels_dense import dense_attention
 from hf_kernattn.modeling.modeling_linear_gpt import apply_rotary, rotary_cos_sin
-from tests.conftest import tiny_linear_gpt_config
+from tests.conftest import checkpointing_enable, tiny_linear_gpt_config
 
 VARIANTS = {
     "elu_absolute": dict(),
@@ -120,7 +120,7 @@ def test_gradients_flow_and_checkpointing_matches(variant):
     assert not missing, missing
     assert all(g.abs().sum() > 0 for n, g in grads.items() if "rpe" in n or "q_proj.weight" in n)
     model.zero_grad()
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # renamed in transformers 5.23
+    checkpointing_enable(model)
     out = model(ids, labels=ids, use_cache=True)
     assert out.past_key_values is None  # no state under gradient checkpointing
     out.loss.backward()

@@ -47,7 +47,7 @@ from hf_kernattn import (
 )
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
-from tests.conftest import V_BERT, V_GPT
+from tests.conftest import V_BERT, V_GPT, checkpointing_disable, checkpointing_enable, checkpointing_training_argument
 from tests.conftest import tiny_linear_gpt_config as gpt_config
 from tests.conftest import tiny_nprf_bert_config as bert_config
 
@@ -199,7 +199,7 @@ def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recom
     plain = grads()
     layers = cfg.num_hidden_layers
     assert calls == [layers * (2 if recompute_attention else 1), layers]  # the projections are not redone
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    checkpointing_enable(model, use_reentrant=use_reentrant)
     assert all(layer.gradient_checkpointing for layer in model.nprf_bert.layers)
     calls[:] = [0, 0]
     checkpointed = grads()
@@ -209,7 +209,7 @@ def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recom
     for name, g in plain.items():
         # float64, the same operations in the same order: differences are summation-order ulps
         torch.testing.assert_close(checkpointed[name], g, rtol=1e-12, atol=1e-14, msg=name)
-    model.gradient_checkpointing_disable()
+    checkpointing_disable(model)
     assert not any(layer.gradient_checkpointing for layer in model.nprf_bert.layers)
 
 
@@ -240,11 +240,11 @@ def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
         results.append((first.logits.detach(), second.logits.detach(), state.layers[0].get_state().kv.detach(), grads))
 
         model.zero_grad()
-        model.gradient_checkpointing_enable()
+        checkpointing_enable(model)
         calls[:] = [0, 0]
         model(ids, labels=ids, use_cache=False).loss.backward()
         assert calls == [2 * layers, 2 * layers]
-        model.gradient_checkpointing_disable()
+        checkpointing_disable(model)
     (a1, a2, s_a, g_a), (b1, b2, s_b, g_b) = results
     for x, y in ((a1, b1), (a2, b2), (s_a, s_b)):
         torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14)
@@ -269,7 +269,7 @@ def test_checkpointed_layers_recompute_with_the_features_of_their_forward(family
             model = LinearGPTForCausalLM(gpt_config(feature_map="prf", num_random_features=16, feature_redraw_interval=1))
         model = model.double().train()
         if checkpointing:
-            model.gradient_checkpointing_enable()
+            checkpointing_enable(model)
         return model
 
     batches = [ids_for(family, seed=s) for s in (1, 2)]
@@ -291,7 +291,7 @@ def test_training_arguments_gradient_checkpointing_trains_nprf_bert(tmp_path):
     ids = ids_for("nprf_bert", batch=4, n=8)
     data = [{"input_ids": ids[i], "labels": ids[i]} for i in range(4)]
     args = TrainingArguments(
-        output_dir=str(tmp_path), gradient_checkpointing=True, max_steps=1, per_device_train_batch_size=4,
+        output_dir=str(tmp_path), **checkpointing_training_argument(), max_steps=1, per_device_train_batch_size=4,
         report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
     )
     before = model.nprf_bert.layers[0].attention.q_proj.weight.detach().clone()

@@ -16,6 +16,7 @@ from hf_kernattn import RelativePerformerViTConfig, RelativePerformerViTForImage
 from hf_kernattn.modeling.feature_maps import FeatureMap
 from hf_kernattn.modeling.positional import RotaryPositionFeatures
 
+from .conftest import checkpointing_enable
 from .conftest import tiny_relative_performer_vit_config as tiny
 from .remote import run_without_package
 
@@ -325,7 +326,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(rpe):
     for checkpointing in (False, True):
         model = _model(rpe=rpe, feature_redraw_interval=1).double().train()
         if checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            checkpointing_enable(model, use_reentrant=False)
             assert all(layer.gradient_checkpointing for layer in model.layers)
         results.append(_grads(model, pixels))
     (out, grads), (ref, ref_grads) = results[1], results[0]

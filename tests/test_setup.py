@@ -160,3 +160,61 @@ def test_cli_help_names_no_issue_numbers(capsys):
         texts.append(capsys.readouterr().out)
     assert all(t.startswith("usage: hf-kernattn") for t in texts)
     assert not any(_ISSUE_TEXT.search(t) for t in texts)
+
+
+def test_the_readme_uses_no_deprecated_checkpointing_names():
+    """The README shows transformers' current checkpointing calls: every old name it could show
+    warns (FutureWarning) in the installed transformers, so none appears in a code span."""
+    import re
+    import warnings
+    from pathlib import Path
+
+    import transformers
+
+    from hf_kernattn import LinearGPTForCausalLM
+    from tests.conftest import tiny_linear_gpt_config
+
+    model = LinearGPTForCausalLM(tiny_linear_gpt_config())
+    deprecated = []
+    for old in ("gradient_checkpointing_enable", "gradient_checkpointing_disable"):
+        if hasattr(model, old.replace("gradient", "activation")):  # renamed in this transformers
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                getattr(model, old)()
+            assert any(issubclass(w.category, FutureWarning) for w in caught), old
+            deprecated.append(old)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        transformers.TrainingArguments(output_dir="unused", gradient_checkpointing=True, report_to=[])
+    if any(issubclass(w.category, FutureWarning) for w in caught):
+        deprecated.append("gradient_checkpointing=True")
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert deprecated  # transformers 5.23 renamed them all
+    # an old name may appear only where the README says that it warns, never as what to run
+    shown = [m.group(0) for old in deprecated for m in re.finditer(re.escape(old), readme)
+             if "FutureWarning" not in readme[max(0, m.start() - 200):m.end() + 200]]
+    assert not shown, shown
+
+
+def test_the_readme_vit_quickstart_runs_without_warnings(tmp_path):
+    """The README's relative-performer ViT quickstart, run as shown (a fresh process, whatever
+    of torchvision is installed), prints no warning: no torchvision fallback, no deprecation."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
+    (code,) = [b for b in blocks if "RelativePerformerViTForImageClassification(config)" in b]
+    code += "\nfrom PIL import Image\nprint('CLASSES', len(classify(Image.new('RGB', (40, 40)))))\n"
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONWARNINGS": "always"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CLASSES 5" in proc.stdout
+    noise = [line for line in proc.stderr.splitlines()
+             if re.search(r"warn|torchvision|deprecat", line, flags=re.I) and "real_accelerator" not in line]
+    assert not noise, noise

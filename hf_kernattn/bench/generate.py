@@ -314,8 +314,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="contexts for the batched decode series")
     parser.add_argument("--short-prompt", type=int, default=128, help="prompt of the batch-1 generate() case")
     parser.add_argument("--short-new", type=int, default=64, help="new tokens of the batch-1 generate() case")
-    parser.add_argument("--throughput-batch", type=int, default=16)
-    parser.add_argument("--throughput-len", type=int, default=784)
+    parser.add_argument("--throughput-batch", type=int, default=16,
+                        help="sequences generated together in the throughput case (default 16)")
+    parser.add_argument("--throughput-len", type=int, default=784,
+                        help="tokens generated per sequence in the throughput case (default 784)")
     parser.add_argument("--throughput-nostate", action="store_true",
                         help="also run the throughput case without state (slow: quadratic in the length)")
     parser.add_argument("--continuation", action="store_true", help="run only the continuation case")

@@ -87,7 +87,7 @@ class NPRFBertLayer(GradientCheckpointingLayer):
     """One post-norm encoder block: kernelized self-attention + feed-forward, each with residual,
     dropout and LayerNorm (as BERT). ``(B, N, C) -> (B, N, C)``.
 
-    Supports ``transformers``' gradient checkpointing (``model.gradient_checkpointing_enable()``):
+    Supports ``transformers``' gradient checkpointing (``model.activation_checkpointing_enable()``):
     the whole block is then recomputed in the backward pass, and the attention's own
     recomputation (``recompute_attention``) is switched off inside it, so the attention's
     projections run twice per step, not three times.
