@@ -67,6 +67,20 @@ def check_pixel_values(pixel_values: object, config: RelativePerformerViTConfig)
     return h // p, w // p
 
 
+def hide_padded_pixels(pixel_values: torch.Tensor, keep: Optional[torch.Tensor], grid: tuple[int, int]) -> torch.Tensor:
+    """``pixel_values`` with every pixel of a padded patch (``keep (B, Hg * Wg)`` 0) set to zero,
+    by ``torch.where``: whatever a padded patch holds (NaN, inf) then reaches neither an output
+    of a real patch nor any gradient. (Multiplying by the mask would not do: ``0 * NaN`` is NaN,
+    and the patch embedding's weight gradient sums pixels times output gradients over all
+    patches, padded ones included.)"""
+    if keep is None:
+        return pixel_values
+    b, c, h, w = pixel_values.shape
+    tiles = pixel_values.reshape(b, c, grid[0], h // grid[0], grid[1], w // grid[1])
+    real = keep.bool().reshape(b, 1, grid[0], 1, grid[1], 1)
+    return torch.where(real, tiles, tiles.new_zeros(())).reshape(b, c, h, w)
+
+
 class RelativePerformerViTEmbeddings(nn.Module):
     """Patches -> tokens ``(B, Hg * Wg, C)`` (a strided convolution), plus the absolute table for
     ``rpe="absolute"`` and the class token for ``pooling="cls"`` (prepended by the model)."""
@@ -274,7 +288,9 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
             pixel_values: ``(B, num_channels, H, W)``, H and W multiples of ``patch_size``.
             patch_mask: optional ``(B, H / patch_size, W / patch_size)`` (or flattened), 1 for a
                 real patch and 0 for padding (images of several sizes padded into one batch):
-                padded patches are never attended to and not pooled; their outputs are unspecified.
+                padded patches are never attended to and not pooled; their pixels are replaced by
+                zeros before the patch embedding, so whatever they hold (NaN, inf) reaches no
+                real output and no gradient; their own outputs are unspecified.
             output_hidden_states: also return every layer's input and the final output.
             interpolate_pos_encoding: with ``rpe="absolute"``, interpolate the position table for
                 images of another size (otherwise they raise ``ValueError``).
@@ -290,6 +306,7 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         grid = check_pixel_values(pixel_values, cfg)
         keep = self.patch_keep(patch_mask, pixel_values.shape[0], grid, pixel_values.device)
+        pixel_values = hide_padded_pixels(pixel_values, keep, grid)
         patches = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
         hidden, mask = self.layout(patches, grid, keep)
         cls = self.embeddings.cls_token is not None
