@@ -248,13 +248,15 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
         if cls is None:
             return patches, keep
         token = cls.expand(b, -1, -1).to(patches.dtype)
-        ones = torch.ones(b, 1, dtype=torch.long, device=patches.device)
-        if self.config.rpe not in GRID_BIASES or grid[1] == 1:
+        if self.config.rpe not in GRID_BIASES:
+            ones = torch.ones(b, 1, dtype=torch.long, device=patches.device)
             return torch.cat([token, patches], dim=1), None if keep is None else torch.cat([ones, keep], dim=1)
-        pad = patches.new_zeros(b, grid[1] - 1, patches.shape[-1])
-        row = torch.cat([ones, torch.zeros(b, grid[1] - 1, dtype=torch.long, device=patches.device)], dim=1)
+        # the token's row: the token, then grid width - 1 padding tokens (none for a one-column grid;
+        # built by padding, so that a width kept dynamic by torch.export needs no case of its own)
+        row = nn.functional.pad(token, (0, 0, 0, grid[1] - 1))
+        row_keep = (torch.arange(grid[1], device=patches.device) == 0).long().expand(b, -1)
         rest = torch.ones(b, grid[0] * grid[1], dtype=torch.long, device=patches.device) if keep is None else keep
-        return torch.cat([token, pad, patches], dim=1), torch.cat([row, rest], dim=1)
+        return torch.cat([row, patches], dim=1), torch.cat([row_keep, rest], dim=1)
 
     def patch_keep(self, patch_mask: object, b: int, grid: tuple[int, int], device) -> Optional[torch.Tensor]:
         """``patch_mask`` -> ``(B, Hg * Wg)`` long 1 (real) / 0 (padding), or None."""
@@ -319,7 +321,7 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
             positions = shared if shared is not None else layer.positions(grid, cls, hidden.device)
             hidden = layer(hidden, mask, positions, projection=layer.attention.feature_map.projection)
         hidden = self.layernorm(hidden)
-        if cls and cfg.rpe in GRID_BIASES and grid[1] > 1:  # drop the padding of the class token's row
+        if cls and cfg.rpe in GRID_BIASES:  # drop the padding of the class token's row
             hidden = torch.cat([hidden[:, :1], hidden[:, grid[1]:]], dim=1)
         if all_hidden is not None:
             all_hidden.append(hidden)
