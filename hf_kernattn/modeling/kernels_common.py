@@ -182,8 +182,10 @@ def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[tor
         pos = torch.arange(n, device=device)
         return (pos[None, :] - pos[:, None] + n - 1,)
     hg, wg = grid
-    pos = torch.arange(n, device=device)
-    y, x = pos // wg, pos % wg
+    # row and column of each token in row-major order, by broadcasting (no integer division: this
+    # also exports to ONNX with the grid's sides dynamic)
+    y = torch.arange(hg, device=device)[:, None].expand(hg, wg).reshape(-1)
+    x = torch.arange(wg, device=device)[None, :].expand(hg, wg).reshape(-1)
     return (y[None, :] - y[:, None] + hg - 1, x[None, :] - x[:, None] + wg - 1)
 
 
