@@ -28,6 +28,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH = Dim("batch", min=1, max=256)
 SEQ = Dim("seq", min=2, max=64)  # max_position_embeddings of the tiny configs (absolute positions)
 GRID_H, GRID_W = Dim("grid_h", min=2, max=64), Dim("grid_w", min=2, max=64)
+LONG = Dim("long", min=2, max=4096)  # without absolute positions: beyond auto's dense and windowed thresholds
 
 
 def _text(vocab: int, b: int, n: int, seed: int, left: bool):
@@ -74,6 +75,17 @@ CASES = {
         LinearGPTModel(gpt_config(num_hidden_layers=1)), _text(V_GPT, 2, 10, 0, True),
         ({0: BATCH, 1: SEQ}, {0: BATCH, 1: SEQ}), [_text(V_GPT, 3, 17, 1, True), _text(V_GPT, 1, 40, 2, True)],
     ),
+    # a declared range beyond the lengths where eager mode leaves dense (windowed at N >= 512 for
+    # NPRF-BERT's bias clipped at 8, causal_chunked above 192 for Linear GPT): the program takes
+    # one backend for all lengths and still equals eager mode at 600 tokens
+    "nprf_bert_long": lambda: (
+        NPRFBertModel(bert_config(num_hidden_layers=1, position_embedding_type="none")), _text(V_BERT, 2, 10, 0, False),
+        ({0: BATCH, 1: LONG}, {0: BATCH, 1: LONG}), [_text(V_BERT, 1, 600, 1, False)],
+    ),
+    "linear_gpt_long": lambda: (
+        LinearGPTModel(gpt_config(num_hidden_layers=1, position_embedding_type="none")), _text(V_GPT, 2, 10, 0, True),
+        ({0: BATCH, 1: LONG}, {0: BATCH, 1: LONG}), [_text(V_GPT, 1, 600, 1, True)],
+    ),
     "vit_fft_2d_cls": lambda: (
         RelativePerformerViTForImageClassification(vit_config(num_hidden_layers=1, pooling="cls")), _image(2, 4, 3, 0),
         ({0: BATCH, 2: 4 * GRID_H, 3: 4 * GRID_W}, {0: BATCH, 1: GRID_H, 2: GRID_W}),
@@ -98,7 +110,7 @@ def exported():
         if case not in cache:
             torch.manual_seed(0)
             model, args, shapes, others = CASES[case]()
-            family = case if not case.startswith("vit") else "vit"
+            family = "vit" if case.startswith("vit") else case.replace("_long", "")
             wrapped = _Outputs(model.eval(), family)
             with torch.no_grad():
                 program = torch.export.export(wrapped, args, dynamic_shapes=shapes)
