@@ -87,7 +87,8 @@ create_venv() {
 }
 
 # Exit 0 when the package (this checkout, editable, with the entry points and modules pyproject.toml
-# declares), its dependencies at the versions pyproject.toml asks for (extra "dev" included) and a
+# declares), its dependencies at the versions pyproject.toml asks for (extra "dev" included: the test
+# suite's packages, ONNX export's among them) and a
 # pinned transformers, if any, are installed. Reads metadata only: imports nothing heavy.
 installed_ok() {
     (cd / && HF_KERNATTN_ROOT="$ROOT" "$PY" - <<'EOF') >/dev/null 2>&1
@@ -108,7 +109,8 @@ if tomllib is not None:
         pyproject = tomllib.load(f)
     project = pyproject["project"]
     wanted = [str(Requirement(r)) for r in project["dependencies"]]
-    wanted += [str(Requirement(r)) + ' ; extra == "dev"' for r in project["optional-dependencies"]["dev"]]
+    for extra, reqs in project["optional-dependencies"].items():  # the metadata lists every extra's
+        wanted += [str(Requirement(r)) + f' ; extra == "{extra}"' for r in reqs]
     norm = lambda rs: sorted(str(Requirement(r)).replace(" ", "") for r in rs)
     assert norm(wanted) == norm(installed), "pyproject.toml changed since the install"
     scripts = {e.name: e.value for e in md.distribution("hf-kernattn").entry_points if e.group == "console_scripts"}

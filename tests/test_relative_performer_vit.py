@@ -390,3 +390,54 @@ def test_checkpoint_feature_buffers_load_and_missing_ones_are_drawn_from_the_see
     assert all(torch.equal(a, b) for a, b in zip(got, fresh))
     with torch.no_grad():
         torch.testing.assert_close(loaded(pixel_values=pixels).logits, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rpe,backend,pooling", [
+    ("fft_2d", "fft", "mean"), ("fft_2d", "dense", "cls"), ("clipped", "manhattan", "mean"),
+    ("clipped", "dense", "cls"), ("rotary_features", "auto", "mean"), ("rotary_features", "dense", "cls"),
+    ("absolute", "auto", "mean"), ("none", "linear", "mean"), ("none", "auto", "cls"),
+])
+def test_non_finite_pixels_in_padded_patches_reach_no_gradient(rpe, backend, pooling):
+    """NaN and inf pixels inside padded patches (patch_mask 0) change nothing: the loss, the real
+    patches' outputs and every parameter gradient equal those of the same batch with the padded
+    pixels set to zero, bit for bit (the padded pixels are replaced before the patch embedding,
+    so the same operations run on the same numbers), and every gradient is finite. Padded
+    patches: the last two grid rows of image 1 and the last grid column of image 0, in training
+    mode with dropout off."""
+    gen = torch.Generator().manual_seed(11)
+    pixels = torch.randn(2, 1, 16, 16, dtype=torch.float64, generator=gen)
+    mask = torch.ones(2, 4, 4, dtype=torch.long)
+    mask[1, 2:] = 0
+    mask[0, :, 3] = 0
+    real = mask.repeat_interleave(4, 1).repeat_interleave(4, 2)[:, None].bool()
+    poisoned = pixels.clone()
+    poisoned[1, :, 8:12] = float("nan")
+    poisoned[1, :, 12:] = float("inf")
+    poisoned[0, :, :, 12:] = float("-inf")
+    zeroed = torch.where(real, pixels, torch.zeros(()))
+    labels = torch.tensor([2, 0])
+    results = []
+    for x in (poisoned, zeroed):
+        model = _model(RelativePerformerViTForImageClassification, rpe=rpe, attn_backend=backend, pooling=pooling,
+                       hidden_dropout_prob=0.0).double().train()
+        x = x.clone().requires_grad_(True)
+        out = model(pixel_values=x, patch_mask=mask, labels=labels, output_hidden_states=True)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((out, grads, x.grad))
+    (out, grads, pixel_grad), (ref, ref_grads, ref_pixel_grad) = results
+    assert grads.keys() == ref_grads.keys() and len(grads) > 10
+    bad = [n for n, g in grads.items() if not torch.isfinite(g).all()]
+    assert not bad, f"non-finite gradients: {bad}"
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=0, atol=0)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=0, atol=0)
+    keep = mask.reshape(2, -1).bool()
+    last, ref_last = out.hidden_states[-1], ref.hidden_states[-1]
+    if pooling == "cls":
+        last, ref_last = last[:, 1:], ref_last[:, 1:]
+    torch.testing.assert_close(last[keep], ref_last[keep], rtol=0, atol=0)
+    assert torch.isfinite(pixel_grad[real.expand_as(pixel_grad)]).all()
+    torch.testing.assert_close(pixel_grad[real.expand_as(pixel_grad)], ref_pixel_grad[real.expand_as(pixel_grad)],
+                               rtol=0, atol=0)

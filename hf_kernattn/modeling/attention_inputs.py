@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import AttentionState, StateKind
+from .kernels_common import AttentionState, StateKind, is_size
 
 
 def check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:
@@ -72,12 +72,12 @@ def check_grid(grid: object, n: int) -> Optional[tuple[int, int]]:
     if (
         not isinstance(grid, (tuple, list))
         or len(grid) != 2
-        or not all(isinstance(g, int) and not isinstance(g, bool) and g > 0 for g in grid)
+        or not all(is_size(g) and g > 0 for g in grid)
     ):
         raise ValueError(f"grid must be a pair of positive ints (height, width), got {grid!r}")
     if grid[0] * grid[1] != n:
         raise ValueError(f"grid {tuple(grid)} has {grid[0] * grid[1]} cells but the sequence has N={n} tokens")
-    return int(grid[0]), int(grid[1])
+    return grid[0], grid[1]
 
 
 def check_rpe_clip(rpe_clip: object) -> Optional[int]:
@@ -97,8 +97,9 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
         if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
             raise ValueError(f"rpe_bias must have shape {want}; a 3D bias needs grid=(height, width)")
         check_tensor("rpe_bias", rpe_bias, 2, want)
-        widths = {2 * n - 1} | ({2 * rpe_clip + 1} if rpe_clip is not None else set())  # 1D only
-        if rpe_bias.shape[0] != h or rpe_bias.shape[1] not in widths:
+        widths = [2 * n - 1] + ([2 * rpe_clip + 1] if rpe_clip is not None else [])  # 1D only (a list: sizes
+        # may be symbolic under torch.export, and those cannot be hashed into a set)
+        if rpe_bias.shape[0] != h or not any(rpe_bias.shape[1] == w for w in widths):
             raise ValueError(f"rpe_bias must have shape {want}, got {tuple(rpe_bias.shape)}")
         return "1d"
     hg, wg = grid

@@ -253,8 +253,10 @@ def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[tor
         pos = torch.arange(n, device=device)
         return (pos[None, :] - pos[:, None] + n - 1,)
     hg, wg = grid
-    pos = torch.arange(n, device=device)
-    y, x = pos // wg, pos % wg
+    # row and column of each token in row-major order, by broadcasting (no integer division: this
+    # also exports to ONNX with the grid's sides dynamic)
+    y = torch.arange(hg, device=device)[:, None].expand(hg, wg).reshape(-1)
+    x = torch.arange(wg, device=device)[None, :].expand(hg, wg).reshape(-1)
     return (y[None, :] - y[:, None] + hg - 1, x[None, :] - x[:, None] + wg - 1)
 
 
@@ -303,14 +305,15 @@ def clipped_table(rpe_bias: torch.Tensor, n: int, clip: int, continuing: bool = 
     (offsets beyond ``+-(N-1)`` of a full bias of a short call take its end entries, which no
     key of that call uses). ``continuing``: the call reads a state, whose keys lie up to ``K``
     positions back: a full bias of ``N <= K`` tokens does not reach them (``ValueError``)."""
-    if rpe_bias.shape[-1] == 2 * clip + 1:
+    # sizes may be symbolic (torch.export with a dynamic length): the general form below holds for every n
+    if known_true(rpe_bias.shape[-1] == 2 * clip + 1):
         return rpe_bias
-    if n - 1 < clip and continuing:
+    if continuing and n - 1 < clip:
         raise ValueError(
             f"with initial_state, rpe_bias must reach offset -rpe_clip={-clip}: pass the clipped table "
             f"(heads, 2*rpe_clip+1) = ({rpe_bias.shape[0]}, {2 * clip + 1}), got {tuple(rpe_bias.shape)}"
         )
-    if n - 1 >= clip:
+    if known_true(n - 1 >= clip):
         return rpe_bias[:, n - 1 - clip : n + clip]
     idx = torch.arange(-clip, clip + 1, device=rpe_bias.device).clamp(-(n - 1), n - 1) + n - 1
     return rpe_bias[:, idx]
@@ -318,7 +321,7 @@ def clipped_table(rpe_bias: torch.Tensor, n: int, clip: int, continuing: bool = 
 
 def full_bias(rpe_bias: torch.Tensor, n: int, clip: Optional[int]) -> torch.Tensor:
     """A 1D bias as ``(H, 2N-1)`` (from a clipped table ``(H, 2K+1)`` when given one)."""
-    if rpe_bias.shape[-1] == 2 * n - 1 or clip is None:
+    if clip is None or known_true(rpe_bias.shape[-1] == 2 * n - 1):
         return rpe_bias
     r = torch.arange(-(n - 1), n, device=rpe_bias.device)
     return rpe_bias[:, r.clamp(-clip, clip) + clip]
@@ -342,3 +345,21 @@ def with_ones_column(v: torch.Tensor) -> torch.Tensor:
     """``[v, 1]``: ``(B, H, N, D) -> (B, H, N, D + 1)``. Summing it with the attention weights
     gives numerator and denominator in one pass (a masked key has k = 0, so it adds nothing)."""
     return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+
+
+def is_size(value: object) -> bool:
+    """A length or grid side: a Python ``int`` (not a ``bool``), or a ``torch.SymInt``, the
+    symbolic size ``torch.export`` passes for a dynamic dimension (its positivity is then a
+    property of the traced shapes, checked by the exported program's own range guards)."""
+    return isinstance(value, torch.SymInt) or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def known_true(condition: object) -> bool:
+    """``condition`` as a ``bool``; a symbolic one (a comparison of sizes that ``torch.export``
+    keeps dynamic) is True only when the traced range of sizes proves it, and adds no guard
+    (a guard would pin the dynamic size to one side of the comparison)."""
+    if isinstance(condition, torch.SymBool):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+        return statically_known_true(condition)
+    return bool(condition)

@@ -67,6 +67,20 @@ def check_pixel_values(pixel_values: object, config: RelativePerformerViTConfig)
     return h // p, w // p
 
 
+def hide_padded_pixels(pixel_values: torch.Tensor, keep: Optional[torch.Tensor], grid: tuple[int, int]) -> torch.Tensor:
+    """``pixel_values`` with every pixel of a padded patch (``keep (B, Hg * Wg)`` 0) set to zero,
+    by ``torch.where``: whatever a padded patch holds (NaN, inf) then reaches neither an output
+    of a real patch nor any gradient. (Multiplying by the mask would not do: ``0 * NaN`` is NaN,
+    and the patch embedding's weight gradient sums pixels times output gradients over all
+    patches, padded ones included.)"""
+    if keep is None:
+        return pixel_values
+    b, c, h, w = pixel_values.shape
+    tiles = pixel_values.reshape(b, c, grid[0], h // grid[0], grid[1], w // grid[1])
+    real = keep.bool().reshape(b, 1, grid[0], 1, grid[1], 1)
+    return torch.where(real, tiles, tiles.new_zeros(())).reshape(b, c, h, w)
+
+
 class RelativePerformerViTEmbeddings(nn.Module):
     """Patches -> tokens ``(B, Hg * Wg, C)`` (a strided convolution), plus the absolute table for
     ``rpe="absolute"`` and the class token for ``pooling="cls"`` (prepended by the model)."""
@@ -98,14 +112,20 @@ class RelativePerformerViTEmbeddings(nn.Module):
         resized = nn.functional.interpolate(square.float(), size=grid, mode="bicubic", align_corners=False)
         return resized.to(table.dtype).permute(0, 2, 3, 1).reshape(1, grid[0] * grid[1], -1)
 
-    def forward(self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False) -> torch.Tensor:
-        """``pixel_values`` already checked (:func:`check_pixel_values`) -> ``(B, Hg * Wg, C)``."""
+    def forward(
+        self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``pixel_values`` already checked (:func:`check_pixel_values`) -> the patch tokens
+        ``(B, Hg * Wg, C)`` and the class token ``(B, 1, C)`` (None without one), which the model
+        places. Every parameter of this module is read here, in its own forward (sharding
+        wrappers such as FSDP2 gather a module's parameters only around its forward)."""
         x = self.patch_embeddings(pixel_values.to(self.patch_embeddings.weight.dtype))
         grid = (x.shape[-2], x.shape[-1])
         x = x.flatten(2).transpose(1, 2)
         if self.position_embeddings is not None:
             x = x + self.absolute_positions(grid, interpolate_pos_encoding)
-        return self.dropout(x)
+        token = None if self.cls_token is None else self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype)
+        return self.dropout(x), token
 
 
 class RelativePerformerViTPositions(nn.Module):
@@ -159,9 +179,17 @@ class RelativePerformerViTLayer(GradientCheckpointingLayer):
         self.output = nn.Linear(config.intermediate_size, config.hidden_size)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor], positions: dict,
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor], grid: tuple[int, int],
+                cls: bool, shared_positions: Optional[dict] = None,
                 projection: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``shared_positions``: the model's position inputs when one table serves every layer;
+        otherwise this layer computes its own from its table here, inside its own forward (a
+        sharding wrapper such as FSDP2 gathers the layer's parameters only around it)."""
         recompute = False if self.gradient_checkpointing and self.training else None
+        if shared_positions is not None:
+            positions = shared_positions
+        else:
+            positions = self.positions(grid, cls, hidden_states.device) if self.positions is not None else {}
         attn = self.attention(self.layernorm_before(hidden_states), attention_mask=attention_mask, recompute=recompute,
                               projection=projection, **positions)
         hidden_states = hidden_states + self.dropout(attn)
@@ -224,23 +252,25 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
         return self.embeddings.patch_embeddings
 
     def layout(
-        self, patches: torch.Tensor, grid: tuple[int, int], keep: Optional[torch.Tensor]
+        self, patches: torch.Tensor, grid: tuple[int, int], keep: Optional[torch.Tensor],
+        token: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The token sequence the layers see and its padding mask (None: nothing padded): the
-        patches alone; with a class token, the token first, and with a grid bias on an extra
-        first row padded to the grid's width. ``keep (B, Hg * Wg)``: 0 for padded patches."""
-        cls = self.embeddings.cls_token
+        patches alone; with a class token ``token (B, 1, C)`` (from the embeddings), the token
+        first, and with a grid bias on an extra first row padded to the grid's width.
+        ``keep (B, Hg * Wg)``: 0 for padded patches."""
         b = patches.shape[0]
-        if cls is None:
+        if token is None:
             return patches, keep
-        token = cls.expand(b, -1, -1).to(patches.dtype)
-        ones = torch.ones(b, 1, dtype=torch.long, device=patches.device)
-        if self.config.rpe not in GRID_BIASES or grid[1] == 1:
+        if self.config.rpe not in GRID_BIASES:
+            ones = torch.ones(b, 1, dtype=torch.long, device=patches.device)
             return torch.cat([token, patches], dim=1), None if keep is None else torch.cat([ones, keep], dim=1)
-        pad = patches.new_zeros(b, grid[1] - 1, patches.shape[-1])
-        row = torch.cat([ones, torch.zeros(b, grid[1] - 1, dtype=torch.long, device=patches.device)], dim=1)
+        # the token's row: the token, then grid width - 1 padding tokens (none for a one-column grid;
+        # built by padding, so that a width kept dynamic by torch.export needs no case of its own)
+        row = nn.functional.pad(token, (0, 0, 0, grid[1] - 1))
+        row_keep = (torch.arange(grid[1], device=patches.device) == 0).long().expand(b, -1)
         rest = torch.ones(b, grid[0] * grid[1], dtype=torch.long, device=patches.device) if keep is None else keep
-        return torch.cat([token, pad, patches], dim=1), torch.cat([row, rest], dim=1)
+        return torch.cat([row, patches], dim=1), torch.cat([row_keep, rest], dim=1)
 
     def patch_keep(self, patch_mask: object, b: int, grid: tuple[int, int], device) -> Optional[torch.Tensor]:
         """``patch_mask`` -> ``(B, Hg * Wg)`` long 1 (real) / 0 (padding), or None."""
@@ -274,7 +304,9 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
             pixel_values: ``(B, num_channels, H, W)``, H and W multiples of ``patch_size``.
             patch_mask: optional ``(B, H / patch_size, W / patch_size)`` (or flattened), 1 for a
                 real patch and 0 for padding (images of several sizes padded into one batch):
-                padded patches are never attended to and not pooled; their outputs are unspecified.
+                padded patches are never attended to and not pooled; their pixels are replaced by
+                zeros before the patch embedding, so whatever they hold (NaN, inf) reaches no
+                real output and no gradient; their own outputs are unspecified.
             output_hidden_states: also return every layer's input and the final output.
             interpolate_pos_encoding: with ``rpe="absolute"``, interpolate the position table for
                 images of another size (otherwise they raise ``ValueError``).
@@ -290,19 +322,21 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
         grid = check_pixel_values(pixel_values, cfg)
         keep = self.patch_keep(patch_mask, pixel_values.shape[0], grid, pixel_values.device)
-        patches = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
-        hidden, mask = self.layout(patches, grid, keep)
-        cls = self.embeddings.cls_token is not None
+        pixel_values = hide_padded_pixels(pixel_values, keep, grid)
+        patches, token = self.embeddings(pixel_values, bool(interpolate_pos_encoding))
+        hidden, mask = self.layout(patches, grid, keep, token)
+        cls = token is not None
         feature_maps_step(self)
         shared = self.positions(grid, cls, hidden.device) if self.positions is not None else None
         all_hidden = [] if output_hidden_states else None
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden)
-            positions = shared if shared is not None else layer.positions(grid, cls, hidden.device)
-            hidden = layer(hidden, mask, positions, projection=layer.attention.feature_map.projection)
+            # the projection (a buffer, never sharded) is an argument: a recomputing backward
+            # (gradient checkpointing) then uses this forward's random features
+            hidden = layer(hidden, mask, grid, cls, shared_positions=shared, projection=layer.attention.feature_map.projection)
         hidden = self.layernorm(hidden)
-        if cls and cfg.rpe in GRID_BIASES and grid[1] > 1:  # drop the padding of the class token's row
+        if cls and cfg.rpe in GRID_BIASES:  # drop the padding of the class token's row
             hidden = torch.cat([hidden[:, :1], hidden[:, grid[1]:]], dim=1)
         if all_hidden is not None:
             all_hidden.append(hidden)

@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .kernels_common import is_size
 from .kernels_manhattan import manhattan_table
 
 
@@ -85,7 +86,7 @@ class RelativePositionBias1D(nn.Module):
 
     def forward(self, seq_len: int) -> torch.Tensor:
         """Returns ``rpe_bias`` of shape ``(H, 2 * seq_len - 1)``."""
-        if not isinstance(seq_len, int) or seq_len < 1:
+        if not is_size(seq_len) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
         return self.weight[:, clipped_offsets(seq_len, self.max_relative_position, self.weight.device)]
 
@@ -120,7 +121,7 @@ class RelativePositionBias2D(nn.Module):
     def forward(self, grid_height: int, grid_width: int) -> torch.Tensor:
         """Returns ``rpe_bias`` of shape ``(H, 2 * grid_height - 1, 2 * grid_width - 1)``."""
         for name, value in (("grid_height", grid_height), ("grid_width", grid_width)):
-            if not isinstance(value, int) or value < 1:
+            if not is_size(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         iy = clipped_offsets(grid_height, self.max_relative_position, self.weight.device)
         ix = clipped_offsets(grid_width, self.max_relative_position, self.weight.device)

@@ -14,6 +14,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .kernels_common import known_true
+
 DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 # The keyword arguments a backend may take (declared at registration as ``takes``).
 BACKEND_ARGUMENTS = (
@@ -226,15 +228,26 @@ def choose_backend(
     state: bool = False, split: bool = False,
 ) -> str:
     """The fastest backend valid for the request (see :data:`AUTO_DENSE_MAX_N`; a call with a
-    state: see the module docstring)."""
+    state: see the module docstring).
+
+    A symbolic ``n`` (``torch.export`` with a dynamic sequence or grid: one program serves every
+    length) takes the choice for long inputs unless the declared range of lengths proves a short
+    one, among the backends whose work does not depend on N through Python loops (``fft``,
+    ``windowed`` and ``causal_chunked`` walk blocks whose number depends on N): ``linear`` (no
+    bias), ``manhattan`` (a clipped 2D bias), ``dense`` otherwise (exact, O(N^2))."""
+    symbolic = isinstance(n, torch.SymInt)
+
+    def at_least(bound: int) -> bool:  # n >= bound; a symbolic n: unless its range proves n < bound
+        return not known_true(n < bound) if symbolic else n >= bound
+
     request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split)
     decoders = [name for name, spec in _REGISTRY.items() if spec.decoding]
     if state:
         preferred = "windowed" if rpe is not None else "causal_chunked"
-        order = decoders + [preferred] if n == 1 else [preferred]
-    elif rpe == "1d" and rpe_clip is not None and n >= max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * rpe_clip):
+        order = decoders + [preferred] if known_true(n == 1) else [preferred]
+    elif rpe == "1d" and rpe_clip is not None and not symbolic and n >= max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * rpe_clip):
         order = ["windowed"]
-    elif rpe == "2d" and rpe_clip is not None and n >= AUTO_MANHATTAN_MIN_N:
+    elif rpe == "2d" and rpe_clip is not None and at_least(AUTO_MANHATTAN_MIN_N):
         order = ["manhattan"]
     else:
         if rpe is not None:
@@ -243,7 +256,7 @@ def choose_backend(
             preferred, limit = "causal_chunked", AUTO_DENSE_MAX_N["causal"]
         else:
             preferred, limit = "linear", AUTO_DENSE_MAX_N["plain"]
-        order = ["dense", preferred] if n <= limit else [preferred, "dense"]
+        order = ["dense", preferred] if not at_least(limit + 1) or (symbolic and preferred != "linear") else [preferred, "dense"]
     order += [name for name in _REGISTRY if name not in order and name not in decoders]
     for name in order:
         spec = _REGISTRY.get(name)
