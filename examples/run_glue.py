@@ -125,6 +125,11 @@ class ModelArguments:
     tokenizer_name: Optional[str] = field(default=None, metadata={"help": "tokenizer if not the model's"})
     num_random_features: Optional[int] = field(default=None, metadata={"help": "override when converting"})
     attn_backend: Optional[str] = field(default=None, metadata={"help": "override the attention backend"})
+    allow_pickle: bool = field(
+        default=False,
+        metadata={"help": "when converting a BERT/RoBERTa source that has only pickled weights (pytorch_model*.bin), "
+                          "read them (unpickling can run code from the file: only for sources you trust)"},
+    )
 
 
 @dataclass
@@ -348,7 +353,7 @@ def build_model(args: ModelArguments, num_labels: int, is_regression: bool, labe
         logger.info("converting %s checkpoint %s to NPRF-BERT", config.model_type, args.model_name_or_path)
         model = convert_to_nprf_bert(
             args.model_name_or_path, head="sequence_classification", num_labels=num_labels,
-            problem_type=problem_type, **overrides,
+            problem_type=problem_type, allow_pickle=args.allow_pickle, **overrides,
         )
         if id2label:
             model.config.id2label, model.config.label2id = id2label, dict(label2id)

@@ -88,6 +88,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--validation_file", default=None)
     p.add_argument("--model_name_or_path", default=None, help="NPRF-BERT checkpoint or BERT/RoBERTa to convert")
     p.add_argument("--config_name", default=None, help="NPRF-BERT config to start from scratch")
+    p.add_argument("--allow_pickle", "--allow-pickle", action="store_true",
+                   help="when converting a BERT/RoBERTa source that has only pickled weights (pytorch_model*.bin), "
+                        "read them (unpickling can run code from the file: only for sources you trust)")
     p.add_argument("--config_overrides", default=None, help="key=value,... NPRFBertConfig fields (from scratch)")
     p.add_argument("--tokenizer_name", default=None)
     p.add_argument("--max_seq_length", type=int, default=512, help="tokens per example, [CLS] and [SEP] included (>= 3)")
@@ -125,7 +128,8 @@ def build_model(args: argparse.Namespace, tokenizer) -> NPRFBertForMaskedLM:
     if args.model_name_or_path is not None:
         config = AutoConfig.from_pretrained(args.model_name_or_path)
         if config.model_type in ("bert", "roberta"):
-            return convert_to_nprf_bert(args.model_name_or_path, head="masked_lm", **parse_overrides(args.config_overrides))
+            return convert_to_nprf_bert(args.model_name_or_path, head="masked_lm", allow_pickle=args.allow_pickle,
+                                        **parse_overrides(args.config_overrides))
         return AutoModelForMaskedLM.from_pretrained(args.model_name_or_path)
     fields = NPRFBertConfig.from_pretrained(args.config_name).to_dict() if args.config_name else {}
     fields.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)

@@ -279,3 +279,21 @@ def test_help_states_the_defaults_conversion_uses(tmp_path):
         assert "``" not in text and ":func:" not in text, text
     assert conv.description.endswith(".") and "\n" not in conv.description
     assert "pytorch_model*.bin" in helps["allow_pickle"] and "trust" in helps["allow_pickle"]
+
+
+def test_the_example_scripts_pass_allow_pickle_to_conversion(tmp_path):
+    """run_mlm.py and run_glue.py convert a BERT source themselves: a pickle-only source is
+    refused as by `convert`, and their --allow_pickle flag reads it."""
+    from tests.test_examples_resume import load_script
+
+    _pickle_only("bert", tmp_path / "pickled")
+    src = str(tmp_path / "pickled")
+    mlm, glue = load_script("run_mlm"), load_script("run_glue")
+    base = ["--model_name_or_path", src, "--train_file", "x.txt", "--output_dir", str(tmp_path / "o")]
+    with pytest.raises(ValueError, match="allow_pickle"):
+        mlm.build_model(mlm.parse_args(base), tokenizer=None)
+    assert type(mlm.build_model(mlm.parse_args(base + ["--allow_pickle"]), tokenizer=None)).__name__ == "NPRFBertForMaskedLM"
+    with pytest.raises(ValueError, match="allow_pickle"):
+        glue.build_model(glue.ModelArguments(model_name_or_path=src), 2, False, None)
+    model = glue.build_model(glue.ModelArguments(model_name_or_path=src, allow_pickle=True), 2, False, None)
+    assert type(model).__name__ == "NPRFBertForSequenceClassification"
