@@ -35,7 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from transformers import get_scheduler  # noqa: E402
 
 from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM  # noqa: E402
-from hf_kernattn.training import WEIGHT_DECAY_HELP, optimizer_grouped_parameters  # noqa: E402
+from hf_kernattn.training import (  # noqa: E402
+    NUM_THREADS_HELP,
+    WEIGHT_DECAY_HELP,
+    configure_threads,
+    optimizer_grouped_parameters,
+)
 
 PAD, SEP = 0, 1  # symbols are 2 .. symbols + 1
 
@@ -108,6 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=100, help="linear warm-up steps, then cosine decay (get_scheduler)")
     p.add_argument("--weight_decay", type=float, default=0.0, help=WEIGHT_DECAY_HELP + " (default %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num_threads", type=int, default=None, help=NUM_THREADS_HELP)
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--converged", type=float, default=0.05, help="loss below which a model counts as converged")
     p.add_argument("--out", default="outputs/copy_task",
@@ -119,6 +125,7 @@ def main(argv=None) -> int:
     for name in ("steps", "batch", "symbols", "hidden", "layers", "heads", "log_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    print(f"CPU threads: {configure_threads(args.num_threads)}")
 
     models = build_models(args)
     opts = {k: torch.optim.AdamW(optimizer_grouped_parameters(m, args.weight_decay), lr=args.lr)

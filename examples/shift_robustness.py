@@ -39,6 +39,7 @@ from sklearn.model_selection import train_test_split
 from transformers import get_scheduler
 
 from hf_kernattn import RelativePerformerViTConfig, RelativePerformerViTForImageClassification
+from hf_kernattn.training import NUM_THREADS_HELP, configure_threads
 
 OPTIONS = ("fft_2d", "rotary_features", "clipped", "absolute", "none")
 
@@ -59,7 +60,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--num_hidden_layers", type=int, default=2)
     p.add_argument("--num_attention_heads", type=int, default=4)
     p.add_argument("--num_random_features", type=int, default=32)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--num_threads", "--threads", type=int, default=None, help=NUM_THREADS_HELP)
     args = p.parse_args(argv)
     if args.canvas < 16 or args.canvas % args.patch_size:
         p.error(f"--canvas must be >= 16 and a multiple of --patch_size ({args.patch_size}), got {args.canvas}")
@@ -126,8 +127,7 @@ def accuracy(model, x: torch.Tensor, y: np.ndarray) -> float:
 
 def main(argv: Optional[list[str]] = None) -> list[dict]:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    print(f"CPU threads: {configure_threads(args.num_threads)}")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     images, labels = digits_on_canvas(args.canvas)
