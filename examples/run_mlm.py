@@ -67,6 +67,7 @@ from hf_kernattn.training import (
     check_training_args,
     fingerprint_settings,
     make_accelerator,
+    save_final_model,
     optimizer_grouped_parameters,
     parse_overrides,
     push_if_asked,
@@ -266,9 +267,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.with_tracking:
         accelerator.log({f"final_{k}": v for k, v in results.items() if isinstance(v, float)}, step=completed)
     accelerator.wait_for_everyone()
+    unwrapped = save_final_model(accelerator, model, args.output_dir)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(args.output_dir, safe_serialization=True)
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "mlm_results.json"), "w") as f:
             json.dump({"results": results, "history": history["eval"], "train_history": history["train"]}, f, indent=1)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -120,6 +121,10 @@ def run(name: str, out_dir: Path, rank: int, world: int) -> dict:
         path = out_dir / name
         model.save_pretrained(path, state_dict=dict(full))  # save_pretrained empties the dict it gets
         result["files"] = sorted(p.name for p in path.iterdir())
+        reference.save_pretrained(out_dir / f"{name}_single")  # the same weights saved without sharding
+        with safe_open(path / "model.safetensors", "pt") as a, safe_open(out_dir / f"{name}_single" / "model.safetensors", "pt") as b:
+            result["saved_keys_extra"] = sorted(set(a.keys()) - set(b.keys()))
+            result["saved_keys_missing"] = sorted(set(b.keys()) - set(a.keys()))
         loaded = cls.from_pretrained(path, dtype=torch.float64)
         loaded_state = loaded.state_dict()
         result["reload_missing"] = sorted(set(full) - set(loaded_state))

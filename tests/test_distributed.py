@@ -101,6 +101,8 @@ def test_fsdp2_two_processes_train_as_one_and_full_state_dict_reloads_equal(fsdp
     assert not r["reload_missing"] and not r["reload_extra"], (r["reload_missing"], r["reload_extra"])
     assert not r["reload_mismatch"], f"{name}: reloaded tensors differ: {r['reload_mismatch']}"
     assert r["max_logit_diff"] == 0.0, f"{name}: the reloaded model's logits differ by {r['max_logit_diff']}"
+    # the same tensors as the unsharded model saves (a tied weight gathered twice is saved once)
+    assert not r["saved_keys_extra"] and not r["saved_keys_missing"], (r["saved_keys_extra"], r["saved_keys_missing"])
     files = set(r["files"])
     assert {"model.safetensors", "config.json", MODELING[name]} <= files, sorted(files)
     assert not any(f.startswith("_fsdp") for f in files), f"torch's FSDP code was copied: {sorted(files)}"

@@ -122,7 +122,14 @@ class KernelizedPreTrainedModel(PreTrainedModel):
         """``PreTrainedModel.save_pretrained``; a model sharded by torch FSDP2 (``fully_shard``,
         which swaps the model's class for a subclass defined in torch) still saves its own
         modeling code and ``auto_map`` entry, not torch's FSDP files. Pass the gathered
-        ``state_dict`` for a sharded model (e.g. ``accelerator.get_state_dict(model)``)."""
+        ``state_dict`` for a sharded model (e.g. ``accelerator.get_state_dict(model)``); a tied
+        weight gathered as its own copy there is saved once, as for an unsharded model."""
+        state_dict = kwargs.get("state_dict")
+        if state_dict is not None and getattr(self.config, "tie_word_embeddings", False):
+            tied = [target for target, source in (getattr(self, "_tied_weights_keys", None) or {}).items()
+                    if target in state_dict and source in state_dict
+                    and torch.equal(state_dict[target], state_dict[source])]
+            kwargs["state_dict"] = {k: v for k, v in state_dict.items() if k not in tied}
         wrapper = type(self)
         own = next((c for c in wrapper.__mro__ if not c.__module__.startswith("torch.")), wrapper)
         if own is wrapper or wrapper._auto_class is None:
