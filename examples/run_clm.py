@@ -57,6 +57,7 @@ from hf_kernattn.training import (  # noqa: E402
     push_if_asked,
     resolve_checkpoint,
     run_fingerprint,
+    scheduler_steps_per_update,
     train_loop,
     warmup_steps,
 )
@@ -225,10 +226,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
     max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
+    # Accelerate steps a prepared scheduler once per process (once in all under DeepSpeed): scale to match.
+    scale = scheduler_steps_per_update(accelerator)
     scheduler = accelerator.prepare(get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps) * accelerator.num_processes,
-        num_training_steps=max_steps * accelerator.num_processes))
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps) * scale,
+        num_training_steps=max_steps * scale))
     if args.with_tracking:
         accelerator.init_trackers("run_clm", {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
 

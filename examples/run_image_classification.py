@@ -72,6 +72,7 @@ from hf_kernattn.training import (
     parse_overrides,
     resolve_checkpoint,
     run_fingerprint,
+    scheduler_steps_per_update,
     train_loop,
     warmup_steps,
 )
@@ -276,10 +277,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model, optimizer = accelerator.prepare(model, optimizer)
     train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
-    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
+    # Accelerate steps a prepared scheduler once per process (once in all under DeepSpeed): scale to match.
     scheduler = accelerator.prepare(get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
-        num_training_steps=max_train_steps * accelerator.num_processes))
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * scheduler_steps_per_update(accelerator),
+        num_training_steps=max_train_steps * scheduler_steps_per_update(accelerator)))
     if args.with_tracking:
         accelerator.init_trackers("run_image_classification",
                                   {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})

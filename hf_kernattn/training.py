@@ -487,6 +487,15 @@ def warmup_steps(args: argparse.Namespace, max_train_steps: int, default: int = 
     return default if args.num_warmup_steps is None else args.num_warmup_steps
 
 
+def scheduler_steps_per_update(accelerator) -> int:
+    """How many times a scheduler prepared by ``accelerator`` steps per optimizer update: once per
+    process (accelerate's ``AcceleratedScheduler``), but once in all under DeepSpeed, whose engine
+    steps it. Scale the warm-up and total steps given to ``get_scheduler`` by this."""
+    from accelerate.utils import DistributedType
+
+    return 1 if accelerator.distributed_type == DistributedType.DEEPSPEED else accelerator.num_processes
+
+
 def _launch_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
@@ -496,13 +505,14 @@ def make_accelerator(args: argparse.Namespace, **kwargs):
     gradient accumulation), honouring an FSDP or DeepSpeed ``accelerate launch`` on CPU processes.
 
     accelerate (1.15) applies an FSDP or DeepSpeed launch configuration only on GPUs and similar
-    devices: on CPU an FSDP launch with ``--cpu`` silently trains with DDP, and a DeepSpeed launch
-    fails on its batch-size check (it sees one process). Here an FSDP launch with ``--cpu``
-    shards with FSDP over gloo, and a DeepSpeed launch with ``--cpu`` or on a machine without
+    devices: on CPU an FSDP launch silently trains with DDP (with ``--cpu``) or as unconnected
+    single processes, and a DeepSpeed launch fails on its batch-size check (it sees one process).
+    Here an FSDP launch with ``--cpu`` or on a machine without CUDA shards with FSDP over gloo, and a DeepSpeed launch with ``--cpu`` or on a machine without
     CUDA runs DeepSpeed over gloo on its CPU accelerator (``DS_ACCELERATOR=cpu``). DeepSpeed
     keeps the optimizer partitioned in its own format, which our checkpoints (safetensors and
-    JSON) cannot hold: ``--checkpointing_steps``, ``--stop_after_steps`` and
-    ``--resume_from_checkpoint`` are refused under DeepSpeed with a ``ValueError``."""
+    JSON) cannot hold: under DeepSpeed ``--stop_after_steps`` and ``--resume_from_checkpoint``
+    are refused with a ``ValueError``, and ``--checkpointing_steps`` is ignored with a warning
+    (only the final model is saved)."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
@@ -512,14 +522,17 @@ def make_accelerator(args: argparse.Namespace, **kwargs):
         kwargs.update(log_with=args.report_to, project_dir=args.output_dir)
     cpu = args.cpu
     if _launch_flag("ACCELERATE_USE_DEEPSPEED"):
-        flags = [f"--{name}" for name in ("checkpointing_steps", "stop_after_steps", "resume_from_checkpoint")
+        why = ("resumable checkpoints are not supported under DeepSpeed (it keeps the optimizer partitioned in its "
+               "own pickled format; our checkpoints are safetensors and JSON only); FSDP (accelerate config "
+               "fsdp_version: 2) checkpoints and resumes")
+        flags = [f"--{name}" for name in ("stop_after_steps", "resume_from_checkpoint")
                  if getattr(args, name, None) is not None]
         if flags:
-            raise ValueError(
-                f"{', '.join(flags)}: resumable checkpoints are not supported under DeepSpeed (it keeps the optimizer "
-                "partitioned in its own pickled format; our checkpoints are safetensors and JSON only). Train without "
-                "them under DeepSpeed, or use FSDP (accelerate config fsdp_version: 2), whose checkpoints resume."
-            )
+            raise ValueError(f"{', '.join(flags)}: {why}")
+        if getattr(args, "checkpointing_steps", None) is not None:
+            logger.warning(f"--checkpointing_steps {args.checkpointing_steps} ignored: {why}. Only the final model "
+                           "is saved.")
+            args.checkpointing_steps = None
         if cpu or not torch.cuda.is_available():
             from deepspeed.accelerator import get_accelerator
 
@@ -530,9 +543,18 @@ def make_accelerator(args: argparse.Namespace, **kwargs):
             # without CUDA it needs the process-group backend named to see every process.
             cpu = False
             kwargs["kwargs_handlers"] = list(kwargs.get("kwargs_handlers", [])) + [InitProcessGroupKwargs(backend="gloo")]
+    elif _launch_flag("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+        cpu = True  # otherwise accelerate runs each process alone on a machine without CUDA
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=cpu, **kwargs)
     if _launch_flag("ACCELERATE_USE_FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
         _use_fsdp_on_cpu(accelerator)
+    batch = getattr(args, "per_device_train_batch_size", None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and batch is not None:
+        # DeepSpeed needs the micro-batch when the model is prepared; scripts that prepare their
+        # data loaders separately would leave it unknown ("auto")
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds_config["train_micro_batch_size_per_gpu"] = batch
     return accelerator
 
 

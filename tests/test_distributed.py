@@ -109,3 +109,28 @@ def test_fsdp2_two_processes_train_as_one_and_full_state_dict_reloads_equal(fsdp
     assert not any(f.endswith((".bin", ".pt", ".pth", ".pkl")) for f in files), sorted(files)
     auto_map = json.loads((out / name / "config.json").read_text())["auto_map"]
     assert all(not v.startswith("_fsdp") and "FSDP" not in v for v in auto_map.values()), auto_map
+
+
+# --------------------------------------------------------------------------------------------
+# the example scripts' Accelerator under a DeepSpeed launch (no DeepSpeed needed for these)
+
+
+def _script_args(**overrides):
+    from types import SimpleNamespace
+
+    base = dict(mixed_precision=None, with_tracking=False, report_to="all", output_dir="out", cpu=True,
+                gradient_accumulation_steps=1, checkpointing_steps=None, stop_after_steps=None,
+                resume_from_checkpoint=None)
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("flag, value", [("stop_after_steps", 3), ("resume_from_checkpoint", "latest")])
+def test_deepspeed_launch_refuses_resumable_checkpoint_flags_by_name(monkeypatch, flag, value):
+    """Our checkpoints cannot hold DeepSpeed's partitioned optimizer: a run that would stop for a
+    resume, or resume, is refused before anything is built, naming the flag."""
+    from hf_kernattn.training import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match=f"--{flag}: resumable checkpoints are not supported under DeepSpeed"):
+        make_accelerator(_script_args(**{flag: value}))
