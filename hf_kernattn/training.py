@@ -507,8 +507,9 @@ def make_accelerator(args: argparse.Namespace, **kwargs):
     accelerate (1.15) applies an FSDP or DeepSpeed launch configuration only on GPUs and similar
     devices: on CPU an FSDP launch silently trains with DDP (with ``--cpu``) or as unconnected
     single processes, and a DeepSpeed launch fails on its batch-size check (it sees one process).
-    Here an FSDP launch with ``--cpu`` or on a machine without CUDA shards with FSDP over gloo, and a DeepSpeed launch with ``--cpu`` or on a machine without
-    CUDA runs DeepSpeed over gloo on its CPU accelerator (``DS_ACCELERATOR=cpu``). DeepSpeed
+    Here an FSDP launch with ``--cpu`` or on a machine without CUDA shards with FSDP over gloo,
+    and a DeepSpeed launch with ``--cpu`` or on a machine without CUDA runs DeepSpeed over gloo on
+    its CPU accelerator (``DS_ACCELERATOR=cpu``). DeepSpeed
     keeps the optimizer partitioned in its own format, which our checkpoints (safetensors and
     JSON) cannot hold: under DeepSpeed ``--stop_after_steps`` and ``--resume_from_checkpoint``
     are refused with a ``ValueError``, and ``--checkpointing_steps`` is ignored with a warning

@@ -134,3 +134,19 @@ def test_deepspeed_launch_refuses_resumable_checkpoint_flags_by_name(monkeypatch
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ValueError, match=f"--{flag}: resumable checkpoints are not supported under DeepSpeed"):
         make_accelerator(_script_args(**{flag: value}))
+
+
+def test_checkpoint_of_a_sharded_run_is_refused_by_an_unsharded_one_and_back(tmp_path):
+    """An FSDP2 checkpoint holds gathered full states keyed by parameter name; a DDP/one-process
+    checkpoint holds the optimizer's own state. Resuming one as the other is refused by name."""
+    from types import SimpleNamespace
+
+    from hf_kernattn.training import load_checkpoint, write_state_file
+
+    for saved, now in (("fsdp2", False), ("none", True)):
+        folder = tmp_path / saved
+        folder.mkdir()
+        write_state_file(folder, "f" * 16, {}, step=1, num_processes=2, sharding=saved, progress={})
+        accelerator = SimpleNamespace(num_processes=2, is_fsdp2=now, process_index=0)
+        with pytest.raises(ValueError, match=f"written with sharding '{saved}'"):
+            load_checkpoint(accelerator, folder, model=None, optimizer=None, scheduler=None)
