@@ -57,7 +57,6 @@ from hf_kernattn.training import (  # noqa: E402
     push_if_asked,
     resolve_checkpoint,
     run_fingerprint,
-    scheduler_steps_per_update,
     train_loop,
     warmup_steps,
 )
@@ -226,11 +225,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
     max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # Accelerate steps a prepared scheduler once per process (once in all under DeepSpeed): scale to match.
-    scale = scheduler_steps_per_update(accelerator)
-    scheduler = accelerator.prepare(get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps) * scale,
-        num_training_steps=max_steps * scale))
+    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
+    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
+    # model unwrapped, which then steps at every micro-batch.
+    scheduler = accelerator.prepare_scheduler(get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps) * accelerator.num_processes,
+        num_training_steps=max_steps * accelerator.num_processes))
     if args.with_tracking:
         accelerator.init_trackers("run_clm", {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
 

@@ -73,7 +73,6 @@ from hf_kernattn.training import (
     push_if_asked,
     resolve_checkpoint,
     run_fingerprint,
-    scheduler_steps_per_update,
     train_loop,
     warmup_steps,
 )
@@ -227,10 +226,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
     train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     if eval_dl is not None:
         eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
-    # Accelerate steps a prepared scheduler once per process (once in all under DeepSpeed): scale to match.
-    scheduler = accelerator.prepare(get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * scheduler_steps_per_update(accelerator),
-        num_training_steps=args.max_train_steps * scheduler_steps_per_update(accelerator)))
+    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
+    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
+    # model unwrapped, which then steps at every micro-batch.
+    scheduler = accelerator.prepare_scheduler(get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
+        num_training_steps=args.max_train_steps * accelerator.num_processes))
     if args.with_tracking:
         accelerator.init_trackers("run_mlm", {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
 

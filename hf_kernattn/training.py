@@ -487,15 +487,6 @@ def warmup_steps(args: argparse.Namespace, max_train_steps: int, default: int = 
     return default if args.num_warmup_steps is None else args.num_warmup_steps
 
 
-def scheduler_steps_per_update(accelerator) -> int:
-    """How many times a scheduler prepared by ``accelerator`` steps per optimizer update: once per
-    process (accelerate's ``AcceleratedScheduler``), but once in all under DeepSpeed, whose engine
-    steps it. Scale the warm-up and total steps given to ``get_scheduler`` by this."""
-    from accelerate.utils import DistributedType
-
-    return 1 if accelerator.distributed_type == DistributedType.DEEPSPEED else accelerator.num_processes
-
-
 def _launch_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
