@@ -150,3 +150,46 @@ def test_checkpoint_of_a_sharded_run_is_refused_by_an_unsharded_one_and_back(tmp
         accelerator = SimpleNamespace(num_processes=2, is_fsdp2=now, process_index=0)
         with pytest.raises(ValueError, match=f"written with sharding '{saved}'"):
             load_checkpoint(accelerator, folder, model=None, optimizer=None, scheduler=None)
+
+
+# --------------------------------------------------------------------------------------------
+# an example script under `accelerate launch` with the FSDP2 configuration of the README
+
+
+@pytest.mark.slow
+def test_run_mlm_under_accelerate_fsdp2_on_cpu_shards_saves_and_resumes_exactly(tmp_path):
+    """``accelerate launch --config_file examples/accelerate_configs/fsdp2.yaml examples/run_mlm.py
+    --cpu`` (2 gloo processes): the model is really sharded (accelerate alone would fall back to
+    DDP on CPU), the checkpoint holds the gathered full state and says so, resuming from it ends
+    bitwise where the uninterrupted run ends, and the final folder reloads with the family's code."""
+    pytest.importorskip("accelerate")
+    from tests.test_examples_resume import DRIVER, _env, script_args
+
+    args, stop = script_args("run_mlm", tmp_path)
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.replace('"STOP"', f'"{stop}"'))
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "examples" / "accelerate_configs" / "fsdp2.yaml"), "--main_process_port", str(free_port()),
+           str(driver), str(ROOT / "examples" / "run_mlm.py"), json.dumps(args), str(tmp_path / "out"), "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=_env(), timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    res = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULTS "))[len("RESULTS "):])
+    assert res["stopped"].get("stopped") is True, res["stopped"]
+    assert res["resumed"]["eval_loss"] == res["full"]["eval_loss"], res
+    out = tmp_path / "out"
+    state = json.loads((out / "resumed" / f"step_{stop}" / "training_state.json").read_text())
+    assert state["sharding"] == "fsdp2" and state["num_processes"] == 2, state
+    files = {p.name for p in (out / "full").iterdir()}
+    assert {"model.safetensors", "config.json", "modeling_nprf_bert.py"} <= files and not any(
+        f.startswith("_fsdp") for f in files), sorted(files)
+
+    import safetensors.torch
+    import torch
+
+    from hf_kernattn import NPRFBertForMaskedLM
+
+    saved = safetensors.torch.load_file(str(out / "full" / "model.safetensors"))
+    model, info = NPRFBertForMaskedLM.from_pretrained(out / "full", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    loaded = model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in saved.items())
