@@ -230,7 +230,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
     max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
-    scheduler = accelerator.prepare(get_scheduler(
+    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
+    # model unwrapped, which then steps at every micro-batch.
+    scheduler = accelerator.prepare_scheduler(get_scheduler(
         args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps) * accelerator.num_processes,
         num_training_steps=max_steps * accelerator.num_processes))
     if args.with_tracking:

@@ -280,7 +280,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
     # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
-    scheduler = accelerator.prepare(get_scheduler(
+    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
+    # model unwrapped, which then steps at every micro-batch.
+    scheduler = accelerator.prepare_scheduler(get_scheduler(
         args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
         num_training_steps=max_train_steps * accelerator.num_processes))
     if args.with_tracking:

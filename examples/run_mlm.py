@@ -69,6 +69,7 @@ from hf_kernattn.training import (
     check_training_args,
     fingerprint_settings,
     make_accelerator,
+    save_final_model,
     optimizer_grouped_parameters,
     parse_overrides,
     push_if_asked,
@@ -233,7 +234,9 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if eval_dl is not None:
         eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
     # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
-    scheduler = accelerator.prepare(get_scheduler(
+    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
+    # model unwrapped, which then steps at every micro-batch.
+    scheduler = accelerator.prepare_scheduler(get_scheduler(
         args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
         num_training_steps=args.max_train_steps * accelerator.num_processes))
     if args.with_tracking:
@@ -274,9 +277,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.with_tracking:
         accelerator.log({f"final_{k}": v for k, v in results.items() if isinstance(v, float)}, step=completed)
     accelerator.wait_for_everyone()
+    unwrapped = save_final_model(accelerator, model, args.output_dir)
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(model)
-        unwrapped.save_pretrained(args.output_dir, safe_serialization=True)
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "mlm_results.json"), "w") as f:
             json.dump({"results": results, "history": history["eval"], "train_history": history["train"]}, f, indent=1)

@@ -508,10 +508,19 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     save_tree(tmp, f"rng_state_{accelerator.process_index}", rng_state(generators))
+    optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    sharding = _sharding(accelerator)
+    if sharding == "fsdp2":  # gather the full model and optimizer state (every process takes part)
+        model_state, optim_state = _fsdp2_full_state(model, optim)
     if accelerator.is_main_process:
-        safetensors.torch.save_model(accelerator.unwrap_model(model), str(tmp / MODEL_FILE))
-        optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-        save_tree(tmp, "optimizer", optim.state_dict())
+        if sharding == "fsdp2":
+            # our own copies: tied weights are saved under each name (no shared storage)
+            safetensors.torch.save_file({k: v.detach().contiguous().clone() for k, v in model_state.items()},
+                                        str(tmp / MODEL_FILE))
+            save_tree(tmp, "optimizer", optim_state)
+        else:
+            safetensors.torch.save_model(accelerator.unwrap_model(model), str(tmp / MODEL_FILE))
+            save_tree(tmp, "optimizer", optim.state_dict())
         sched = scheduler.scheduler if hasattr(scheduler, "scheduler") else scheduler
         save_tree(tmp, "scheduler", sched.state_dict())
         if accelerator.scaler is not None:
@@ -521,7 +530,7 @@ def save_checkpoint(
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         write_state_file(tmp, fingerprint, settings, step=step, num_processes=accelerator.num_processes,
-                         progress=progress)
+                         sharding=sharding, progress=progress)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -529,6 +538,36 @@ def save_checkpoint(
         prune_checkpoints(output_dir, total_limit, fingerprint)
     accelerator.wait_for_everyone()
     return final
+
+
+def _sharding(accelerator) -> str:
+    """How the model's weights are laid out over the processes: ``"fsdp2"`` (torch FSDP2
+    shards, through ``accelerate launch`` with ``fsdp_version: 2``) or ``"none"`` (every process
+    holds them whole: one process, DDP)."""
+    return "fsdp2" if getattr(accelerator, "is_fsdp2", False) else "none"
+
+
+def _fsdp2_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model's and optimizer's state gathered from FSDP2 shards onto the CPU of the
+    main process (parameter names as keys; other processes get empty dicts)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optim, options=options)
+
+
+def _fsdp2_load_full_state(model: nn.Module, optim: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                           path: Path) -> None:
+    """Load what :func:`_fsdp2_full_state` gathered into an FSDP2 model and its optimizer (every
+    process reads the whole state and keeps its own shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True)
+    try:
+        set_model_state_dict(model, model_state, options=options)
+        set_optimizer_state_dict(model, optim, optim_state, options=options)
+    except (KeyError, RuntimeError, ValueError) as err:
+        raise ValueError(f"the checkpoint {path} does not fit the model: {err}") from err
 
 
 def load_checkpoint(
@@ -548,14 +587,23 @@ def load_checkpoint(
     if state["num_processes"] != accelerator.num_processes:
         raise ValueError(f"the checkpoint {path} was written by {state['num_processes']} processes; "
                          f"resume it with the same number (now {accelerator.num_processes})")
-    with _naming(path / MODEL_FILE):
-        missing, unexpected = safetensors.torch.load_model(
-            accelerator.unwrap_model(model), str(path / MODEL_FILE), strict=False, device="cpu"
-        )
-    if missing or unexpected:
-        raise ValueError(f"the checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+    sharding, saved_sharding = _sharding(accelerator), state.get("sharding", "none")
+    if sharding != saved_sharding:
+        raise ValueError(f"the checkpoint {path} was written with sharding {saved_sharding!r}; resume it with the same "
+                         f"(now {sharding!r}: 'fsdp2' is an accelerate launch with an FSDP2 configuration)")
     optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-    optim.load_state_dict(load_tree(path, "optimizer"))
+    if sharding == "fsdp2":
+        with _naming(path / MODEL_FILE):
+            full_state = safetensors.torch.load_file(str(path / MODEL_FILE))
+        _fsdp2_load_full_state(model, optim, full_state, load_tree(path, "optimizer"), path)
+    else:
+        with _naming(path / MODEL_FILE):
+            missing, unexpected = safetensors.torch.load_model(
+                accelerator.unwrap_model(model), str(path / MODEL_FILE), strict=False, device="cpu"
+            )
+        if missing or unexpected:
+            raise ValueError(f"the checkpoint {path} does not fit the model: missing {missing}, unexpected {unexpected}")
+        optim.load_state_dict(load_tree(path, "optimizer"))
     sched = scheduler.scheduler if hasattr(scheduler, "scheduler") else scheduler
     sched.load_state_dict(load_tree(path, "scheduler"))
     if accelerator.scaler is not None:
@@ -715,18 +763,86 @@ def configure_threads(num_threads: Optional[int] = None, local_processes: Option
     return num_threads
 
 
+def _launch_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
 def make_accelerator(args: argparse.Namespace, **kwargs):
-    """The ``Accelerator`` of an example script; also sets the CPU threads (``--num_threads``,
-    :func:`configure_threads`)."""
+    """The ``Accelerator`` of an example script (``--cpu``, ``--mixed_precision``, tracking,
+    gradient accumulation), honouring an FSDP or DeepSpeed ``accelerate launch`` on CPU processes;
+    also sets the CPU threads (``--num_threads``, :func:`configure_threads`).
+
+    accelerate (1.15) applies an FSDP or DeepSpeed launch configuration only on GPUs and similar
+    devices: on CPU an FSDP launch silently trains with DDP (with ``--cpu``) or as unconnected
+    single processes, and a DeepSpeed launch fails on its batch-size check (it sees one process).
+    Here an FSDP launch with ``--cpu`` or on a machine without CUDA shards with FSDP over gloo,
+    and a DeepSpeed launch with ``--cpu`` or on a machine without CUDA runs DeepSpeed over gloo on
+    its CPU accelerator (``DS_ACCELERATOR=cpu``). DeepSpeed
+    keeps the optimizer partitioned in its own format, which our checkpoints (safetensors and
+    JSON) cannot hold: under DeepSpeed ``--stop_after_steps`` and ``--resume_from_checkpoint``
+    are refused with a ``ValueError``, and ``--checkpointing_steps`` is ignored with a warning
+    (only the final model is saved)."""
     from accelerate import Accelerator
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
     if args.mixed_precision:
         kwargs["mixed_precision"] = args.mixed_precision
     if args.with_tracking:
         kwargs.update(log_with=args.report_to, project_dir=args.output_dir)
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=args.cpu, **kwargs)
+    cpu = args.cpu
+    if _launch_flag("ACCELERATE_USE_DEEPSPEED"):
+        why = ("resumable checkpoints are not supported under DeepSpeed (it keeps the optimizer partitioned in its "
+               "own pickled format; our checkpoints are safetensors and JSON only); FSDP (accelerate config "
+               "fsdp_version: 2) checkpoints and resumes")
+        flags = [f"--{name}" for name in ("stop_after_steps", "resume_from_checkpoint")
+                 if getattr(args, name, None) is not None]
+        if flags:
+            raise ValueError(f"{', '.join(flags)}: {why}")
+        if getattr(args, "checkpointing_steps", None) is not None:
+            logger.warning(f"--checkpointing_steps {args.checkpointing_steps} ignored: {why}. Only the final model "
+                           "is saved.")
+            args.checkpointing_steps = None
+        if cpu or not torch.cuda.is_available():
+            from deepspeed.accelerator import get_accelerator
+
+            if get_accelerator().device_name() != "cpu":
+                raise ValueError(f"--cpu under DeepSpeed needs DeepSpeed's CPU accelerator (set DS_ACCELERATOR=cpu); "
+                                 f"it chose {get_accelerator().device_name()!r}")
+            # accelerate hands DeepSpeed only to an Accelerator without cpu=True, and on a machine
+            # without CUDA it needs the process-group backend named to see every process.
+            cpu = False
+            kwargs["kwargs_handlers"] = list(kwargs.get("kwargs_handlers", [])) + [InitProcessGroupKwargs(backend="gloo")]
+    elif _launch_flag("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+        cpu = True  # otherwise accelerate runs each process alone on a machine without CUDA
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, cpu=cpu, **kwargs)
+    if _launch_flag("ACCELERATE_USE_FSDP") and accelerator.distributed_type == DistributedType.MULTI_CPU:
+        _use_fsdp_on_cpu(accelerator)
+    batch = getattr(args, "per_device_train_batch_size", None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and batch is not None:
+        # DeepSpeed needs the micro-batch when the model is prepared; scripts that prepare their
+        # data loaders separately would leave it unknown ("auto")
+        ds_config = accelerator.state.deepspeed_plugin.deepspeed_config
+        if ds_config.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds_config["train_micro_batch_size_per_gpu"] = batch
     configure_threads(getattr(args, "num_threads", None))
     return accelerator
+
+
+def _use_fsdp_on_cpu(accelerator) -> None:
+    """Switch an ``Accelerator`` of CPU processes (gloo) from DDP to the FSDP plugin of the launch
+    configuration (the ``FSDP_*`` variables ``accelerate launch`` sets), as accelerate does on GPUs."""
+    from accelerate import FullyShardedDataParallelPlugin
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    plugin = FullyShardedDataParallelPlugin()
+    if accelerator.mixed_precision != "no":
+        plugin.set_mixed_precision(accelerator.mixed_precision)
+    state = accelerator.state
+    state.fsdp_plugin = plugin
+    state.distributed_type = DistributedType.FSDP
+    PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    logger.info(f"FSDP{plugin.fsdp_version} on {accelerator.num_processes} CPU processes (gloo)")
 
 
 def parse_overrides(text: Optional[str], flag: str = "--config_overrides") -> dict:
@@ -917,6 +1033,18 @@ def finish_run(accelerator, args: argparse.Namespace, model: nn.Module, evaluate
     if args.with_tracking:
         accelerator.log({f"final_{k}": v for k, v in final.items() if k != "step"}, step=step)
     accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    unwrapped = save_final_model(accelerator, model, output_dir)
     return final, unwrapped
+
+
+def save_final_model(accelerator, model: nn.Module, output_dir: str | os.PathLike) -> nn.Module:
+    """Save the trained model (weights, config and code) into ``output_dir`` with
+    ``save_pretrained``; every process must call it. The weights are gathered whole first
+    (``accelerator.get_state_dict``: from FSDP shards or DeepSpeed ZeRO-3 partitions) and written by
+    the main process. Returns the unwrapped model."""
+    state_dict = accelerator.get_state_dict(model)
+    unwrapped = accelerator.unwrap_model(model)
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(output_dir, state_dict=state_dict)
+    accelerator.wait_for_everyone()
+    return unwrapped

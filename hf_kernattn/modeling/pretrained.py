@@ -14,14 +14,19 @@
 * Input checks that read tensor values (``int(x.min())``, ``bool(mask.any())``) force a host
   sync and break ``torch.export`` / ``torch.compile`` (data-dependent guards); they run in eager
   mode only (:func:`eager_checks`).
+* Saving a sharded model: torch FSDP2's ``fully_shard`` replaces the model's class with a
+  subclass defined in torch; ``save_pretrained`` still writes the family's own code and
+  ``auto_map`` entry (``transformers`` would copy torch's FSDP files instead).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 from transformers import PreTrainedModel
+from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
 from .attention_config import NO_ATTENTION_WEIGHTS
@@ -121,6 +126,38 @@ class KernelizedPreTrainedModel(PreTrainedModel):
             buf = getattr(module, name)
             if buf.shape == value.shape:
                 buf.copy_(value)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``; a model sharded by torch FSDP2 (``fully_shard``,
+        which swaps the model's class for a subclass defined in torch) still saves its own
+        modeling code and ``auto_map`` entry, not torch's FSDP files. Pass the gathered
+        ``state_dict`` for a sharded model (e.g. ``accelerator.get_state_dict(model)``); a tied
+        weight gathered as its own copy there is saved once, as for an unsharded model."""
+        state_dict = kwargs.get("state_dict")
+        if state_dict is not None and getattr(self.config, "tie_word_embeddings", False):
+            tied = [target for target, source in (getattr(self, "_tied_weights_keys", None) or {}).items()
+                    if target in state_dict and source in state_dict
+                    and torch.equal(state_dict[target], state_dict[source])]
+            kwargs["state_dict"] = {k: v for k, v in state_dict.items() if k not in tied}
+        wrapper = type(self)
+        own = next((c for c in wrapper.__mro__ if not c.__module__.startswith("torch.")), wrapper)
+        if own is wrapper or wrapper._auto_class is None:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        # transformers copies the code of type(self): do that for the model's own class here, and
+        # let save_pretrained see no custom class on the wrapper while it runs.
+        if self.should_save_on_this_rank(kwargs.get("is_main_process", True)):
+            os.makedirs(save_directory, exist_ok=True)
+            # an empty instance of the own class: custom_object_save reads only class attributes
+            custom_object_save(object.__new__(own), save_directory, config=self.config)
+        had_own = "_auto_class" in wrapper.__dict__
+        saved, wrapper._auto_class = wrapper._auto_class, None
+        try:
+            return super().save_pretrained(save_directory, *args, **kwargs)
+        finally:
+            if had_own:
+                wrapper._auto_class = saved
+            else:
+                del wrapper._auto_class
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
