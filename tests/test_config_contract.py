@@ -170,3 +170,21 @@ def test_model_from_a_config_asking_for_attentions_runs_without_them(family, tmp
     # and explicitly not asked for: no attentions, no error
     with torch.no_grad():
         assert getattr(loaded(**inputs, output_attentions=False), "attentions", None) is None
+
+
+def test_causal_lm_from_a_config_asking_for_attentions_generates_without_them(tmp_path):
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(tiny_linear_gpt_config()).eval()
+    ids = inputs_for("linear_gpt")["input_ids"]
+    reference = model.generate(ids, max_new_tokens=4, do_sample=False)
+    model.save_pretrained(tmp_path)
+    loaded = LinearGPTForCausalLM.from_pretrained(tmp_path, output_attentions=True).eval()
+    logging.warning_once.cache_clear()
+    with CaptureLogger(logging.get_logger("hf_kernattn.modeling.pretrained")) as captured:
+        out = loaded.generate(ids, max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    assert "no attention weights" in captured.out
+    assert torch.equal(out.sequences, reference)
+    assert not getattr(out, "attentions", None)
+    # asked for in the call: refused before decoding
+    with pytest.raises(ValueError, match="no attention weights"):
+        loaded.generate(ids, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)

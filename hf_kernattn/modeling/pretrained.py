@@ -56,6 +56,18 @@ def refuse_output_attentions(name: str, output_attentions: Optional[bool], confi
         raise ValueError(NO_ATTENTION_WEIGHTS.format(name=name))
 
 
+def drop_default_generation_attentions(name: str, generation_config, kwargs: dict) -> None:
+    """For ``generate(**kwargs)``: a model whose own generation config asks for attention weights
+    (``output_attentions=True`` inherited from its config) generates without them, with the
+    config's warning, instead of failing at the first forward. A call that asks for them
+    (``output_attentions=True`` or a ``generation_config`` setting it) still raises there."""
+    if "output_attentions" in kwargs or kwargs.get("generation_config") is not None:
+        return
+    if getattr(generation_config, "output_attentions", False):
+        logger.warning_once(CONFIG_ATTENTIONS_IGNORED.format(name=name))
+        kwargs["output_attentions"] = False
+
+
 def classification_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
     """The loss of a sequence/image classification head through ``model.loss_function``
     (``problem_type`` inferred as BERT does when unset). With
@@ -162,5 +174,6 @@ class KernelizedPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
 
-__all__ = ["KernelizedPreTrainedModel", "classification_loss", "eager_checks", "refuse_output_attentions",
+__all__ = ["KernelizedPreTrainedModel", "classification_loss", "drop_default_generation_attentions", "eager_checks",
+           "refuse_output_attentions",
            "NO_ATTENTION_WEIGHTS"]
