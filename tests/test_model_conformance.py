@@ -10,8 +10,9 @@ tests/family_mixin.py).
 
 What cannot apply, and how each family declares it:
 * attention outputs (``has_attentions``): kernelized attention never forms the N x N attention
-  matrix. ``output_attentions=True`` raises ``ValueError`` in the config, in every ``forward``
-  and therefore in ``generate``; there is no attention backend switch
+  matrix. ``output_attentions=True`` raises ``ValueError`` in every ``forward`` and therefore
+  in ``generate``; a config keeps the flag (as every transformers config does) and a model
+  built from it returns no attentions; there is no attention backend switch
   (``_supports_attention_backend = False``, no sdpa/flash/flex).
 * assisted / prompt-lookup / speculative decoding and cropping the cache: the decoding state is
   an RNN state that cannot forget tokens; Linear GPT is ``_is_stateful`` and ``generate`` refuses.
@@ -409,11 +410,12 @@ def test_output_attentions_is_refused_the_same_way_in_both_families(family):
     ids = ids_for(family)
     with pytest.raises(ValueError, match="no attention weights"):
         model(ids, output_attentions=True)
-    with pytest.raises(ValueError, match="output_attentions"):
-        make(output_attentions=True)
-    model.config.output_attentions = True  # set after building: forward refuses too
+    # the config keeps the flag (tests/test_config_contract.py); forward returns no attentions
+    assert make(output_attentions=True).output_attentions is True
+    model.config.output_attentions = True
+    assert getattr(model(ids), "attentions", None) is None
     with pytest.raises(ValueError, match="no attention weights"):
-        model(ids)
+        model(ids, output_attentions=True)
     assert not cls._supports_attention_backend
 
 

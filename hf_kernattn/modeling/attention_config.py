@@ -365,6 +365,12 @@ NO_ATTENTION_WEIGHTS = (
     "matrix, so output_attentions=True is not supported (output_hidden_states=True is)"
 )
 
+CONFIG_ATTENTIONS_IGNORED = (
+    "{name}: the config has output_attentions=True, but there are no attention weights to return "
+    "(kernelized attention never forms the N x N attention matrix); the outputs carry none. Set "
+    "config.output_attentions = False to silence this."
+)
+
 
 def validate_model_fields(
     *,
@@ -383,7 +389,10 @@ def validate_model_fields(
         initializer_range: a finite number >= 0.
         layer_norm_eps: ``(field name, value)``; a finite number > 0 (the families name it differently).
         use_cache: a bool, or None where the family has no such field.
-        output_attentions: anything but True (kernelized attention forms no attention matrix).
+        output_attentions: a bool, or None when not given. ``True`` is accepted and kept, as
+            transformers' models without attention weights keep it (it is one of the arguments
+            every transformers config takes); the models return no attention weights, and a
+            ``forward`` that asks for them explicitly raises.
     """
     if isinstance(hidden_act, str):
         if hidden_act not in ACT2FN:
@@ -401,5 +410,5 @@ def validate_model_fields(
         raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
     if use_cache is not None and not isinstance(use_cache, bool):
         raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
-    if output_attentions:
-        raise ValueError(NO_ATTENTION_WEIGHTS.format(name=family))
+    if output_attentions is not None and not isinstance(output_attentions, bool):
+        raise TypeError(f"output_attentions must be a bool, got {output_attentions!r}")

@@ -111,8 +111,10 @@ class LinearGPTConfig(PreTrainedConfig):
 
     @shared-attention-fields@
 
-    ``output_attentions=True`` is refused (``ValueError``): kernelized attention never forms the
-    attention matrix, so there are no attention weights to return.
+    ``output_attentions`` is accepted and kept, as by every transformers config, but kernelized
+    attention never forms the attention matrix: a model built from a config with
+    ``output_attentions=True`` returns no attention weights (and warns once), and
+    ``forward(output_attentions=True)`` raises ``ValueError``.
     """
 
     model_type = "linear_gpt"

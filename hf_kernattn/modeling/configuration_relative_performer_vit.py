@@ -75,8 +75,10 @@ class RelativePerformerViTConfig(PreTrainedConfig):
 
     @shared-attention-fields@
 
-    ``output_attentions=True`` is refused (``ValueError``): kernelized attention never forms the
-    attention matrix.
+    ``output_attentions`` is accepted and kept, as by every transformers config, but kernelized
+    attention never forms the attention matrix: a model built from a config with
+    ``output_attentions=True`` returns no attention weights (and warns once), and
+    ``forward(output_attentions=True)`` raises ``ValueError``.
     """
 
     model_type = "relative_performer_vit"

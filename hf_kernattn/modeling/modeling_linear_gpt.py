@@ -43,7 +43,12 @@ from .cache import LinearGPTCache, LinearGPTCacheLayer
 from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin
-from .pretrained import KernelizedPreTrainedModel, eager_checks, refuse_output_attentions
+from .pretrained import (
+    KernelizedPreTrainedModel,
+    drop_default_generation_attentions,
+    eager_checks,
+    refuse_output_attentions,
+)
 
 def dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     """``module(x)`` where it can drop anything (training, p > 0); ``x`` otherwise, without the
@@ -573,6 +578,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                     + (" or (batch, past + seq)" if past is not None else "")
                     + f" (1 = keep, 0 = padding), got {tuple(mask.shape)}"
                 )
+        drop_default_generation_attentions("Linear GPT", self.generation_config, kwargs)
         return super().generate(inputs, *args, **kwargs)
 
     def prepare_inputs_for_generation(

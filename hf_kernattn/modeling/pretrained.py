@@ -7,8 +7,11 @@
   buffers are drawn from the feature seed, buffers that were loaded are kept, and
   ``from_pretrained`` warns when a checkpoint lacked them.
 * No attention weights: kernelized attention never forms the ``N x N`` attention matrix, so
-  ``output_attentions=True`` is refused with a ``ValueError`` (in the config and in ``forward``),
-  as ``transformers`` refuses it for attention implementations that cannot return weights.
+  ``forward(output_attentions=True)`` is refused with a ``ValueError``, as ``transformers``
+  refuses it for attention implementations that cannot return weights. The config accepts and
+  keeps ``output_attentions`` (an argument every transformers config takes), as transformers'
+  models without attention weights do; a model whose config asks for them returns none and
+  warns once.
 * Safe loading: weights come from safetensors files only, unless the caller asks for pickled
   ones explicitly (``use_safetensors=False``, with a warning).
 * Input checks that read tensor values (``int(x.min())``, ``bool(mask.any())``) force a host
@@ -29,7 +32,7 @@ from transformers import PreTrainedModel
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
-from .attention_config import NO_ATTENTION_WEIGHTS
+from .attention_config import CONFIG_ATTENTIONS_IGNORED, NO_ATTENTION_WEIGHTS
 from .feature_maps import FeatureMap
 
 logger = logging.get_logger(__name__)
@@ -54,11 +57,29 @@ def eager_checks() -> bool:
 
 
 def refuse_output_attentions(name: str, output_attentions: Optional[bool], config) -> None:
-    """``ValueError`` when attention weights are asked for (argument or ``config.output_attentions``)."""
+    """``ValueError`` when a call asks for attention weights (``output_attentions=True``).
+
+    Left unset (``None``), the call follows the config: ``config.output_attentions=True`` (kept
+    by the config, as every transformers config keeps it) gives outputs without attention
+    weights, and a warning once per process saying so."""
     if output_attentions is None:
-        output_attentions = getattr(config, "output_attentions", False)
+        if getattr(config, "output_attentions", False):
+            logger.warning_once(CONFIG_ATTENTIONS_IGNORED.format(name=name))
+        return
     if output_attentions:
         raise ValueError(NO_ATTENTION_WEIGHTS.format(name=name))
+
+
+def drop_default_generation_attentions(name: str, generation_config, kwargs: dict) -> None:
+    """For ``generate(**kwargs)``: a model whose own generation config asks for attention weights
+    (``output_attentions=True`` inherited from its config) generates without them, with the
+    config's warning, instead of failing at the first forward. A call that asks for them
+    (``output_attentions=True`` or a ``generation_config`` setting it) still raises there."""
+    if "output_attentions" in kwargs or kwargs.get("generation_config") is not None:
+        return
+    if getattr(generation_config, "output_attentions", False):
+        logger.warning_once(CONFIG_ATTENTIONS_IGNORED.format(name=name))
+        kwargs["output_attentions"] = False
 
 
 def classification_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -196,5 +217,5 @@ class KernelizedPreTrainedModel(PreTrainedModel):
         return (model, info) if want_info else model
 
 
-__all__ = ["KernelizedPreTrainedModel", "classification_loss", "eager_checks", "refuse_output_attentions",
-           "NO_ATTENTION_WEIGHTS", "warn_pickle_weights"]
+__all__ = ["KernelizedPreTrainedModel", "classification_loss", "drop_default_generation_attentions", "eager_checks",
+           "refuse_output_attentions", "NO_ATTENTION_WEIGHTS", "warn_pickle_weights"]
