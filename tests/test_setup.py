@@ -207,7 +207,7 @@ def test_the_readme_vit_quickstart_runs_without_warnings(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
-    (code,) = [b for b in blocks if "RelativePerformerViTForImageClassification(config)" in b]
+    (code,) = [b for b in blocks if "RelativePerformerViTForImageClassification(config)" in b and "classify = " in b]
     code += "\nfrom PIL import Image\nprint('CLASSES', len(classify(Image.new('RGB', (40, 40)))))\n"
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONWARNINGS": "always"}
