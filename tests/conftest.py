@@ -9,9 +9,12 @@ fixture calls ``nprf_bert_config(num_labels=3)``.
 
 from __future__ import annotations
 
+import contextlib
+import pickle
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hf_kernattn import LinearGPTConfig, NPRFBertConfig, RelativePerformerViTConfig
 
@@ -103,3 +106,16 @@ def checkpointing_training_argument() -> dict:
 
     names = {f.name for f in fields(TrainingArguments)}
     return {"activation_checkpointing": True} if "activation_checkpointing" in names else {"gradient_checkpointing": True}
+
+
+@contextlib.contextmanager
+def unpickling_forbidden(what: str = "the unpickler ran"):
+    """Within the block any unpickling (``pickle.load``/``loads``/``Unpickler``, ``torch.load``)
+    fails the test with ``AssertionError(what)``."""
+    def trap(*args, **kwargs):
+        raise AssertionError(what)
+
+    with pytest.MonkeyPatch.context() as m:
+        for module, name in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"), (torch, "load")):
+            m.setattr(module, name, trap)
+        yield

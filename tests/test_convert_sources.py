@@ -7,7 +7,6 @@ damaged files are one clear error naming the file."""
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 
 import pytest
@@ -28,6 +27,8 @@ from transformers import (
 
 from hf_kernattn.cli import main as cli_main
 from hf_kernattn.convert import convert
+
+from tests.conftest import unpickling_forbidden
 
 ENC = dict(vocab_size=60, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48)
 
@@ -180,16 +181,10 @@ def _pickle_only(kind: str, folder) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_pickled_weights_are_refused_unless_asked_for(kind, tmp_path, monkeypatch, caplog, capsys):
+def test_pickled_weights_are_refused_unless_asked_for(kind, tmp_path, caplog, capsys):
     _pickle_only(kind, tmp_path / "src")
 
-    def no_unpickling(*args, **kwargs):
-        raise AssertionError("the unpickler ran")
-
-    with monkeypatch.context() as m:
-        m.setattr(pickle, "load", no_unpickling)
-        m.setattr(pickle, "loads", no_unpickling)
-        m.setattr(torch, "load", no_unpickling)
+    with unpickling_forbidden():
         with pytest.raises(ValueError, match=r"only pickled weights \(pytorch_model.bin\).*allow_pickle=True"):
             convert(tmp_path / "src")
         capsys.readouterr()  # what saving the source printed

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import pickle
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ import torch
 from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as hf_logging
 
+from tests.conftest import unpickling_forbidden
 from tests.test_examples_resume import ROOT, eval_history, load_script, script_args
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")
@@ -249,7 +249,7 @@ def test_fallback_on_damage_with_a_total_limit_ends_exactly(script, damage, tmp_
 
 
 @pytest.mark.slow
-def test_glue_writes_no_pickle_and_resumes_exactly(tmp_path, monkeypatch):
+def test_glue_writes_no_pickle_and_resumes_exactly(tmp_path):
     mod = load_script("run_glue")
     args, _ = script_args("run_glue", tmp_path)
     args += ["--num_threads", "1"]
@@ -265,15 +265,8 @@ def test_glue_writes_no_pickle_and_resumes_exactly(tmp_path, monkeypatch):
     assert {"optimizer.safetensors", "optimizer.json", "scheduler.json", "rng_state_0.safetensors",
             "training_args.json", "model.safetensors"} <= files
 
-    def trap(*a, **k):
-        raise AssertionError("pickle used while resuming")
-
-    monkeypatch.setattr(pickle, "load", trap)
-    monkeypatch.setattr(pickle, "loads", trap)
-    monkeypatch.setattr(torch, "load", trap)
-    with CaptureLogger(_training_logger()) as cl:
+    with unpickling_forbidden("pickle used while resuming"), CaptureLogger(_training_logger()) as cl:
         resumed = mod.main(run + ["--resume_from_checkpoint", "latest"])
-    monkeypatch.undo()
     assert "damaged" not in cl.out and "ignoring" not in cl.out, cl.out
     assert resumed["eval_loss"] == full["eval_loss"]
     from hf_kernattn.training import verify_checkpoint

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import unpickling_forbidden
+
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = "the quick brown fox jumps over a lazy dog and then runs far away".split()
 
@@ -281,7 +283,7 @@ def test_resume_never_unpickles(script, tmp_path):
     assert resumed["eval_loss"] == full["eval_loss"]
 
 
-def test_load_checkpoint_uses_no_pickle(tmp_path, monkeypatch):
+def test_load_checkpoint_uses_no_pickle(tmp_path):
     """Round trip of a training state while pickle and torch.load are booby-trapped."""
     import numpy as np
     import torch
@@ -311,14 +313,8 @@ def test_load_checkpoint_uses_no_pickle(tmp_path, monkeypatch):
     opt2 = torch.optim.AdamW(model.parameters(), lr=0.5)
     sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (s + 1))
 
-    def trap(*a, **k):
-        raise AssertionError("pickle used while loading a checkpoint")
-
-    monkeypatch.setattr(pickle, "load", trap)
-    monkeypatch.setattr(pickle, "loads", trap)
-    monkeypatch.setattr(pickle, "Unpickler", trap)
-    monkeypatch.setattr(torch, "load", trap)
-    progress = load_checkpoint(acc, path, model, opt2, sched2, {"masking": gen})
+    with unpickling_forbidden("pickle used while loading a checkpoint"):
+        progress = load_checkpoint(acc, path, model, opt2, sched2, {"masking": gen})
     assert progress == {"step": 1, "history": [1.5]}
     for k, v in model.state_dict().items():
         assert torch.equal(v, expected[k])

@@ -11,7 +11,6 @@ order 1) separates rounding from a changed result.
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import transformers
 import hf_kernattn
 from hf_kernattn.modeling.attention_config import CHECKPOINT_FORMAT, LIBRARY_VERSION
 
+from .conftest import unpickling_forbidden
 from .remote import MODELING, code_bundle, run_without_package
 
 ROOT = Path(__file__).parent / "fixtures" / "checkpoints"
@@ -103,16 +103,10 @@ def test_a_checkpoint_of_a_newer_format_fails_naming_both_versions(tmp_path):
         transformers.AutoModelForCausalLM.from_pretrained(folder)
 
 
-def test_loading_never_unpickles_unless_asked(tmp_path, monkeypatch, caplog):
+def test_loading_never_unpickles_unless_asked(tmp_path, caplog):
     """Safetensors only: loading a checkpoint never calls the unpickler; a folder holding only
     pickled weights is refused unless use_safetensors=False is passed, which is warned about."""
-    def no_unpickling(*args, **kwargs):
-        raise AssertionError("the unpickler ran")
-
-    with monkeypatch.context() as m:
-        m.setattr(pickle, "load", no_unpickling)
-        m.setattr(pickle, "loads", no_unpickling)
-        m.setattr(torch, "load", no_unpickling)
+    with unpickling_forbidden():
         for name, auto in FAMILIES.items():
             getattr(transformers, auto).from_pretrained(ROOT / name)
     folder = tmp_path / "pickled"
