@@ -13,6 +13,8 @@ baked in a traced size would be off by O(1) or fail to run.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch.export import Dim
@@ -155,3 +157,32 @@ def test_onnx_export_with_dynamic_shapes_runs_in_onnxruntime(exported, case, tmp
         for x, mask in others:
             (got,) = session.run(None, {inputs[0].name: x.numpy(), inputs[1].name: mask.numpy()})
             torch.testing.assert_close(torch.from_numpy(got), model(x, mask), **TOL)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_transformers_exporter_exports_the_prefill_and_decode_steps_of_generate(dynamic):
+    """transformers' own exporter (``transformers.exporters``, 5.23 on) captures the prefill and
+    decode calls of ``generate()`` with their recurrent state (the cache object and everything
+    it holds, the state's kind included, walked and rebuilt) and exports each; the exported
+    programs give the eager outputs (logits and the new state)."""
+    exporters = pytest.importorskip("transformers.exporters")
+    from transformers.exporters.utils import decompose_prefill_decode, get_leaf_tensors
+
+    from hf_kernattn import LinearGPTForCausalLM
+
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(gpt_config()).eval()
+    ids = torch.randint(1, V_GPT, (2, 7), generator=torch.Generator().manual_seed(1))
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
+    components = decompose_prefill_decode(model, inputs, multi_token_decode=dynamic)
+    exporter, config = exporters.DynamoExporter(), exporters.DynamoConfig(dynamic=dynamic)
+    for name, (module, step_inputs) in components.items():
+        with torch.no_grad():
+            eager = get_leaf_tensors(module(**copy.deepcopy(step_inputs)))
+            exported = exporter.export(module, step_inputs, config=config)
+            # an ExportedModel (called like the model) or, in earlier releases, the ExportedProgram
+            run = exported.module() if hasattr(exported, "module") else exported
+            got = get_leaf_tensors(run(**copy.deepcopy(step_inputs)))
+        assert set(got) == set(eager) and eager, (name, sorted(got), sorted(eager))
+        for key in eager:
+            torch.testing.assert_close(got[key], eager[key], rtol=1e-5, atol=1e-6, msg=f"{name}: {key}")

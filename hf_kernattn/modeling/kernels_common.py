@@ -37,13 +37,15 @@ Costs of the helpers here: elementwise, O(N (M + D)) time and memory, except
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import NamedTuple, Optional, Sequence
 
 import torch
 
 
-class StateKind(NamedTuple):
+@dataclasses.dataclass
+class StateKind:
     """What kind of call produced a state: a state only continues a call of the same kind.
 
     The tensors' shapes tell the sizes apart, but not whether ``z`` sums separate denominator
@@ -58,6 +60,10 @@ class StateKind(NamedTuple):
         values: D, the value size.
         window: ``K - 1`` for a 1D bias clipped at ``K`` (the window of keys the state keeps);
             None without a bias.
+
+    A plain record (a dataclass with an instance ``__dict__``), not a tuple and not frozen:
+    transformers' exporters walk a cache's attributes, rebuild the tuples they find from their
+    items and set attributes back, which a NamedTuple or a frozen or slotted class would not survive.
     """
 
     split: bool
