@@ -175,6 +175,8 @@ def test_the_readme_uses_no_deprecated_checkpointing_names():
     from tests.conftest import tiny_linear_gpt_config
 
     model = LinearGPTForCausalLM(tiny_linear_gpt_config())
+    if not hasattr(model, "activation_checkpointing_enable"):
+        pytest.skip("this transformers (before 5.23) has only the gradient_checkpointing names: none is deprecated")
     deprecated = []
     for old in ("gradient_checkpointing_enable", "gradient_checkpointing_disable"):
         if hasattr(model, old.replace("gradient", "activation")):  # renamed in this transformers
