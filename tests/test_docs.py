@@ -1,0 +1,174 @@
+"""The documentation runs and points at what exists.
+
+Every ```python block of README.md and docs/*.md runs: the blocks of one page, in order, as one
+script in a fresh process (a page's later blocks use what its earlier ones built), in a folder
+holding small local stand-ins for the paths and Hub ids the pages name (``path/to/bert``,
+``path/or/id``, ``your-name/tiny-gpt`` ...: a relative path that is a directory is what
+``from_pretrained`` loads, so the blocks run as written). A few sizes are made smaller
+(``TOY``), and a block preceded by a ``<!-- no-test: reason -->`` line is skipped (``SKIPPED``
+lists them all, so a new skip is a visible change).
+
+Every relative link of README.md, CHANGELOG.md and docs/*.md (and its ``#anchor``) exists, and so
+does every repository path written in code spans (``hf_kernattn/...``, ``examples/...``,
+``tests/...``, ``docs/...``, ``scripts/...``) and every Python file named there.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINKED = [*PAGES, ROOT / "CHANGELOG.md"]
+
+# The blocks that do not run here, by page and the reason given beside them.
+SKIPPED = {"docs/architecture.md": 1}
+
+# Smaller sizes for blocks written at a realistic size (exact text -> replacement).
+TOY = {
+    "hf_kernattn.NPRFBertConfig(num_labels=2)":
+        "hf_kernattn.NPRFBertConfig(num_labels=2, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)",
+    "torch.randint(0, 256, (1, 4000))": "torch.randint(0, 256, (1, 300))",
+    "torch.randint(0, 256, (1, 2000))": "torch.randint(0, 256, (1, 300))",
+}
+
+NO_TEST = re.compile(r"<!--\s*no-test:\s*(.+?)\s*-->")
+
+
+def python_blocks(page: Path) -> tuple[list[str], int]:
+    """The page's ```python blocks in order, and how many were marked no-test."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks, skipped, i = [], 0, 0
+    while i < len(lines):
+        if lines[i].strip() == "```python":
+            j = i + 1
+            while lines[j].strip() != "```":
+                j += 1
+            prev = next((lines[p] for p in range(i - 1, -1, -1) if lines[p].strip()), "")
+            if NO_TEST.search(prev):
+                skipped += 1
+            else:
+                blocks.append("\n".join(lines[i + 1:j]))
+            i = j
+        i += 1
+    return blocks, skipped
+
+
+def _stand_ins(folder: Path) -> None:
+    """Small local checkpoints at the relative paths the pages name."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from hf_kernattn import LinearGPTForCausalLM
+    from tests.conftest import tiny_linear_gpt_config
+
+    torch.manual_seed(0)
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "first", "sentence", "a", "second", ",", "longer", "one"]
+    bert = folder / "path" / "to" / "bert"
+    bert.mkdir(parents=True)
+    (bert / "vocab.txt").write_text("\n".join(words) + "\n")
+    BertForMaskedLM(BertConfig(vocab_size=len(words), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=64, max_position_embeddings=64)).save_pretrained(bert)
+    GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(
+        folder / "path" / "or" / "id")
+    tok = BertTokenizer(str(bert / "vocab.txt"))
+    for name in ("path/or/hub-id", "your-name/tiny-gpt"):
+        LinearGPTForCausalLM(tiny_linear_gpt_config()).save_pretrained(folder / name)
+        tok.save_pretrained(folder / name)
+
+
+@pytest.fixture(scope="module")
+def stand_ins(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stand_ins")
+    _stand_ins(folder)
+    return folder
+
+
+def _page_id(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_every_python_block_runs(page, stand_ins, tmp_path):
+    blocks, skipped = python_blocks(page)
+    assert skipped == SKIPPED.get(_page_id(page), 0), "a block marked no-test was added or removed: update SKIPPED"
+    if not blocks:
+        pytest.skip("no python block")
+    code = "\n\n".join(blocks)
+    for old, new in TOY.items():
+        code = code.replace(old, new)
+    for entry in stand_ins.iterdir():
+        (tmp_path / entry.name).symlink_to(entry, target_is_directory=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "HF_MODULES_CACHE": str(tmp_path / "modules")}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"{_page_id(page)}:\n{proc.stderr[-4000:]}"
+
+
+# --------------------------------------------------------------------------------------------
+# links and paths
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        m = re.match(r"#+\s+(.*)", line)
+        if m:
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
+
+
+def _without_code_blocks(text: str) -> str:
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def test_every_relative_link_exists():
+    missing = []
+    for page in LINKED:
+        for target in re.findall(r"\]\(([^)\s]+)\)", _without_code_blocks(page.read_text(encoding="utf-8"))):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                missing.append(f"{_page_id(page)}: {target}")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                missing.append(f"{_page_id(page)}: {target} (no such heading)")
+    assert not missing, missing
+
+
+REPO_DIRS = ("hf_kernattn/", "examples/", "tests/", "docs/", "scripts/", ".ci/")
+
+
+def mentioned_files(page: Path) -> set[str]:
+    """Repository paths and Python file names written in the page (in code spans and blocks)."""
+    text = page.read_text(encoding="utf-8")
+    spans = re.findall(r"`([^`\n]+)`", text) + re.findall(r"```.*?```", text, flags=re.S)
+    found = set()
+    for span in spans:
+        for token in re.findall(r"[\w.*/-]+", span):
+            token = token.rstrip(".,")
+            if token.startswith(REPO_DIRS) or re.fullmatch(r"[\w*]+\.py", token):
+                found.add(token)
+    return found
+
+
+def test_every_mentioned_file_exists():
+    missing = []
+    for page in LINKED:
+        for name in sorted(mentioned_files(page)):
+            if "/" in name:
+                ok = any(ROOT.glob(name.rstrip("/"))) if "*" in name else (ROOT / name).exists()
+            else:  # a bare file name: somewhere in the repository
+                ok = any(p for p in ROOT.rglob(name) if ".venv" not in p.parts and ".git" not in p.parts)
+            if not ok:
+                missing.append(f"{_page_id(page)}: {name}")
+    assert not missing, missing
