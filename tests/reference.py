@@ -1,4 +1,4 @@
-"""The literal reference formula of DESIGN.md, once, for every test that needs ground truth.
+"""The literal reference formula of docs/architecture.md, once, for every test that needs ground truth.
 
 ``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)`` over the allowed
 j (not masked; ``j <= i`` when causal), in float64, with ``c = exp(b)`` taken literally (no shift:

@@ -16,7 +16,7 @@ cpu_offload=True)``) is saved with ``save_pretrained`` and must reload bitwise e
 family's own modeling code in the folder (not torch's FSDP files).
 
 The DeepSpeed and ``accelerate launch`` runs of the example scripts are slower and are checked by
-hand (README, "Training on several processes").
+hand (docs/training.md, "Sharded training").
 """
 
 from __future__ import annotations

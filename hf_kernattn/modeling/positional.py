@@ -14,7 +14,7 @@ coordinates at learned length scales, rotated by learned 2x2 blocks ``[[a, b], [
 query side only, so that their dot product depends only on the relative position.
 
 The attention kernels consume the bias as ``(H, 2N-1)`` (1D) or ``(H, 2Hg-1, 2Wg-1)`` (2D):
-entry ``r + N - 1`` holds ``b_r`` (see DESIGN.md).
+entry ``r + N - 1`` holds ``b_r`` (see docs/architecture.md).
 """
 
 from __future__ import annotations
