@@ -119,7 +119,7 @@ def test_every_python_block_runs(page, stand_ins, tmp_path):
 def _anchors(page: Path) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
     out = set()
-    for line in page.read_text(encoding="utf-8").splitlines():
+    for line in _without_code_blocks(page.read_text(encoding="utf-8")).splitlines():
         m = re.match(r"#+\s+(.*)", line)
         if m:
             out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
