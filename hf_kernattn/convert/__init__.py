@@ -1,8 +1,10 @@
 """Convert a softmax checkpoint (BERT, RoBERTa, GPT-2, Llama or ViT; a folder or a Hub model id) into a kernelized model.
 
-BERT and RoBERTa become NPRF-BERT (below), GPT-2 and Llama Linear GPT (:func:`convert_to_linear_gpt`),
-ViT the relative-performer ViT (:func:`convert_to_relative_performer_vit`), through one mechanism
-(:func:`finish_conversion`: exact copies, a report, a Hub-ready save).
+BERT and RoBERTa become NPRF-BERT (:func:`convert_to_nprf_bert`, in ``bert.py``), GPT-2 and Llama
+Linear GPT (:func:`convert_to_linear_gpt`; ``gpt2.py``, ``llama.py``), ViT the relative-performer
+ViT (:func:`convert_to_relative_performer_vit`, in ``vit.py``), through one mechanism
+(``common.py``: reading the source, then ``finish_conversion``: exact copies, a report, a
+Hub-ready save). Each family's module says what it copies and what is new.
 
 What is read: ``config.json`` and the weights, from safetensors only: a sharded set through its
 ``model.safetensors.index.json`` (another ``*.safetensors`` file beside it is ignored, with a
@@ -13,16 +15,7 @@ conversion copies, or whose ``config.json`` counts more or fewer layers than its
 refused with the missing tensors named; nothing that was not in the source is ever reported as
 copied.
 
-Copied: word / token-type / absolute-position embeddings and their LayerNorm, the q/k/v/output
-projections of every layer, the feed-forward weights, both LayerNorms per layer, the pooler and
-whatever head the checkpoint has (MLM, sequence classification, token classification, question
-answering). New and left at their initial values: the relative-position bias (zero, so
-``exp(b) = 1``: plain kernel attention) and the random feature projections (drawn from
-``feature_seed``). RoBERTa's position table is offset by ``padding_idx + 1``; its rows are
-shifted so position ``i`` reads RoBERTa's position ``i + padding_idx + 1`` (what RoBERTa uses
-for right-padded input).
-
-What to expect: the converted model computes ``exp(q_hat . k_hat)`` (normalised q, k) through
+What to expect (NPRF-BERT): the converted model computes ``exp(q_hat . k_hat)`` (normalised q, k) through
 random features instead of ``softmax(q . k / sqrt(d))``, so *before* any training its outputs
 differ from the source model's and task accuracy drops (often to near the majority class for
 a fine-tuned classifier). The copied weights are a much better start than random: after MLM

@@ -6,7 +6,8 @@ whatever head the checkpoint has (MLM, sequence classification, token classifica
 answering). New and left at their initial values: the relative-position bias (zero, so
 ``exp(b) = 1``: plain kernel attention) and the random feature projections (drawn from
 ``feature_seed``). RoBERTa's position table is offset by ``padding_idx + 1``; its rows are
-shifted so position ``i`` reads RoBERTa's position ``i + padding_idx + 1``.
+shifted so position ``i`` reads RoBERTa's position ``i + padding_idx + 1`` (what RoBERTa uses
+for right-padded input).
 """
 
 from __future__ import annotations

@@ -8,8 +8,11 @@
 * :mod:`~hf_kernattn.training.checkpoints`: atomic, verified checkpoints written without pickle
   (safetensors and JSON) and exact resume (:func:`save_checkpoint`, :func:`load_checkpoint`,
   :func:`resolve_checkpoint`);
-* :mod:`~hf_kernattn.training.loop`: the Accelerate training loop (:func:`train_loop`), the end
-  of a run (:func:`finish_run`, :func:`push_if_asked`) and a script's entry (:func:`run_main`);
+* :mod:`~hf_kernattn.training.loop`: the start of a run (:func:`start_run`,
+  :func:`identify_run`), the
+  Accelerate training loop (:func:`train_loop`), the end
+  of a run (:func:`finish_run`, :func:`end_run`, :func:`push_if_asked`), the schedule
+  (:func:`make_scheduler`) and a script's entry (:func:`run_main`);
 * :mod:`~hf_kernattn.training.distributed`: the ``Accelerator`` of a script, honouring FSDP and
   DeepSpeed launches on CPU processes (:func:`make_accelerator`);
 * :mod:`~hf_kernattn.training.threads`: CPU threads per process (:func:`configure_threads`).
@@ -49,17 +52,29 @@ from .checkpoints import (
     write_state_file,
 )
 from .distributed import make_accelerator
-from .loop import EpochShuffleSampler, finish_run, push_if_asked, run_main, save_final_model, train_loop
+from .loop import (
+    EpochShuffleSampler,
+    end_run,
+    finish_run,
+    identify_run,
+    make_scheduler,
+    push_if_asked,
+    run_main,
+    save_final_model,
+    start_run,
+    start_tracking,
+    train_loop,
+)
 from .optimizer import WEIGHT_DECAY_HELP, decay_parameter_names, optimizer_grouped_parameters
 from .threads import NUM_THREADS_HELP, configure_threads, local_process_count
 
 __all__ = [
     "CHECKPOINT_PREFIX", "FORMAT_VERSION", "MODEL_FILE", "NOT_FINGERPRINTED", "NUM_THREADS_HELP", "SCHEDULER_TYPES",
     "STATE_FILE", "WEIGHT_DECAY_HELP", "CheckpointError", "EpochShuffleSampler", "add_training_args",
-    "check_text_files", "check_training_args", "checkpoint_manifest", "configure_threads", "decay_parameter_names",
-    "fingerprint_settings", "finish_run", "is_complete", "load_checkpoint", "load_tree", "local_process_count",
-    "make_accelerator", "optimizer_grouped_parameters", "parse_overrides", "prune_checkpoints", "push_if_asked",
+    "check_text_files", "check_training_args", "checkpoint_manifest", "configure_threads", "decay_parameter_names", "end_run",
+    "fingerprint_settings", "finish_run", "identify_run", "is_complete", "load_checkpoint", "load_tree", "local_process_count",
+    "make_accelerator", "make_scheduler", "optimizer_grouped_parameters", "parse_overrides", "prune_checkpoints", "push_if_asked",
     "resolve_checkpoint", "rng_state", "run_fingerprint", "run_main", "save_checkpoint", "save_final_model",
-    "save_tree", "set_rng_state", "settings_diff", "train_loop", "verify_checkpoint", "warmup_steps",
+    "save_tree", "set_rng_state", "settings_diff", "start_run", "start_tracking", "train_loop", "verify_checkpoint", "warmup_steps",
     "write_state_file",
 ]

@@ -15,6 +15,7 @@ from .threads import configure_threads
 
 logger = logging.get_logger(__name__)
 
+
 def _launch_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
@@ -114,7 +115,7 @@ def fsdp2_full_state(model: nn.Module, optim: torch.optim.Optimizer) -> tuple[di
 
 
 def fsdp2_load_full_state(model: nn.Module, optim: torch.optim.Optimizer, model_state: dict, optim_state: dict,
-                           path) -> None:
+                          path) -> None:
     """Load what :func:`fsdp2_full_state` gathered into an FSDP2 model and its optimizer (every
     process reads the whole state and keeps its own shards)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict

@@ -1,5 +1,7 @@
-"""The Accelerate training loop of the example scripts: a reproducible data order, the loop with
-evaluation, checkpoints and exact resume, and the end of a run (final evaluation and save).
+"""The Accelerate training loop of the example scripts, in the order a script calls it: the start
+of a run (its ``Accelerator``, identity and resume point), a reproducible data order, the
+learning-rate schedule, the loop with evaluation, checkpoints and exact resume, and the end of a
+run (final evaluation, save, push).
 """
 
 from __future__ import annotations
@@ -15,9 +17,19 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .checkpoints import CheckpointError, load_checkpoint, save_checkpoint
+from .args import NOT_FINGERPRINTED
+from .checkpoints import (
+    CheckpointError,
+    fingerprint_settings,
+    load_checkpoint,
+    resolve_checkpoint,
+    run_fingerprint,
+    save_checkpoint,
+)
+from .distributed import make_accelerator
 
 logger = logging.get_logger(__name__)
+
 
 def run_main(main: Callable[[], Any]) -> None:
     """Run a script's ``main()``; a :class:`CheckpointError` ends it with its one-line message
@@ -54,6 +66,57 @@ class EpochShuffleSampler(torch.utils.data.Sampler):
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return iter(torch.randperm(self.num_samples, generator=g).tolist())
+
+
+def start_run(args: argparse.Namespace, script: str):
+    """The start of an Accelerate example run: its ``Accelerator`` (:func:`make_accelerator`), the
+    seed (``--seed``), the output folder (made by the main process), one line saying how it runs
+    (processes, device, mixed precision, threads) and its identity and resume point
+    (:func:`identify_run`). Returns ``(accelerator, output folder, settings, fingerprint, resume)``."""
+    from accelerate.utils import set_seed
+
+    accelerator = make_accelerator(args)
+    set_seed(args.seed)
+    out = Path(args.output_dir)
+    if accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+    accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
+                      f"mixed precision: {accelerator.mixed_precision}, threads per process: {torch.get_num_threads()}")
+    return (accelerator, out, *identify_run(accelerator, args, script, out))
+
+
+def identify_run(accelerator, args: argparse.Namespace, script: str,
+                 output_dir: str | os.PathLike) -> tuple[dict[str, Any], str, Optional[Path]]:
+    """``(settings, fingerprint, resume)`` of an Accelerate example run: the settings that decide
+    what it computes (its flags but :data:`NOT_FINGERPRINTED`, the script, the number of processes
+    and the mixed precision), their :func:`run_fingerprint`, and the checkpoint in ``output_dir``
+    that ``--resume_from_checkpoint`` names (:func:`resolve_checkpoint`; ``None``: start fresh)."""
+    settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
+        "script": script, "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
+    fingerprint = run_fingerprint(settings)
+    return settings, fingerprint, resolve_checkpoint(args.resume_from_checkpoint, output_dir, fingerprint,
+                                                     settings=settings)
+
+
+def make_scheduler(accelerator, args: argparse.Namespace, optimizer, max_train_steps: int, warmup: int):
+    """The learning-rate schedule ``--lr_scheduler_type`` (``transformers.get_scheduler``) after
+    ``warmup`` steps over ``max_train_steps`` optimizer steps, prepared by ``accelerator``.
+
+    Accelerate steps a prepared scheduler once per process: both counts are scaled by the number
+    of processes, as transformers' examples do. ``prepare_scheduler``, not ``prepare``: under
+    DeepSpeed, ``prepare()`` returns a scheduler given without its model unwrapped, which then
+    steps at every micro-batch."""
+    from transformers import get_scheduler
+
+    n = accelerator.num_processes
+    return accelerator.prepare_scheduler(get_scheduler(
+        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * n, num_training_steps=max_train_steps * n))
+
+
+def start_tracking(accelerator, args: argparse.Namespace, project: str, settings: dict[str, Any]) -> None:
+    """``--with_tracking``: start the trackers of ``project`` with the run's plain settings."""
+    if args.with_tracking:
+        accelerator.init_trackers(project, {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
 
 
 def train_loop(
@@ -172,7 +235,8 @@ def finish_run(accelerator, args: argparse.Namespace, model: nn.Module, evaluate
     """The end of an Accelerate example run after :func:`train_loop`: when ``--stop_after_steps``
     stopped it, say how to resume, end training and return ``(None, None)``; otherwise evaluate
     once more, log the final figures, save the model (weights, config and code) into
-    ``output_dir`` from the main process and return ``(final metrics, unwrapped model)``."""
+    ``output_dir`` from the main process with ``eval_results.json`` beside it (the final metrics,
+    the evaluation history and the training losses) and return ``(final metrics, unwrapped model)``."""
     step = result["step"]
     if result["stopped"]:
         accelerator.print(f"stopped after step {step} (--stop_after_steps); resume with --resume_from_checkpoint latest")
@@ -184,6 +248,10 @@ def finish_run(accelerator, args: argparse.Namespace, model: nn.Module, evaluate
         accelerator.log({f"final_{k}": v for k, v in final.items() if k != "step"}, step=step)
     accelerator.wait_for_everyone()
     unwrapped = save_final_model(accelerator, model, output_dir)
+    if accelerator.is_main_process:
+        history = result["history"]
+        (Path(output_dir) / "eval_results.json").write_text(
+            json.dumps({"final": final, "history": history["eval"], "train_history": history["train"]}, indent=2))
     return final, unwrapped
 
 
@@ -214,3 +282,15 @@ def push_if_asked(args: argparse.Namespace, folder: str | os.PathLike, report: C
     except (PushError, ValueError) as err:
         exit_not_pushed(err)
     report(f"pushed to {url}")
+
+
+def end_run(accelerator, args: argparse.Namespace, folder: str | os.PathLike, saved: Optional[str] = None) -> None:
+    """The last step of an example run, on every process once the main process has written
+    ``folder``: the main process says what it saved there (``saved``, when given) and publishes
+    it (:func:`push_if_asked`); then every process waits for the others and ends training."""
+    if accelerator.is_main_process:
+        if saved:
+            accelerator.print(f"saved {saved} to {folder}")
+        push_if_asked(args, folder, accelerator.print)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
