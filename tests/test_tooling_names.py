@@ -43,7 +43,7 @@ def test_training_names_are_importable_from_the_package_and_defined_once():
             assert home.startswith("hf_kernattn.training.") and home != "hf_kernattn.training", (name, home)
             homes[name] = home
     assert {h.rsplit(".", 1)[1] for h in homes.values()} == {"args", "checkpoints", "distributed", "loop", "optimizer",
-                                                          "threads"}
+                                                          "serialization", "threads"}
 
 
 def test_conversion_keeps_its_public_api_with_one_module_per_source_family():

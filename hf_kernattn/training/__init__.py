@@ -5,9 +5,10 @@
   parsers of flag values;
 * :mod:`~hf_kernattn.training.optimizer`: the weight-decay rule (:func:`decay_parameter_names`,
   :func:`optimizer_grouped_parameters`);
-* :mod:`~hf_kernattn.training.checkpoints`: atomic, verified checkpoints written without pickle
-  (safetensors and JSON) and exact resume (:func:`save_checkpoint`, :func:`load_checkpoint`,
-  :func:`resolve_checkpoint`);
+* :mod:`~hf_kernattn.training.checkpoints`: atomic, verified checkpoints and exact resume
+  (:func:`save_checkpoint`, :func:`load_checkpoint`, :func:`resolve_checkpoint`), stored through
+* :mod:`~hf_kernattn.training.serialization`: state without pickle, safetensors and JSON
+  (:func:`save_tree`, :func:`load_tree`), and the random states (:func:`rng_state`);
 * :mod:`~hf_kernattn.training.loop`: the start of a run (:func:`start_run`,
   :func:`identify_run`), the
   Accelerate training loop (:func:`train_loop`), the end
@@ -34,19 +35,14 @@ from .checkpoints import (
     FORMAT_VERSION,
     MODEL_FILE,
     STATE_FILE,
-    CheckpointError,
     checkpoint_manifest,
     fingerprint_settings,
     is_complete,
     load_checkpoint,
-    load_tree,
     prune_checkpoints,
     resolve_checkpoint,
-    rng_state,
     run_fingerprint,
     save_checkpoint,
-    save_tree,
-    set_rng_state,
     settings_diff,
     verify_checkpoint,
     write_state_file,
@@ -66,6 +62,7 @@ from .loop import (
     train_loop,
 )
 from .optimizer import WEIGHT_DECAY_HELP, decay_parameter_names, optimizer_grouped_parameters
+from .serialization import CheckpointError, load_tree, rng_state, save_tree, set_rng_state
 from .threads import NUM_THREADS_HELP, configure_threads, local_process_count
 
 __all__ = [

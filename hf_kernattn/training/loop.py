@@ -19,7 +19,6 @@ from transformers.utils import logging
 
 from .args import NOT_FINGERPRINTED
 from .checkpoints import (
-    CheckpointError,
     fingerprint_settings,
     load_checkpoint,
     resolve_checkpoint,
@@ -27,6 +26,7 @@ from .checkpoints import (
     save_checkpoint,
 )
 from .distributed import make_accelerator
+from .serialization import CheckpointError
 
 logger = logging.get_logger(__name__)
 
