@@ -4,8 +4,8 @@
 * ``hf-kernattn bench NAME [...]``: a benchmark; each lives in ``hf_kernattn/bench/NAME.py`` and
   exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 * ``hf-kernattn demo``: the README's main demo (``hf_kernattn/demo.py``).
-* ``hf-kernattn convert``: softmax checkpoint -> kernelized one (``hf_kernattn/convert.py``).
-* ``hf-kernattn push CHECKPOINT REPO_ID``: publish a saved checkpoint on the Hub (``hf_kernattn/hub.py``).
+* ``hf-kernattn convert``: softmax checkpoint -> kernelized one (``hf_kernattn/convert/``).
+* ``hf-kernattn push CHECKPOINT REPO_ID``: publish a saved checkpoint on the Hub (``hf_kernattn/push.py``).
 
 This module lives next to the ``hf_kernattn`` package, not inside it: importing the package
 imports torch and transformers and registers every model family with the Auto classes (seconds),
@@ -35,23 +35,25 @@ BENCHMARKS = {
     "attention": "attention",
     "generate": "generate",
     "encoder": "encoder",
-    "approx": "approximation",
+    "approx": "approx",
     "vision": "vision",
 }
 # top-level command -> module under hf_kernattn
-COMMANDS = {"demo": "demo", "convert": "convert", "push": "hub"}
+COMMANDS = {"demo": "demo", "convert": "convert", "push": "push"}
 
 
 def _package_file(module: str) -> Optional[str]:
-    """Path of ``hf_kernattn/<module>.py`` (dots for sub-packages), found without importing the
-    package (``find_spec`` of a top-level name does not run its ``__init__``)."""
+    """Path of ``hf_kernattn/<module>.py`` or, for a sub-package, ``hf_kernattn/<module>/__init__.py``
+    (dots for sub-packages), found without importing the package (``find_spec`` of a top-level
+    name does not run its ``__init__``)."""
     spec = importlib.util.find_spec("hf_kernattn")
     if spec is None or not spec.submodule_search_locations:
         return None
     for root in spec.submodule_search_locations:
-        path = os.path.join(root, *module.split(".")) + ".py"
-        if os.path.isfile(path):
-            return path
+        base = os.path.join(root, *module.split("."))
+        for path in (base + ".py", os.path.join(base, "__init__.py")):
+            if os.path.isfile(path):
+                return path
     return None
 
 

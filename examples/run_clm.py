@@ -31,39 +31,21 @@ Two real CPU processes (gloo)::
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
-from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from transformers import get_scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import hf_kernattn  # noqa: E402  (registers Linear GPT with the Auto classes)
 from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM  # noqa: E402
 from hf_kernattn.cards import save_model_card  # noqa: E402
-from hf_kernattn.training import (  # noqa: E402
-    NOT_FINGERPRINTED,
-    EpochShuffleSampler,
-    finish_run,
-    add_training_args,
-    check_text_files,
-    check_training_args,
-    fingerprint_settings,
-    make_accelerator,
-    optimizer_grouped_parameters,
-    push_if_asked,
-    resolve_checkpoint,
-    run_main,
-    run_fingerprint,
-    train_loop,
-    warmup_steps,
-)
+from hf_kernattn import training  # noqa: E402  (the flags, loop and checkpoints the example scripts share)
+from hf_kernattn.training import run_main  # noqa: E402
 
 EOS = "<|endoftext|>"
 
@@ -98,9 +80,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--max_train_steps", type=int, help="optimizer steps (overrides --num_train_epochs)")
     train.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps (0: at the end of each epoch)")
     train.add_argument("--max_eval_batches", type=int, default=0, help="cap evaluation batches (0: all)")
-    add_training_args(p, learning_rate=1e-3, weight_decay=0.01, warmup_default="0", checkpointing_steps=None)
+    training.add_training_args(p, learning_rate=1e-3, weight_decay=0.01, warmup_default="0", checkpointing_steps=None)
     args = p.parse_args(argv)
-    check_training_args(p, args)
+    training.check_training_args(p, args)
     if not args.train_file and not args.dataset_name:
         p.error("give --train_file or --dataset_name")
     for name in ("block_size", "per_device_train_batch_size", "per_device_eval_batch_size", "num_train_epochs"):
@@ -143,10 +125,10 @@ def load_text(args):
     if args.dataset_name:
         raw = load_dataset(args.dataset_name, args.dataset_config_name)
     else:
-        check_text_files(args.train_file, "--train_file")
+        training.check_text_files(args.train_file, "--train_file")
         files = {"train": args.train_file}
         if args.validation_file:
-            check_text_files(args.validation_file, "--validation_file")
+            training.check_text_files(args.validation_file, "--validation_file")
             files["validation"] = args.validation_file
         raw = load_dataset("text", data_files=files)
     if args.text_column not in raw["train"].column_names:
@@ -159,17 +141,7 @@ def load_text(args):
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    accelerator = make_accelerator(args)
-    set_seed(args.seed)
-    out = Path(args.output_dir)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-    accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
-                      f"mixed precision: {accelerator.mixed_precision}, threads per process: {torch.get_num_threads()}")
-    settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
-        "script": "run_clm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
-    fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint, settings=settings)
+    accelerator, out, settings, fingerprint, resume = training.start_run(args, "run_clm")
 
     raw = load_text(args)
     column = args.text_column
@@ -220,23 +192,17 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.gradient_checkpointing:  # the 5.x name where it exists, the older one otherwise
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
 
-    sampler = EpochShuffleSampler(len(lm["train"]), args.seed)
+    sampler = training.EpochShuffleSampler(len(lm["train"]), args.seed)
     train_dl = DataLoader(lm["train"], batch_size=args.per_device_train_batch_size, sampler=sampler,
                           generator=torch.Generator())
     eval_dl = DataLoader(lm["validation"], batch_size=args.per_device_eval_batch_size,
                          generator=torch.Generator())
-    optimizer = torch.optim.AdamW(optimizer_grouped_parameters(model, args.weight_decay), lr=args.learning_rate)
+    optimizer = torch.optim.AdamW(training.optimizer_grouped_parameters(model, args.weight_decay), lr=args.learning_rate)
     model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
     steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
     max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
-    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
-    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
-    # model unwrapped, which then steps at every micro-batch.
-    scheduler = accelerator.prepare_scheduler(get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup_steps(args, max_steps) * accelerator.num_processes,
-        num_training_steps=max_steps * accelerator.num_processes))
-    if args.with_tracking:
-        accelerator.init_trackers("run_clm", {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
+    scheduler = training.make_scheduler(accelerator, args, optimizer, max_steps, training.warmup_steps(args, max_steps))
+    training.start_tracking(accelerator, args, "run_clm", settings)
 
     def evaluate() -> dict:
         model.eval()
@@ -251,20 +217,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
         mean = torch.cat(losses).mean().item()
         return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0))}
 
-    result = train_loop(
+    result = training.train_loop(
         accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
         max_train_steps=max_steps, evaluate=evaluate, eval_steps=args.eval_steps,
         prepare_batch=lambda b: {"input_ids": b["input_ids"], "labels": b["labels"], "use_cache": False},
         fingerprint=fingerprint, settings=settings, save_extra=tokenizer.save_pretrained, resume=resume, report=accelerator.print, desc="train",
     )
-    step, history = result["step"], result["history"]
-    final, unwrapped = finish_run(accelerator, args, model, evaluate, result, out)
+    step = result["step"]
+    final, unwrapped = training.finish_run(accelerator, args, model, evaluate, result, out)
     if final is None:
         return {"step": step, "stopped": True}
     if accelerator.is_main_process:
         tokenizer.save_pretrained(out)
-        (out / "eval_results.json").write_text(json.dumps({"final": final, "history": history["eval"],
-                                                           "train_history": history["train"]}, indent=2))
         save_model_card(
             unwrapped, out,
             results=[{"task": "text-generation", "dataset": args.dataset_name or "local text", "split": "validation",
@@ -274,10 +238,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             datasets=[args.dataset_name] if args.dataset_name else None,
             training={"optimizer steps": step, "training data": ", ".join(args.train_file or [args.dataset_name])},
         )
-        accelerator.print(f"saved model, tokenizer and card to {out}")
-        push_if_asked(args, out, accelerator.print)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    training.end_run(accelerator, args, out, saved="model, tokenizer and card")
     return final
 
 

@@ -82,7 +82,7 @@ import evaluate
 import hf_kernattn  # noqa: F401  (registers NPRF-BERT with the Auto classes)
 from hf_kernattn.cards import save_model_card
 from hf_kernattn.convert import convert_to_nprf_bert
-from hf_kernattn.hub import PushError, exit_not_pushed, push_folder
+from hf_kernattn.push import PushError, exit_not_pushed, push_folder
 from hf_kernattn.metrics import GLUE_METRIC_PATH
 from hf_kernattn.training import (
     NUM_THREADS_HELP,
@@ -527,7 +527,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             training_args.fp16 = True
     logger.info("mixed precision: %s", "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else "no")
     set_seed(training_args.seed)
-    # --push_to_hub publishes the final folder once, through hf_kernattn.hub (the card this script
+    # --push_to_hub publishes the final folder once, through hf_kernattn.push (the card this script
     # renders, the checkpoint's files only); the Trainer's own pushes at every save are off.
     push_to_hub, training_args.push_to_hub = training_args.push_to_hub, False
 

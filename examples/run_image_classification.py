@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -51,33 +50,17 @@ from typing import Optional
 
 import numpy as np
 import torch
-from accelerate.utils import set_seed
 from PIL import Image
 from sklearn.metrics import accuracy_score
 from torch.utils.data import DataLoader
 import transformers
-from transformers import AutoImageProcessor, AutoModelForImageClassification, get_scheduler
+from transformers import AutoImageProcessor, AutoModelForImageClassification
 
 import hf_kernattn  # noqa: F401  (registers the families with the Auto classes)
 from hf_kernattn import RelativePerformerViTConfig, RelativePerformerViTForImageClassification
 from hf_kernattn.cards import save_model_card
-from hf_kernattn.training import (
-    NOT_FINGERPRINTED,
-    EpochShuffleSampler,
-    finish_run,
-    add_training_args,
-    check_training_args,
-    fingerprint_settings,
-    make_accelerator,
-    optimizer_grouped_parameters,
-    push_if_asked,
-    parse_overrides,
-    resolve_checkpoint,
-    run_main,
-    run_fingerprint,
-    train_loop,
-    warmup_steps,
-)
+from hf_kernattn import training  # the flags, loop and checkpoints the example scripts share
+from hf_kernattn.training import run_main
 
 logger = logging.getLogger(__name__)
 
@@ -113,10 +96,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     train.add_argument("--max_train_steps", type=int, default=None, help="optimizer steps (overrides --num_train_epochs)")
     train.add_argument("--eval_steps", type=int, default=0, help="evaluate every N optimizer steps (0: each epoch)")
     train.add_argument("--preprocessing_num_workers", type=int, default=None)
-    add_training_args(p, learning_rate=1e-3, weight_decay=0.05, warmup_default="5%% of the optimizer steps",
-                      checkpointing_steps="epoch")
+    training.add_training_args(p, learning_rate=1e-3, weight_decay=0.05, warmup_default="5%% of the optimizer steps",
+                               checkpointing_steps="epoch")
     args = p.parse_args(argv)
-    check_training_args(p, args)
+    training.check_training_args(p, args)
     if (args.train_dir is None) == (args.dataset_name is None):
         p.error("give --train_dir (an image folder) or --dataset_name, not both")
     if args.validation_dir and not args.train_dir:
@@ -184,7 +167,7 @@ def build_model(args: argparse.Namespace, labels: list[str]):
         processor = AutoImageProcessor.from_pretrained(args.model_name_or_path)
         return model, processor
     config = RelativePerformerViTConfig(
-        **parse_overrides(args.config_overrides, "--config_overrides"),
+        **training.parse_overrides(args.config_overrides, "--config_overrides"),
         num_labels=len(labels), id2label=id2label, label2id=label2id,
     )
     model = RelativePerformerViTForImageClassification(config)
@@ -224,20 +207,9 @@ def random_resized_crop(image, size: tuple[int, int], scale: tuple[float, float]
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    accelerator = make_accelerator(args)
+    accelerator, out, settings, fingerprint, resume = training.start_run(args, "run_image_classification")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if accelerator.is_main_process else logging.WARNING)
-    set_seed(args.seed)
-    out = Path(args.output_dir)
-    if accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-    accelerator.print(f"processes: {accelerator.num_processes}, device: {accelerator.device}, "
-                      f"mixed precision: {accelerator.mixed_precision}, threads per process: {torch.get_num_threads()}")
-    settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
-        "script": "run_image_classification", "num_processes": accelerator.num_processes,
-        "mixed_precision": accelerator.mixed_precision}
-    fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, out, fingerprint, settings=settings)
 
     with accelerator.main_process_first():
         raw, labels = load_images(args)
@@ -267,27 +239,20 @@ def main(argv: Optional[list[str]] = None) -> dict:
             images.append(image)
         return {"pixel_values": pixels(images).to(accelerator.device), "labels": batch["labels"].to(accelerator.device)}
 
-    sampler = EpochShuffleSampler(len(raw["train"]), args.seed)
+    sampler = training.EpochShuffleSampler(len(raw["train"]), args.seed)
     train_dl = DataLoader(raw["train"], sampler=sampler, collate_fn=collate, batch_size=args.per_device_train_batch_size,
                           generator=torch.Generator())
     eval_dl = DataLoader(raw["validation"], collate_fn=collate, batch_size=args.per_device_eval_batch_size)
 
     steps_per_epoch = math.ceil(len(train_dl) / (accelerator.num_processes * args.gradient_accumulation_steps))
     max_train_steps = args.max_train_steps or args.num_train_epochs * max(1, steps_per_epoch)
-    optimizer = torch.optim.AdamW(optimizer_grouped_parameters(model, args.weight_decay), lr=args.learning_rate)
-    warmup = warmup_steps(args, max_train_steps, default=math.ceil(0.05 * max_train_steps))
+    optimizer = torch.optim.AdamW(training.optimizer_grouped_parameters(model, args.weight_decay), lr=args.learning_rate)
+    warmup = training.warmup_steps(args, max_train_steps, default=math.ceil(0.05 * max_train_steps))
     model, optimizer = accelerator.prepare(model, optimizer)
     train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
-    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
-    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
-    # model unwrapped, which then steps at every micro-batch.
-    scheduler = accelerator.prepare_scheduler(get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
-        num_training_steps=max_train_steps * accelerator.num_processes))
-    if args.with_tracking:
-        accelerator.init_trackers("run_image_classification",
-                                  {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
+    scheduler = training.make_scheduler(accelerator, args, optimizer, max_train_steps, warmup)
+    training.start_tracking(accelerator, args, "run_image_classification", settings)
 
     def evaluate() -> dict:
         model.eval()
@@ -307,20 +272,18 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     accelerator.print(f"training: {len(raw['train'])} images, {len(raw['validation'])} for validation, "
                       f"{len(labels)} classes, {max_train_steps} steps, warm-up {warmup}")
-    result = train_loop(
+    result = training.train_loop(
         accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
         max_train_steps=max_train_steps, evaluate=evaluate, eval_steps=args.eval_steps, prepare_batch=augment,
         generators={"augmentation": aug_gen}, fingerprint=fingerprint, settings=settings, resume=resume,
         report=accelerator.print, desc="train",
     )
-    step, history = result["step"], result["history"]
-    final, unwrapped = finish_run(accelerator, args, model, evaluate, result, out)
+    step = result["step"]
+    final, unwrapped = training.finish_run(accelerator, args, model, evaluate, result, out)
     if final is None:
         return {"step": step, "stopped": True}
     if accelerator.is_main_process:
         processor.save_pretrained(out)
-        (out / "eval_results.json").write_text(json.dumps({"final": final, "history": history["eval"],
-                                                           "train_history": history["train"]}, indent=2))
         dataset = args.dataset_name or Path(args.train_dir).name
         save_model_card(
             unwrapped, out,
@@ -329,10 +292,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             datasets=[args.dataset_name] if args.dataset_name else None,
             training={"optimizer steps": step, "training images": len(raw["train"])},
         )
-        accelerator.print(f"saved model, image processor and card to {out}")
-        push_if_asked(args, out, accelerator.print)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    training.end_run(accelerator, args, out, saved="model, image processor and card")
     return final
 
 

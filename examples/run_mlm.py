@@ -46,7 +46,6 @@ from itertools import chain
 from typing import Optional
 
 import torch
-from accelerate.utils import set_seed
 from datasets import load_dataset
 from torch.utils.data import DataLoader
 from transformers import (
@@ -54,31 +53,14 @@ from transformers import (
     AutoModelForMaskedLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
-    get_scheduler,
 )
 
 import hf_kernattn  # noqa: F401  (registers NPRF-BERT with the Auto classes)
 from hf_kernattn import NPRFBertConfig, NPRFBertForMaskedLM
 from hf_kernattn.cards import save_model_card
 from hf_kernattn.convert import convert_to_nprf_bert
-from hf_kernattn.training import (
-    NOT_FINGERPRINTED,
-    EpochShuffleSampler,
-    add_training_args,
-    check_text_files,
-    check_training_args,
-    fingerprint_settings,
-    make_accelerator,
-    save_final_model,
-    optimizer_grouped_parameters,
-    parse_overrides,
-    push_if_asked,
-    resolve_checkpoint,
-    run_main,
-    run_fingerprint,
-    train_loop,
-    warmup_steps,
-)
+from hf_kernattn import training  # the flags, loop and checkpoints the example scripts share
+from hf_kernattn.training import run_main
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +87,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max_train_steps", type=int, default=1000, help="optimizer steps")
     p.add_argument("--eval_steps", type=int, default=0, help="evaluate every N steps (0: at the end of each epoch)")
     p.add_argument("--preprocessing_num_workers", type=int, default=None)
-    add_training_args(p, learning_rate=1e-4, weight_decay=0.01, checkpointing_steps="500",
-                      warmup_default="10000, BERT-base's, or 10%% of --max_train_steps when that is fewer")
+    training.add_training_args(p, learning_rate=1e-4, weight_decay=0.01, checkpointing_steps="500",
+                               warmup_default="10000, BERT-base's, or 10%% of --max_train_steps when that is fewer")
     args = p.parse_args(argv)
-    check_training_args(p, args)
+    training.check_training_args(p, args)
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "max_train_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -130,11 +112,11 @@ def build_model(args: argparse.Namespace, tokenizer) -> NPRFBertForMaskedLM:
         config = AutoConfig.from_pretrained(args.model_name_or_path)
         if config.model_type in ("bert", "roberta"):
             return convert_to_nprf_bert(args.model_name_or_path, head="masked_lm", allow_pickle=args.allow_pickle,
-                                        **parse_overrides(args.config_overrides))
+                                        **training.parse_overrides(args.config_overrides))
         return AutoModelForMaskedLM.from_pretrained(args.model_name_or_path)
     fields = NPRFBertConfig.from_pretrained(args.config_name).to_dict() if args.config_name else {}
     fields.update(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id)
-    fields.update(parse_overrides(args.config_overrides))
+    fields.update(training.parse_overrides(args.config_overrides))
     for key in ("model_type", "transformers_version", "architectures"):
         fields.pop(key, None)
     return NPRFBertForMaskedLM(NPRFBertConfig(**fields))
@@ -142,20 +124,13 @@ def build_model(args: argparse.Namespace, tokenizer) -> NPRFBertForMaskedLM:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     args = parse_args(argv)
-    accelerator = make_accelerator(args)
+    accelerator, _, settings, fingerprint, resume = training.start_run(args, "run_mlm")
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         level=logging.INFO if accelerator.is_main_process else logging.WARNING)
-    set_seed(args.seed)
-    if accelerator.is_main_process:
-        os.makedirs(args.output_dir, exist_ok=True)
-    settings = fingerprint_settings(args, NOT_FINGERPRINTED) | {
-        "script": "run_mlm", "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision}
-    fingerprint = run_fingerprint(settings)
-    resume = resolve_checkpoint(args.resume_from_checkpoint, args.output_dir, fingerprint, settings=settings)
 
-    check_text_files([args.train_file], "--train_file")
+    training.check_text_files([args.train_file], "--train_file")
     if args.validation_file:
-        check_text_files([args.validation_file], "--validation_file")
+        training.check_text_files([args.validation_file], "--validation_file")
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_name or args.model_name_or_path)
     if tokenizer.mask_token is None or tokenizer.cls_token_id is None or tokenizer.sep_token_id is None:
         raise ValueError("the tokenizer needs mask, cls and sep tokens for BERT-style MLM")
@@ -217,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             batch["input_ids"], special_tokens_mask=batch.pop("special_tokens_mask"))
         return {k: v.to(accelerator.device) for k, v in batch.items()}
 
-    sampler = EpochShuffleSampler(len(data["train"]), args.seed)
+    sampler = training.EpochShuffleSampler(len(data["train"]), args.seed)
     train_dl = DataLoader(data["train"], sampler=sampler, collate_fn=pad, batch_size=args.per_device_train_batch_size,
                           generator=torch.Generator())
     eval_dl = (DataLoader(data["validation"], collate_fn=pad, batch_size=args.per_device_eval_batch_size,
@@ -225,22 +200,16 @@ def main(argv: Optional[list[str]] = None) -> dict:
                if "validation" in data else None)
 
     optimizer = torch.optim.AdamW(
-        optimizer_grouped_parameters(model, args.weight_decay),
+        training.optimizer_grouped_parameters(model, args.weight_decay),
         lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
     )
-    warmup = warmup_steps(args, args.max_train_steps, default=min(10000, max(1, args.max_train_steps // 10)))
+    warmup = training.warmup_steps(args, args.max_train_steps, default=min(10000, max(1, args.max_train_steps // 10)))
     model, optimizer = accelerator.prepare(model, optimizer)
     train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     if eval_dl is not None:
         eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
-    # Accelerate steps a prepared scheduler once per process: scale as transformers' examples do.
-    # prepare_scheduler, not prepare: under DeepSpeed, prepare() returns a scheduler given without its
-    # model unwrapped, which then steps at every micro-batch.
-    scheduler = accelerator.prepare_scheduler(get_scheduler(
-        args.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
-        num_training_steps=args.max_train_steps * accelerator.num_processes))
-    if args.with_tracking:
-        accelerator.init_trackers("run_mlm", {k: v for k, v in settings.items() if isinstance(v, (int, float, str, bool))})
+    scheduler = training.make_scheduler(accelerator, args, optimizer, args.max_train_steps, warmup)
+    training.start_tracking(accelerator, args, "run_mlm", settings)
 
     def evaluate_ppl() -> dict:
         if eval_dl is None:
@@ -259,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     logger.info("training: %d blocks, %d processes (%d CPU threads each), %d steps, warm-up %d, peak lr %g",
                 len(data["train"]), accelerator.num_processes, torch.get_num_threads(), args.max_train_steps, warmup,
                 args.learning_rate)
-    result = train_loop(
+    result = training.train_loop(
         accelerator, args, model=model, optimizer=optimizer, scheduler=scheduler, train_dl=train_dl, sampler=sampler,
         max_train_steps=args.max_train_steps, evaluate=evaluate_ppl, eval_steps=args.eval_steps,
         prepare_batch=lambda b: mask(b, train_gen), generators={"masking": train_gen},
@@ -277,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.with_tracking:
         accelerator.log({f"final_{k}": v for k, v in results.items() if isinstance(v, float)}, step=completed)
     accelerator.wait_for_everyone()
-    unwrapped = save_final_model(accelerator, model, args.output_dir)
+    unwrapped = training.save_final_model(accelerator, model, args.output_dir)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(args.output_dir)
         with open(os.path.join(args.output_dir, "mlm_results.json"), "w") as f:
@@ -290,9 +259,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             base_model=args.model_name_or_path,
             training={"optimizer steps": completed, "training data": data_name},
         )
-        push_if_asked(args, args.output_dir, accelerator.print)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    training.end_run(accelerator, args, args.output_dir)
     return results
 
 

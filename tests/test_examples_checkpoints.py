@@ -103,7 +103,7 @@ def test_checkpoints_without_checksums_get_header_checks(tmp_path):
 def test_state_file_is_written_after_the_data_is_flushed(tmp_path, monkeypatch):
     """Every data file (and the folder) is fsynced before the state file marking the checkpoint
     complete is written."""
-    from hf_kernattn import training
+    from hf_kernattn.training import checkpoints as training
 
     events = []
     real_fsync, real_replace = training.os.fsync, training.os.replace

@@ -211,13 +211,13 @@ def test_weight_decay_rule_is_shared_and_excludes_biases_norms_and_position_bias
 
 
 # --------------------------------------------------------------------------------------------
-# copy_task.py keeps the committed figure
+# research/copy_task.py keeps the committed figure
 
 
 def test_copy_task_writes_to_outputs_by_default(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "copy_task.py"), "--steps", "2", "--log-every", "1", "--hidden", "8",
+        [sys.executable, str(ROOT / "examples" / "research" / "copy_task.py"), "--steps", "2", "--log-every", "1", "--hidden", "8",
          "--heads", "2", "--layers", "1", "--min-len", "2", "--max-len", "3", "--symbols", "3"],
         capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=300)
     assert proc.returncode in (0, 1), proc.stderr  # 1: not converged in 2 steps, as expected

@@ -66,8 +66,11 @@ if rank == 0:
 
 
 def load_script(name: str):
-    """Import examples/{name}.py as a module."""
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
+    """Import examples/{name}.py (a task script) or examples/research/{name}.py (an experiment) as a module."""
+    path = ROOT / "examples" / f"{name}.py"
+    if not path.is_file():
+        path = ROOT / "examples" / "research" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -367,7 +370,7 @@ def test_save_checkpoint_is_atomic(tmp_path, monkeypatch):
     import torch
     from accelerate import Accelerator
 
-    from hf_kernattn import training
+    from hf_kernattn.training import checkpoints as training
 
     acc = Accelerator(cpu=True)
     model = torch.nn.Linear(2, 2)

@@ -1,4 +1,4 @@
-"""examples/finetune_converted.py at toy size: GPT-2 trained with Trainer, converted (weights
+"""examples/research/finetune_converted.py at toy size: GPT-2 trained with Trainer, converted (weights
 copied exactly), fine-tuned with Trainer, evaluated the same way at every stage, reproducible
 from its seed, and generating with a state that does not grow."""
 

@@ -17,7 +17,7 @@ import hf_kernattn
 from hf_kernattn import LinearGPTForCausalLM, NPRFBertForMaskedLM, RelativePerformerViTForImageClassification
 from hf_kernattn.cards import render_model_card, save_model_card
 from hf_kernattn.cli import main
-from hf_kernattn.hub import PushError, files_to_push, push_folder
+from hf_kernattn.push import PushError, files_to_push, push_folder
 
 from .conftest import tiny_linear_gpt_config, tiny_nprf_bert_config, tiny_relative_performer_vit_config
 from .remote import code_bundle
@@ -75,7 +75,7 @@ class FakeHub:
 
 def _saved_linear_gpt(tmp_path: Path) -> tuple[Path, list[str]]:
     """A Hub-ready Linear GPT folder plus things that must stay local; returns the folder and
-    the file list a push must commit (derived independently of hf_kernattn.hub)."""
+    the file list a push must commit (derived independently of hf_kernattn.push)."""
     from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
 

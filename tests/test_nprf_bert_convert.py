@@ -184,7 +184,7 @@ def _fake_hub(remote_root, calls):
 
 
 def test_hub_model_id_is_downloaded_and_converted(tmp_path, monkeypatch, capsys):
-    import hf_kernattn.convert as convert_mod
+    import hf_kernattn.convert.common as convert_mod
 
     torch.manual_seed(0)
     src = BertForSequenceClassification(BertConfig(**SIZES, num_labels=2))

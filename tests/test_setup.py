@@ -142,7 +142,7 @@ _ISSUE_TEXT = re.compile(r"\bissues?\s*#?\d+|\bthe issue\b|\bissue's\b", re.IGNO
 def test_user_facing_text_names_no_issue_numbers():
     files = [ROOT / "README.md", ROOT / "pyproject.toml", *sorted((ROOT / "docs").rglob("*.md")),
              *sorted((ROOT / "hf_kernattn" / "model_cards").glob("*.md")), *sorted((ROOT / "hf_kernattn").rglob("*.py")), ROOT / "hf_kernattn_cli.py",
-             *sorted((ROOT / "examples").glob("*.py"))]
+             *sorted((ROOT / "examples").rglob("*.py"))]
     hits = [f"{f.relative_to(ROOT)}:{i}: {line.strip()}" for f in files
             for i, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if _ISSUE_TEXT.search(line)]
     assert hits == []

@@ -97,6 +97,36 @@ def add_common_arguments(parser: argparse.ArgumentParser, name: str, quick: str)
     parser.add_argument("--device", default="cpu", help="torch device of the measured models (default cpu)")
 
 
+def add_model_size_arguments(parser: argparse.ArgumentParser, *, hidden: int, heads: int, intermediate: int,
+                             features: int, features_help: str) -> None:
+    """The size flags of the benchmarks that time whole models: ``--hidden``, ``--heads``,
+    ``--intermediate``, ``--features`` and ``--batch``, with these defaults."""
+    parser.add_argument("--hidden", type=int, default=hidden)
+    parser.add_argument("--heads", type=int, default=heads)
+    parser.add_argument("--intermediate", type=int, default=intermediate)
+    parser.add_argument("--features", type=int, default=features, help=features_help)
+    parser.add_argument("--batch", type=int, default=1)
+
+
+def hidden_state_step(net, inputs: dict[str, Any], backward: bool):
+    """The timed step of a model returning ``last_hidden_state``: one forward pass without
+    autograd, or (``backward``) forward and backward through the mean square of the last hidden
+    state, the gradients dropped afterwards."""
+    import torch
+
+    if not backward:
+        def run() -> None:
+            with torch.no_grad():
+                net(**inputs)
+        return run
+
+    def run() -> None:
+        out = net(**inputs).last_hidden_state
+        out.float().pow(2).mean().backward()
+        net.zero_grad(set_to_none=True)
+    return run
+
+
 def build_parser(name: str, doc: str, add_arguments) -> argparse.ArgumentParser:
     """The stand-alone parser of benchmark ``name`` (``hf-kernattn bench NAME`` builds the same)."""
     parser = argparse.ArgumentParser(prog=f"hf-kernattn bench {name}", description=doc.strip().splitlines()[0])

@@ -24,7 +24,19 @@ from typing import Any, Callable
 
 from transformers.utils import logging
 
-from .common import alternate, format_spread, format_table, per_round_ratios, plot_series, spread, write_csv
+from .common import (
+    add_common_arguments,
+    add_model_size_arguments,
+    alternate,
+    build_parser as common_parser,
+    format_spread,
+    format_table,
+    hidden_state_step,
+    per_round_ratios,
+    plot_series,
+    spread,
+    write_csv,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -85,32 +97,15 @@ def workload(
     net = net.to(device)
     ids = torch.randint(1, 30522, (batch, n), device=device)
     mask = torch.ones(batch, n, dtype=torch.long, device=device)
-    if mode == "fwd":
-        net.eval()
-
-        def run() -> None:
-            with torch.no_grad():
-                net(input_ids=ids, attention_mask=mask)
-    else:
-        net.train()
-
-        def run() -> None:
-            out = net(input_ids=ids, attention_mask=mask).last_hidden_state
-            out.float().pow(2).mean().backward()
-            net.zero_grad(set_to_none=True)
-
-    return run
+    net.train(mode != "fwd")
+    return hidden_state_step(net, {"input_ids": ids, "attention_mask": mask}, backward=mode != "fwd")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .common import build_parser as common_parser
-
     return common_parser(NAME, __doc__, add_arguments)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .common import add_common_arguments
-
     add_common_arguments(parser, NAME, f"N in {QUICK_NS}, one layer, one timed run")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_NS})")
     parser.add_argument("--layers", type=int, default=2)
@@ -118,11 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-relative-position", type=int, default=512, help="K, where the bias is clipped")
     parser.add_argument("--no-recompute", action="store_true",
                         help="NPRF-BERT keeps its attention intermediates (recompute_attention=False)")
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--intermediate", type=int, default=3072)
-    parser.add_argument("--features", type=int, default=64, help="PRF random features per head")
-    parser.add_argument("--batch", type=int, default=1)
+    add_model_size_arguments(parser, hidden=768, heads=12, intermediate=3072, features=64,
+                             features_help="PRF random features per head")
     parser.add_argument("--repeats", type=int, default=2, help="timed runs per case and round (median); one warm-up before")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternated rounds (BertModel, NPRF-BERT, ...) in fresh processes; speed-up per round as median [min-max]")

@@ -21,7 +21,16 @@ from typing import Any, Callable
 
 from transformers.utils import logging
 
-from .common import add_common_arguments, build_parser as common_parser, format_table, measure, plot_series, write_csv
+from .common import (
+    add_common_arguments,
+    add_model_size_arguments,
+    build_parser as common_parser,
+    format_table,
+    hidden_state_step,
+    measure,
+    plot_series,
+    write_csv,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -63,16 +72,7 @@ def workload(
     net = net.to(device).train()
     pixels = torch.randn(batch, 3, grid, grid, device=device)
 
-    def run() -> None:
-        if mode == "fwd":
-            with torch.no_grad():
-                net(pixel_values=pixels)
-            return
-        out = net(pixel_values=pixels).last_hidden_state
-        out.float().pow(2).mean().backward()
-        net.zero_grad(set_to_none=True)
-
-    return run
+    return hidden_state_step(net, {"pixel_values": pixels}, backward=mode != "fwd")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,11 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_common_arguments(parser, NAME, f"grids {QUICK_GRIDS}, one round")
     parser.add_argument("--grids", type=int, nargs="+", default=None, help=f"patch-grid sides G (default {FULL_GRIDS})")
-    parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--heads", type=int, default=6)
-    parser.add_argument("--intermediate", type=int, default=1536)
-    parser.add_argument("--features", type=int, default=32, help="random features per head (rpvit)")
-    parser.add_argument("--batch", type=int, default=1)
+    add_model_size_arguments(parser, hidden=384, heads=6, intermediate=1536, features=32,
+                             features_help="random features per head (rpvit)")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per case (median); one untimed run before")
     parser.add_argument("--rounds", type=int, default=2, help="alternated rounds per grid")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a case is reported as timed out")

@@ -23,7 +23,7 @@ Text: ``--train_file`` / ``--validation_file`` (plain text), or by default the P
 library's own source files (on every machine, offline), every 20th file (sorted by name) for
 validation. Tokens: bytes (256 + ``<|endoftext|>``), the byte-level tokenizer of ``run_clm.py``.
 
-    python examples/finetune_converted.py --output_dir out/finetune_converted
+    python examples/research/finetune_converted.py --output_dir out/finetune_converted
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from transformers.utils import logging
 
 from hf_kernattn_cli import docstring_summary  # (the command line's text helpers, without importing the package)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # examples/, beside research/
 from run_clm import EOS, build_tokenizer  # noqa: E402  (the byte tokenizer of the CLM example)
 
 from hf_kernattn.training import NUM_THREADS_HELP, configure_threads  # noqa: E402
@@ -58,7 +58,7 @@ logger = logging.get_logger("finetune_converted")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=docstring_summary(__doc__),
-                                epilog="example: python examples/finetune_converted.py --output_dir out/finetune_converted")
+                                epilog="example: python examples/research/finetune_converted.py --output_dir out/finetune_converted")
     p.add_argument("--output_dir", required=True, help="folder for the models, results.json/.md and the plot")
     p.add_argument("--train_file", help="plain-text training file (default: the Python standard library's sources)")
     p.add_argument("--validation_file", help="plain-text validation file (with --train_file)")

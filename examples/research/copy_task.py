@@ -15,8 +15,8 @@ for: ``--out docs/figures``.
 
 Defaults take about 3 minutes on 2 CPU cores (one thread is enough)::
 
-    python examples/copy_task.py
-    python examples/copy_task.py --steps 300 --out /tmp/copy   # a quick look
+    python examples/research/copy_task.py
+    python examples/research/copy_task.py --steps 300 --out /tmp/copy   # a quick look
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from transformers import get_scheduler  # noqa: E402
 

@@ -19,7 +19,7 @@ objects in test images are translated. This script measures that on data availab
 
 Example::
 
-    python examples/shift_robustness.py --output_dir out/shift        # about 16 minutes on 2 CPU cores
+    python examples/research/shift_robustness.py --output_dir out/shift        # about 16 minutes on 2 CPU cores
 """
 
 from __future__ import annotations
