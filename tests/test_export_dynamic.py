@@ -88,18 +88,18 @@ CASES = {
         LinearGPTModel(gpt_config(num_hidden_layers=1, position_embedding_type="none")), _text(V_GPT, 2, 10, 0, True),
         ({0: BATCH, 1: LONG}, {0: BATCH, 1: LONG}), [_text(V_GPT, 1, 600, 1, True)],
     ),
-    "vit_fft_2d_cls": lambda: (
+    "vit_learned_2d_cls": lambda: (
         RelativePerformerViTForImageClassification(vit_config(num_hidden_layers=1, pooling="cls")), _image(2, 4, 3, 0),
         ({0: BATCH, 2: 4 * GRID_H, 3: 4 * GRID_W}, {0: BATCH, 1: GRID_H, 2: GRID_W}),
         [_image(3, 5, 7, 1), _image(1, 2, 9, 2)],
     ),
-    "vit_clipped": lambda: (
-        RelativePerformerViTForImageClassification(vit_config(num_hidden_layers=1, rpe="clipped")), _image(2, 4, 3, 0),
+    "vit_manhattan": lambda: (
+        RelativePerformerViTForImageClassification(vit_config(num_hidden_layers=1, rpe="manhattan")), _image(2, 4, 3, 0),
         ({0: BATCH, 2: 4 * GRID_H, 3: 4 * GRID_W}, {0: BATCH, 1: GRID_H, 2: GRID_W}),
         [_image(3, 6, 5, 1), _image(1, 9, 2, 2)],
     ),
 }
-ONNX_CASES = ["nprf_bert", "linear_gpt", "vit_fft_2d_cls"]
+ONNX_CASES = ["nprf_bert", "linear_gpt", "vit_learned_2d_cls"]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from .conftest import checkpointing_enable
 from .conftest import tiny_relative_performer_vit_config as tiny
 from .remote import run_without_package
 
-OPTIONS = ("fft_2d", "rotary_features", "clipped", "absolute", "none")
+OPTIONS = ("learned_2d", "rotary_features", "manhattan", "absolute", "none")
 
 
 def _model(cls=RelativePerformerViTModel, seed=0, **overrides):
@@ -37,9 +37,9 @@ def _grads(model, pixels, **inputs):
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
-@pytest.mark.parametrize("rpe,fast", [("fft_2d", "fft"), ("clipped", "manhattan")])
+@pytest.mark.parametrize("rpe,fast", [("learned_2d", "fft"), ("manhattan", "manhattan")])
 def test_grid_bias_paths_equal_the_dense_reference_in_a_full_forward_and_backward(rpe, fast, pooling):
-    """The 2D FFT path (fft_2d) and the O(N K^2) Manhattan path (clipped) inside the whole model
+    """The 2D FFT path (learned_2d) and the O(N K^2) Manhattan path (manhattan) inside the whole model
     equal the dense 2D reference (float64): outputs and the gradient of every parameter, the
     bias tables included; with mean pooling the second image has padded patches (patch_mask 0:
     its last two grid rows), with cls pooling the class token's row is padded to the grid's
@@ -63,12 +63,12 @@ def test_grid_bias_paths_equal_the_dense_reference_in_a_full_forward_and_backwar
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=0, atol=1e-9, msg=name)
 
 
-def test_clipped_bias_is_the_clipped_manhattan_distance_on_a_share_of_the_heads():
-    """rpe="clipped" gives, for every query/key pair of a 3 x 5 grid, the learned entry
+def test_manhattan_bias_is_the_clipped_manhattan_distance_on_a_share_of_the_heads():
+    """rpe="manhattan" gives, for every query/key pair of a 3 x 5 grid, the learned entry
     b[h, min(|dy| + |dx|, K)] on the first relative_heads heads (half by default) and 0 on the
     others (content only): read back from the 2D bias by the core's offset convention and compared
     with a literal loop over pairs (exact: pure indexing)."""
-    model = _model(rpe="clipped", max_relative_position=3, rpe_init_std=1.0)
+    model = _model(rpe="manhattan", max_relative_position=3, rpe_init_std=1.0)
     table = model.layers[0].positions.table
     assert tuple(table.weight.shape) == (2, 4)  # 4 heads: half of them, K + 1 entries
     hg, wg = 3, 5
@@ -81,7 +81,7 @@ def test_clipped_bias_is_the_clipped_manhattan_distance_on_a_share_of_the_heads(
             got = bias[:, dy + hg - 1, dx + wg - 1]
             want = torch.cat([table.weight[:, min(abs(dy) + abs(dx), 3)], torch.zeros(2)])
             assert torch.equal(got, want), (i, j)
-    assert _model(rpe="clipped", relative_heads=3).layers[0].positions.table.weight.shape[0] == 3
+    assert _model(rpe="manhattan", relative_heads=3).layers[0].positions.table.weight.shape[0] == 3
 
 
 def _placed(content: torch.Tensor, at: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +97,7 @@ def _placed(content: torch.Tensor, at: tuple[int, int], seed: int) -> tuple[torc
 
 @pytest.mark.parametrize("rpe", OPTIONS)
 def test_translation_of_content_by_whole_patches(rpe):
-    """What holds exactly: with a relative bias (fft_2d, clipped) or none and mean pooling, the
+    """What holds exactly: with a relative bias (learned_2d, manhattan) or none and mean pooling, the
     output depends on the real patches only through their content and their offsets to each
     other. Content moved by whole patches to another place of the grid, the rest being padding
     (patch_mask 0), gives the same pooled output to float64 rounding (1e-12). With absolute
@@ -108,7 +108,7 @@ def test_translation_of_content_by_whole_patches(rpe):
     with torch.no_grad():
         outs = [model(*_placed(content, at, seed), return_dict=False)[1] for seed, at in enumerate([(0, 0), (3, 2), (4, 3)])]
     diffs = [float((o - outs[0]).abs().max()) for o in outs[1:]]
-    if rpe in ("fft_2d", "clipped", "none"):
+    if rpe in ("learned_2d", "manhattan", "none"):
         assert max(diffs) < 1e-12, diffs
     else:
         assert min(diffs) > 1e-3, diffs
@@ -157,7 +157,7 @@ def test_rotary_features_are_translation_invariant_in_expectation():
     assert change[1024] < change[16] / 2, change
 
 
-@pytest.mark.parametrize("rpe", ["fft_2d", "rotary_features", "clipped", "none"])
+@pytest.mark.parametrize("rpe", ["learned_2d", "rotary_features", "manhattan", "none"])
 def test_relative_options_take_other_image_sizes(rpe):
     model = _model(RelativePerformerViTForImageClassification, rpe=rpe, pooling="cls")
     for h, w in ((16, 16), (24, 12), (4, 40)):
@@ -197,7 +197,7 @@ def test_bad_images_and_configs_raise_clear_errors():
     for fields, match in [
         ({"image_size": 18}, r"image_size \(18\) must be a multiple of patch_size \(4\)"),
         ({"pooling": "max"}, r"pooling must be one of \['mean', 'cls'\]"),
-        ({"rpe": "learned"}, r"rpe must be one of \['fft_2d', 'rotary_features', 'clipped', 'absolute', 'none'\]"),
+        ({"rpe": "learned"}, r"rpe must be one of \['learned_2d', 'rotary_features', 'manhattan', 'absolute', 'none'\]"),
         ({"relative_heads": 5}, r"relative_heads must be None or an int in \[1, num_attention_heads=4\]"),
         ({"num_channels": 0}, "num_channels must be an int >= 1"),
     ]:
@@ -304,7 +304,7 @@ print(json.dumps({"logits": logits.tolist(), "labels": labels}))
     assert got["labels"] == [model.config.id2label[int(i)] for i in torch.tensor(want).argmax(-1)]
 
 
-@pytest.mark.parametrize("rpe", ["fft_2d", "clipped", "rotary_features", "absolute"])
+@pytest.mark.parametrize("rpe", ["learned_2d", "manhattan", "rotary_features", "absolute"])
 def test_torch_export_matches_eager(rpe):
     """The forward exports with torch.export (no data-dependent Python reads while tracing) and
     the exported program gives the eager logits (the same operations: exact)."""
@@ -315,7 +315,7 @@ def test_torch_export_matches_eager(rpe):
         torch.testing.assert_close(exported.module()(pixels).logits, model(pixel_values=pixels).logits, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rpe", ["fft_2d", "rotary_features"])
+@pytest.mark.parametrize("rpe", ["learned_2d", "rotary_features"])
 def test_gradient_checkpointing_gives_the_same_gradients(rpe):
     """transformers' gradient checkpointing (the layers are GradientCheckpointingLayer) recomputes
     each layer in backward with the random features of its forward (redrawn at every training
@@ -393,8 +393,8 @@ def test_checkpoint_feature_buffers_load_and_missing_ones_are_drawn_from_the_see
 
 
 @pytest.mark.parametrize("rpe,backend,pooling", [
-    ("fft_2d", "fft", "mean"), ("fft_2d", "dense", "cls"), ("clipped", "manhattan", "mean"),
-    ("clipped", "dense", "cls"), ("rotary_features", "auto", "mean"), ("rotary_features", "dense", "cls"),
+    ("learned_2d", "fft", "mean"), ("learned_2d", "dense", "cls"), ("manhattan", "manhattan", "mean"),
+    ("manhattan", "dense", "cls"), ("rotary_features", "auto", "mean"), ("rotary_features", "dense", "cls"),
     ("absolute", "auto", "mean"), ("none", "linear", "mean"), ("none", "auto", "cls"),
 ])
 def test_non_finite_pixels_in_padded_patches_reach_no_gradient(rpe, backend, pooling):

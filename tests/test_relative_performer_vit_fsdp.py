@@ -73,7 +73,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("overrides", [dict(rpe="fft_2d", pooling="cls")])
+@pytest.mark.parametrize("overrides", [dict(rpe="learned_2d", pooling="cls")])
 def test_fully_shard_per_layer_trains_like_one_process(tmp_path, overrides):
     """Per-layer and root ``fully_shard`` on 2 gloo processes, each with half of a batch of 4
     (one image with padded patches), 2 SGD steps: the full state dict equals 2 steps on the

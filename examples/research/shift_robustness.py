@@ -8,8 +8,8 @@ objects in test images are translated. This script measures that on data availab
 * Data: the 8x8 handwritten digits bundled with scikit-learn (1797 images, 10 classes),
   upsampled to 16x16 (bilinear) and centred in a ``--canvas`` x ``--canvas`` (32 x 32) black
   canvas, split 80/20 (stratified, fixed seed).
-* Training: every position option (``--options``; default ``fft_2d``, ``rotary_features``,
-  ``clipped``, ``absolute``, ``none``) with the same model size and budget (``--epochs`` of AdamW,
+* Training: every position option (``--options``; default ``learned_2d``, ``rotary_features``,
+  ``manhattan``, ``absolute``, ``none``) with the same model size and budget (``--epochs`` of AdamW,
   cosine schedule) on the centred images, for ``--seeds`` seeds.
 * Test: accuracy on the test images shifted by ``s`` pixels along x, ``s`` in
   ``-max_shift .. max_shift`` (the digit stays inside the canvas; vacated pixels are black).
@@ -41,7 +41,7 @@ from transformers import get_scheduler
 from hf_kernattn import RelativePerformerViTConfig, RelativePerformerViTForImageClassification
 from hf_kernattn.training import NUM_THREADS_HELP, configure_threads
 
-OPTIONS = ("fft_2d", "rotary_features", "clipped", "absolute", "none")
+OPTIONS = ("learned_2d", "rotary_features", "manhattan", "absolute", "none")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 
 Both models have one encoder layer of the same widths (``--hidden`` 384, ``--heads`` 6, MLP
 ``--intermediate`` 1536) on a ``G x G`` patch grid (patch size 1, so an image of ``G x G`` pixels
-gives ``G^2`` tokens): ``rpvit`` is :class:`RelativePerformerViTModel` with ``rpe="fft_2d"``
+gives ``G^2`` tokens): ``rpvit`` is :class:`RelativePerformerViTModel` with ``rpe="learned_2d"``
 (positive random features, ``--features`` 32 per head, a learnable 2D relative bias applied by
 2D FFT, ``attn_backend="fft"``); ``vit`` is ``transformers.ViTModel`` with
 ``attn_implementation="sdpa"``. Each case runs in a fresh process
@@ -54,7 +54,7 @@ def workload(
 
         cfg = RelativePerformerViTConfig(
             image_size=grid, patch_size=1, num_channels=3, hidden_size=hidden, num_hidden_layers=1,
-            num_attention_heads=heads, intermediate_size=intermediate, rpe="fft_2d", num_random_features=features,
+            num_attention_heads=heads, intermediate_size=intermediate, rpe="learned_2d", num_random_features=features,
             attn_backend="fft", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
         )
         net = RelativePerformerViTModel(cfg)
@@ -144,9 +144,9 @@ def run(args: argparse.Namespace) -> int:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    plot_series({"ViT + SDPA": (xs, [s["vit_s"] for s in summary]), "RP-ViT fft_2d": (xs, [s["rpvit_s"] for s in summary])},
+    plot_series({"ViT + SDPA": (xs, [s["vit_s"] for s in summary]), "RP-ViT learned_2d": (xs, [s["rpvit_s"] for s in summary])},
                 None, title="one layer, forward+backward", xlabel="tokens (patch grid G x G)", ylabel="seconds", ax=axes[0])
-    plot_series({"ViT + SDPA": (xs, [s["vit_MB"] for s in summary]), "RP-ViT fft_2d": (xs, [s["rpvit_MB"] for s in summary])},
+    plot_series({"ViT + SDPA": (xs, [s["vit_MB"] for s in summary]), "RP-ViT learned_2d": (xs, [s["rpvit_MB"] for s in summary])},
                 None, title="peak memory over set-up", xlabel="tokens (patch grid G x G)", ylabel="MiB", ax=axes[1])
     fig.suptitle(f"hidden {args.hidden}, {args.heads} heads, MLP {args.intermediate}, {args.features} features, "
                  f"batch {args.batch}, {args.device}, {args.threads} thread(s)", fontsize=9)

@@ -1,22 +1,27 @@
-"""The one schema of the attention fields every hf-kernattn family shares.
+"""The one schema of the config fields: the attention fields every hf-kernattn family shares,
+and the table each family declares its own fields in.
 
-Every family config (NPRF-BERT, Linear GPT, ...) carries the fields of
+Every family config (NPRF-BERT, Linear GPT, the relative-performer ViT) carries the fields of
 :data:`SHARED_ATTENTION_FIELDS` under the same names, with the same meaning, documentation and
-checks; each config declares only its own fields on top. A family states its
-:class:`AttentionSchema`, which may override a default explicitly (with the reason), and calls
-:meth:`AttentionSchema.take` in ``__init__``: the shared fields are taken from the keyword
-arguments, missing ones get the family's default, and a bad value fails when the config is
-built, with a ``TypeError`` (wrong type: :class:`FieldTypeError`, also a ``ValueError``) or
-``ValueError`` (bad value) naming the field and what it allows. :meth:`AttentionSchema.document` writes the shared part of the config's docstring
-from the same text, so the documentation exists once.
+checks, and declares its own fields the same way: a :class:`ConfigField` row each (name,
+default, documentation, check), grouped under headings, in its :class:`AttentionSchema`. The
+schema may override a shared default explicitly (with the reason), narrow a shared choice and
+accept earlier values of a field. The config calls :meth:`AttentionSchema.take` in ``__init__``:
+every field is taken from the keyword arguments, missing ones get the family's default, and a
+bad value fails when the config is built, with a ``TypeError`` (wrong type:
+:class:`FieldTypeError`, also a ``ValueError``) or ``ValueError`` (bad value) naming the field
+and what it allows (the checks: :class:`Allowed` and its makers below). Checks that involve
+several fields stay with the family. :meth:`AttentionSchema.declare` writes the config's
+docstring from the same rows, so the documentation exists once.
 
-:class:`~hf_kernattn.KernelizedSelfAttention` reads these fields from the config directly.
+:class:`~hf_kernattn.KernelizedSelfAttention` reads the shared fields from the config directly.
 :func:`complete_attention_fields` gives a bare namespace (a standalone module, a config of a
 model that is not an hf-kernattn family) the schema's base defaults for the fields it lacks.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 import textwrap
@@ -34,7 +39,7 @@ from .positional import RPE_KINDS
 
 
 class FieldTypeError(TypeError, ValueError):
-    """A shared field given a value of the wrong type. A ``TypeError``, and a ``ValueError`` too:
+    """A config field given a value of the wrong type. A ``TypeError``, and a ``ValueError`` too:
     the configs refused some wrong types (``normalize_qk="yes"``) with ``ValueError`` before
     the schema existed, and code catching that keeps working."""
 
@@ -47,39 +52,64 @@ def _real(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _choice(options: tuple) -> Callable[[str, object], None]:
-    def check(name: str, value: object) -> None:
-        if not isinstance(value, str):
-            raise FieldTypeError(f"{name} must be a string, one of {list(options)}, got {value!r}")
-        if value not in options:
-            raise ValueError(f"{name} must be one of {list(options)}, got {value!r}")
-
-    return check
+def _anything(value: object) -> bool:
+    return True
 
 
-def _int_at_least(lo: int, meaning: str = "") -> Callable[[str, object], None]:
-    def check(name: str, value: object) -> None:
-        if not _is_int(value):
-            raise FieldTypeError(f"{name} must be an int >= {lo}{meaning}, got {value!r}")
-        if value < lo:
-            raise ValueError(f"{name} must be an int >= {lo}{meaning}, got {value!r}")
+@dataclass(frozen=True)
+class Allowed:
+    """The check of one field: what it allows, as a test of the value's type and one of its value.
 
-    return check
+    ``check(name, value)`` raises :class:`FieldTypeError` when ``is_type(value)`` fails and
+    ``ValueError`` when ``is_value(value)`` fails, both saying ``"{name} must be {text}, got
+    {value!r}"`` (the type error with ``type_text`` where that says more)."""
 
+    text: str
+    is_type: Callable[[object], bool]
+    is_value: Callable[[Any], bool] = _anything
+    type_text: Optional[str] = None
 
-def _boolean(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise FieldTypeError(f"{name} must be a bool (True or False), got {value!r}")
-
-
-def _finite_at_least_zero(name: str, value: object) -> None:
-    if not _real(value):
-        raise FieldTypeError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    def __call__(self, name: str, value: object) -> None:
+        if not self.is_type(value):
+            raise FieldTypeError(f"{name} must be {self.type_text or self.text}, got {value!r}")
+        if not self.is_value(value):
+            raise ValueError(f"{name} must be {self.text}, got {value!r}")
 
 
-def _backend_name(name: str, value: object) -> None:
+def choice(options: tuple, where: str = "") -> Allowed:
+    """One of ``options`` (strings); ``where`` ends the message (e.g. ``" for NPRF-BERT"``)."""
+    return Allowed(f"one of {list(options)}{where}", lambda v: isinstance(v, str), lambda v: v in options,
+                   type_text=f"a string, one of {list(options)}{where}")
+
+
+def int_at_least(lo: int, meaning: str = "") -> Allowed:
+    return Allowed(f"an int >= {lo}{meaning}", _is_int, lambda v: v >= lo)
+
+
+def finite_at_least(lo: float) -> Allowed:
+    return Allowed(f"a finite number >= {lo}", _real, lambda v: math.isfinite(v) and v >= lo, type_text="a number")
+
+
+def finite_above(lo: float) -> Allowed:
+    return Allowed(f"a finite number > {lo}", _real, lambda v: math.isfinite(v) and v > lo, type_text="a number")
+
+
+def optional(check: Allowed) -> Allowed:
+    """None, or what ``check`` allows."""
+    return Allowed(f"None or {check.text}", lambda v: v is None or check.is_type(v),
+                   lambda v: v is None or check.is_value(v), type_text=f"None or {check.type_text or check.text}")
+
+
+boolean = Allowed("a bool (True or False)", lambda v: isinstance(v, bool))
+probability = Allowed("a float in [0, 1)", _real, lambda v: 0 <= v < 1)
+activation = Allowed(
+    f"one of {sorted(ACT2FN)} or a callable", lambda v: isinstance(v, str) or callable(v),
+    lambda v: not isinstance(v, str) or v in ACT2FN, type_text="an activation name (a key of ACT2FN) or a callable",
+)
+
+
+def backend_name(name: str, value: object) -> None:
+    """``"auto"`` or a registered backend name (the registry's message says which exist)."""
     if not isinstance(value, str):
         raise FieldTypeError(f"{name} must be a string ('auto' or a registered backend name), got {value!r}")
     if value != "auto":
@@ -93,16 +123,17 @@ def _backend_name(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True)
-class SharedField:
-    """One shared attention field: its name, base default, documentation and check.
+class ConfigField:
+    """One config field: its name, default, documentation and check.
 
-    ``check(name, value)`` raises ``TypeError`` / ``ValueError`` naming the field; ``convert``
-    (optional) normalises an accepted value before it is stored (e.g. ``float``)."""
+    ``check(name, value)`` raises ``TypeError`` / ``ValueError`` naming the field (None: any
+    value is kept as given); ``convert`` (optional) normalises an accepted value before it is
+    stored (e.g. ``float``)."""
 
     name: str
     default: Any
     doc: str
-    check: Callable[[str, object], None]
+    check: Optional[Callable[[str, object], None]] = None
     convert: Optional[Callable[[Any], Any]] = None
 
 
@@ -117,76 +148,76 @@ _AUTO_RULE = (
     "``causal_chunked`` (causal) or ``linear``."
 )
 
-SHARED_ATTENTION_FIELDS: tuple[SharedField, ...] = (
-    SharedField(
+SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
+    ConfigField(
         "feature_map", "elu",
         "the feature map phi applied to queries and keys (``feature_maps.py``): ``\"elu\"`` "
         "(elu(x) + 1, Katharopoulos et al. 2020), ``\"relu\"``, ``\"prf\"`` (positive random "
         "features, Choromanski et al. 2021) or ``\"trf\"`` (trigonometric random features).",
-        _choice(FEATURE_MAPS),
+        choice(FEATURE_MAPS),
     ),
-    SharedField(
+    ConfigField(
         "num_random_features", 64,
         "m, random features per head of ``\"prf\"`` (feature size m) and ``\"trf\"`` (2m); an int "
         ">= 1, unused by the deterministic maps.",
-        _int_at_least(1),
+        int_at_least(1),
     ),
-    SharedField(
+    ConfigField(
         "feature_projection", "orthogonal",
         "how the random projection rows are drawn: ``\"orthogonal\"`` (blocks of orthogonal rows "
         "with chi(d) norms: unbiased, lower variance), ``\"gaussian\"`` (i.i.d. N(0, 1)) or "
         "``\"sphere\"`` (uniform on the sphere of radius sqrt(d)).",
-        _choice(PROJECTIONS),
+        choice(PROJECTIONS),
     ),
-    SharedField(
+    ConfigField(
         "normalize_qk", False,
         "l2-normalise queries and keys before the feature map (the \"N\" of NPRF: Luo et al. 2021 "
         "show it is what makes random-feature training stable; every key is then in the maps' "
         "valid range).",
-        _boolean,
+        boolean,
     ),
-    SharedField(
+    ConfigField(
         "feature_redraw_interval", 0,
         "redraw the random projections every this many training forwards; 0 never redraws, so a "
         "saved model is exactly reproducible. The draw counters are saved with the model.",
-        _int_at_least(0, " (0 = never redraw)"),
+        int_at_least(0, " (0 = never redraw)"),
     ),
-    SharedField(
+    ConfigField(
         "feature_seed", 0,
         "seed of the random projections (layer l draws from seed ``feature_seed + 1000*l``).",
-        _int_at_least(0),
+        int_at_least(0),
     ),
-    SharedField(
+    ConfigField(
         "rpe", "none",
         "relative-position bias b_{j-i} added to the kernel as weights c_{j-i} = exp(b_{j-i}): "
         "``\"none\"`` or ``\"learned\"`` (a learnable per-head table over offsets clipped at "
         "``max_relative_position``; a family may allow fewer kinds).",
-        _choice(RPE_KINDS),
+        choice(RPE_KINDS),
     ),
-    SharedField(
+    ConfigField(
         "max_relative_position", 64,
         "K, where the bias is clipped: offsets |j - i| > K share the bias of +-K (an int >= 1; "
         "read when ``rpe`` is not ``\"none\"``).",
-        _int_at_least(1),
+        int_at_least(1),
     ),
-    SharedField(
+    ConfigField(
         "attn_backend", "auto",
         "``\"auto\"`` or a registered backend name (``hf_kernattn.available_backends()``) for the "
         "parallel form. " + _AUTO_RULE,
-        _backend_name,
+        backend_name,
     ),
-    SharedField(
+    ConfigField(
         "attention_eps", 1e-6,
         "eps added to the attention denominator (a finite number >= 0).",
-        _finite_at_least_zero,
+        finite_at_least(0),
         float,
     ),
-    SharedField(
+    ConfigField(
         "attention_bias", True,
         "biases on the q/k/v/o projections.",
-        _boolean,
+        boolean,
     ),
-    SharedField(
+    ConfigField(
         "recompute_attention", True,
         "when gradients are needed, keep only each attention block's q/k/v projections and "
         "recompute its feature maps and kernel intermediates in the backward pass (flash "
@@ -195,7 +226,7 @@ SHARED_ATTENTION_FIELDS: tuple[SharedField, ...] = (
         "gradient checkpointing already recomputes. A causal LM applies it to forwards that start "
         "without a decoding state (training, prefill); steps that continue from a state never "
         "recompute.",
-        _boolean,
+        boolean,
     ),
 )
 
@@ -230,60 +261,141 @@ def take_version_fields(kwargs: dict) -> dict[str, Any]:
 
 
 DOC_MARKER = "@shared-attention-fields@"
+FAMILY_DOC_MARKER = "@family-fields@"
 _DOC_WIDTH = 96
+
+# Arguments every transformers config takes and passes on to ``PreTrainedConfig``; checked when given.
+COMMON_FLAGS = ("use_cache", "output_attentions")
+
+OUTPUT_ATTENTIONS_DOC = (
+    "``output_attentions`` is accepted and kept, as by every transformers config, but kernelized "
+    "attention never forms the attention matrix: a model built from a config with "
+    "``output_attentions=True`` returns no attention weights (and warns once), and "
+    "``forward(output_attentions=True)`` raises ``ValueError``."
+)
 
 
 class AttentionSchema:
-    """One family's view of the shared fields: the base schema plus explicit default overrides.
+    """One family's config schema: its own fields, declared as a table like the shared ones,
+    and its view of the shared attention fields (the base schema with explicit default
+    overrides, the options of a choice it takes, the earlier values it still accepts).
 
     Args:
-        family: the family's name, used in the generated documentation.
+        family: the family's name, used in messages and the generated documentation.
+        fields: the family's own fields in documentation order: :class:`ConfigField` rows, each
+            group of them after its heading (a string). They include ``hidden_size`` and
+            ``num_attention_heads`` (the head size every shared field is used with).
+        choices: ``{field: options}``: a shared choice field of which this family takes only
+            ``options`` (each one a value the shared field allows).
+        aliases: ``{field: {earlier: current}}``: earlier values a field still accepts; the
+            config stores the current one.
         overrides: ``field=(default, reason)``: the family's own default for a shared field and
             why it differs (shown in the documentation). The default must pass the field's check.
     """
 
-    def __init__(self, family: str, **overrides: tuple[Any, str]) -> None:
+    def __init__(
+        self,
+        family: str,
+        *,
+        fields: tuple = (),
+        choices: Optional[dict[str, tuple]] = None,
+        aliases: Optional[dict[str, dict[str, str]]] = None,
+        **overrides: tuple[Any, str],
+    ) -> None:
         self.family = family
+        self.groups: list[tuple[str, list[ConfigField]]] = []
+        for row in fields:
+            if isinstance(row, str):
+                self.groups.append((row, []))
+            elif isinstance(row, ConfigField) and self.groups:
+                self.groups[-1][1].append(row)
+            else:
+                raise TypeError(f"fields must be headings (str), each followed by its ConfigField rows, got {row!r}")
+        self.own_fields: tuple[ConfigField, ...] = tuple(f for _, group in self.groups for f in group)
+        self._fields = {f.name: f for f in SHARED_ATTENTION_FIELDS}
+        for field in self.own_fields:
+            if field.name in self._fields:
+                raise ValueError(f"{field.name!r} is declared twice (the shared fields are {list(SHARED_FIELD_NAMES)})")
+            self._fields[field.name] = field
+        if fields and not {"hidden_size", "num_attention_heads"} <= set(self._fields):
+            raise ValueError("a family's fields must include hidden_size and num_attention_heads")
+        self.checks = {name: field.check for name, field in self._fields.items()}
+        for name, options in (choices or {}).items():
+            if name not in _BY_NAME:
+                raise ValueError(f"{name!r} is not a shared attention field; they are {list(SHARED_FIELD_NAMES)}")
+            for option in options:
+                _BY_NAME[name].check(name, option)
+            self.checks[name] = choice(tuple(options), f" for {family}")
+        self.aliases = {name: dict(table) for name, table in (aliases or {}).items()}
+        for name, table in self.aliases.items():
+            for current in table.values():
+                self.check(name, current)
         self.overrides: dict[str, tuple[Any, str]] = {}
         for name, spec in overrides.items():
             if name not in _BY_NAME:
                 raise ValueError(f"{name!r} is not a shared attention field; they are {list(SHARED_FIELD_NAMES)}")
             if not (isinstance(spec, tuple) and len(spec) == 2 and isinstance(spec[1], str) and spec[1]):
                 raise TypeError(f"override of {name} must be (default, reason), got {spec!r}")
-            _BY_NAME[name].check(name, spec[0])
+            self.check(name, spec[0])
             self.overrides[name] = spec
 
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        """Every field of the family: its own, then the shared ones."""
+        return tuple(f.name for f in self.own_fields) + SHARED_FIELD_NAMES
+
     def default(self, name: str) -> Any:
-        """This family's default of the shared field ``name``."""
-        return self.overrides[name][0] if name in self.overrides else _BY_NAME[name].default
+        """This family's default of the field ``name`` (its own or a shared one)."""
+        return self.overrides[name][0] if name in self.overrides else self._fields[name].default
 
     @property
     def defaults(self) -> dict[str, Any]:
+        """This family's defaults of the shared fields."""
         return {name: self.default(name) for name in SHARED_FIELD_NAMES}
 
-    def take(self, kwargs: dict, *, hidden_size: int, num_attention_heads: int) -> dict[str, Any]:
-        """Remove the shared fields from ``kwargs`` (a config's ``**kwargs``), fill the family's
-        defaults, check every value (each field once, then the head size the fields are used
-        with), and return ``{name: value}`` for the config to set, with the version fields of
-        :func:`take_version_fields`."""
+    def check(self, name: str, value: object) -> None:
+        """``TypeError`` / ``ValueError`` naming ``name`` unless this family's field takes ``value``."""
+        if self.checks[name] is not None:
+            self.checks[name](name, value)
+
+    def take(self, kwargs: dict) -> dict[str, Any]:
+        """Remove the family's fields (its own and the shared ones) from ``kwargs`` (a config's
+        ``**kwargs``), fill the family's defaults, replace an earlier value by its current one,
+        check every value (each field once, then the head size the shared fields are used with,
+        then the common flags ``kwargs`` keeps for ``PreTrainedConfig``), and return ``{name:
+        value}`` for the config to set, with the version fields of :func:`take_version_fields`."""
         values = {}
-        for field in SHARED_ATTENTION_FIELDS:
+        for field in self.own_fields + SHARED_ATTENTION_FIELDS:
             value = kwargs.pop(field.name, self.default(field.name))
-            field.check(field.name, value)
+            if isinstance(value, str):
+                value = self.aliases.get(field.name, {}).get(value, value)
+            self.check(field.name, value)
             values[field.name] = field.convert(value) if field.convert is not None else value
-        check_head_size(hidden_size, num_attention_heads)
+        check_head_size(values["hidden_size"], values["num_attention_heads"])
+        for name in COMMON_FLAGS:
+            if kwargs.get(name) is not None:
+                boolean(name, kwargs[name])
         values.update(take_version_fields(kwargs))
         return values
 
     @staticmethod
     def apply(config: Any, values: dict[str, Any]) -> None:
-        """Set the shared fields ``values`` (from :meth:`take`) on ``config``."""
+        """Set the fields ``values`` (from :meth:`take`) on ``config``."""
         for name, value in values.items():
             setattr(config, name, value)
 
+    def configure(self, config: Any, kwargs: dict, check_combinations: Callable[[dict], None]) -> None:
+        """What a family config's ``__init__(**kwargs)`` does before ``PreTrainedConfig.__init__``:
+        :meth:`take` its fields from ``kwargs``, run the family's checks that involve several
+        fields (``check_combinations(values)``, which may also fill defaults derived from other
+        fields), and :meth:`apply` the values to ``config``. ``kwargs`` keeps the rest."""
+        values = self.take(kwargs)
+        check_combinations(values)
+        self.apply(config, values)
+
     def field_doc(self, name: str) -> str:
-        """The documentation of one shared field, identical in every family (no default in it)."""
-        return _wrap(f"{name}: {_BY_NAME[name].doc}", "        ", "            ")
+        """The documentation of one field (a shared one's is identical in every family; no default in it)."""
+        return _wrap(f"{name}: {self._fields[name].doc}", "        ", "            ")
 
     def default_doc(self, name: str) -> str:
         """The line stating this family's default of ``name`` (and the reason of an override)."""
@@ -292,23 +404,46 @@ class AttentionSchema:
             text += f" ({self.overrides[name][1]})"
         return _wrap(text + ".", "            ", "            ")
 
+    def _fields_doc(self, heading: list[str], names) -> list[str]:
+        lines = heading + [""]
+        for name in names:
+            lines += [self.field_doc(name), self.default_doc(name)]
+        return lines
+
     def document(self, docstring: Optional[str]) -> Optional[str]:
-        """``docstring`` with :data:`DOC_MARKER` (on a line of its own) replaced by the shared
-        fields' documentation and this family's defaults. ``ValueError`` without the marker;
-        None stays None (``python -OO`` strips docstrings)."""
+        """``docstring`` with :data:`FAMILY_DOC_MARKER` replaced by the family's own fields (by
+        group) and :data:`DOC_MARKER` by the shared fields' documentation (then what the config
+        does with ``output_attentions``), each with this family's defaults; each marker on a line
+        of its own. ``ValueError`` without a marker; None stays None (``python -OO`` strips
+        docstrings)."""
         if docstring is None or (sys.flags.optimize >= 2 and DOC_MARKER not in docstring):
             return docstring  # -OO: no docstring (or one a dataclass decorator wrote)
-        if DOC_MARKER not in docstring:
-            raise ValueError(f"the docstring of the {self.family} config must hold the line {DOC_MARKER!r}")
-        lines = [
+        for marker in (DOC_MARKER,) + ((FAMILY_DOC_MARKER,) if self.own_fields else ()):
+            if marker not in docstring:
+                raise ValueError(f"the docstring of the {self.family} config must hold the line {marker!r}")
+        shared = self._fields_doc([
             "    Shared attention fields (same names, meaning and checks in every hf-kernattn family;",
             "    one schema, ``attention_config.py``):",
-            "",
-        ]
-        for name in SHARED_FIELD_NAMES:
-            lines.append(self.field_doc(name))
-            lines.append(self.default_doc(name))
-        return docstring.replace(f"    {DOC_MARKER}", "\n".join(lines))
+        ], SHARED_FIELD_NAMES)
+        shared += ["", _wrap(OUTPUT_ATTENTIONS_DOC, "    ", "    ")]
+        docstring = docstring.replace(f"    {DOC_MARKER}", "\n".join(shared))
+        own = []
+        for heading, group in self.groups:
+            own += ([""] if own else []) + self._fields_doc([_wrap(heading + ":", "    ", "    ")], [f.name for f in group])
+        return docstring.replace(f"    {FAMILY_DOC_MARKER}", "\n".join(own))
+
+    def declare(self, config_class: type) -> type:
+        """Class decorator of the family's config: writes its docstring (:meth:`document`) and
+        gives its ``__init__(self, **kwargs)`` the signature of the fields (keyword-only, with the
+        family's defaults) that ``help()`` and editors show."""
+        config_class.__doc__ = self.document(config_class.__doc__)
+        kw = inspect.Parameter.KEYWORD_ONLY
+        config_class.__init__.__signature__ = inspect.Signature(
+            [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+            + [inspect.Parameter(name, kw, default=self.default(name)) for name in self.field_names]
+            + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)]
+        )
+        return config_class
 
 
 def _wrap(text: str, first: str, rest: str) -> str:
@@ -370,45 +505,3 @@ CONFIG_ATTENTIONS_IGNORED = (
     "(kernelized attention never forms the N x N attention matrix); the outputs carry none. Set "
     "config.output_attentions = False to silence this."
 )
-
-
-def validate_model_fields(
-    *,
-    family: str,
-    hidden_act: object,
-    initializer_range: object,
-    layer_norm_eps: tuple[str, object],
-    use_cache: object = None,
-    output_attentions: object = None,
-) -> None:
-    """Raise for the first invalid model-level field the families share (not attention fields).
-
-    Args:
-        family: the family's name, for messages.
-        hidden_act: a key of ``transformers.activations.ACT2FN`` or a callable.
-        initializer_range: a finite number >= 0.
-        layer_norm_eps: ``(field name, value)``; a finite number > 0 (the families name it differently).
-        use_cache: a bool, or None where the family has no such field.
-        output_attentions: a bool, or None when not given. ``True`` is accepted and kept, as
-            transformers' models without attention weights keep it (it is one of the arguments
-            every transformers config takes); the models return no attention weights, and a
-            ``forward`` that asks for them explicitly raises.
-    """
-    if isinstance(hidden_act, str):
-        if hidden_act not in ACT2FN:
-            raise ValueError(f"hidden_act must be one of {sorted(ACT2FN)} or a callable, got {hidden_act!r}")
-    elif not callable(hidden_act):
-        raise TypeError(f"hidden_act must be an activation name (a key of ACT2FN) or a callable, got {hidden_act!r}")
-    if not _real(initializer_range):
-        raise TypeError(f"initializer_range must be a number, got {initializer_range!r}")
-    if not math.isfinite(initializer_range) or initializer_range < 0:
-        raise ValueError(f"initializer_range must be a finite number >= 0, got {initializer_range!r}")
-    name, eps = layer_norm_eps
-    if not _real(eps):
-        raise TypeError(f"{name} must be a number, got {eps!r}")
-    if not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {eps!r}")
-    if use_cache is not None and not isinstance(use_cache, bool):
-        raise TypeError(f"use_cache must be a bool, got {use_cache!r}")
-    if output_attentions is not None and not isinstance(output_attentions, bool):
-        raise TypeError(f"output_attentions must be a bool, got {output_attentions!r}")

@@ -7,11 +7,10 @@ hf-kernattn family shares, and ``rpe`` picks the position option.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from transformers import PreTrainedConfig
 
-from .attention_config import AttentionSchema, validate_model_fields
+from .attention_config import (AttentionSchema, ConfigField, activation, boolean, choice, finite_above,
+                               finite_at_least, int_at_least, optional, probability)
 
 # The one Auto-class table of the family: config.json's ``auto_map`` and the in-process registration.
 AUTO_MAP = {
@@ -20,144 +19,96 @@ AUTO_MAP = {
     "AutoModelForImageClassification": "modeling_relative_performer_vit.RelativePerformerViTForImageClassification",
 }
 
-POSITION_OPTIONS = ("fft_2d", "rotary_features", "clipped", "absolute", "none")
+# ``rpe``: the position options, named for what is learned (see the config's docstring).
+POSITION_OPTIONS = ("learned_2d", "rotary_features", "manhattan", "absolute", "none")
+# Their earlier names, accepted for good (checkpoints hold them) and stored as the current name.
+POSITION_OPTION_ALIASES = {"fft_2d": "learned_2d", "clipped": "manhattan"}
 POOLING = ("mean", "cls")
 
 ATTENTION_SCHEMA = AttentionSchema(
     "relative-performer ViT",
+    fields=(
+        "Image and encoder fields (names and defaults as ``transformers.ViTConfig``)",
+        ConfigField("image_size", 224,
+                    "side of the square images the model is built for (an ``\"absolute\"`` table has one entry "
+                    "per patch of it; relative options take any multiple of the patch size); a multiple of "
+                    "``patch_size``.", int_at_least(1)),
+        ConfigField("patch_size", 16, "side of the square patches.", int_at_least(1)),
+        ConfigField("num_channels", 3, "input channels.", int_at_least(1)),
+        ConfigField("hidden_size", 768, "width C.", int_at_least(1)),
+        ConfigField("num_hidden_layers", 12, "encoder layers.", int_at_least(1)),
+        ConfigField("num_attention_heads", 12, "heads H; ``hidden_size`` must be a multiple of it.", int_at_least(1)),
+        ConfigField("intermediate_size", 3072, "width of the MLP.", int_at_least(1)),
+        ConfigField("hidden_act", "gelu", "MLP activation (a key of ``transformers.activations.ACT2FN``).",
+                    activation),
+        ConfigField("hidden_dropout_prob", 0.0, "dropout on embeddings and every residual branch.", probability),
+        ConfigField("attention_probs_dropout_prob", 0.0,
+                    "kept for ViT configs; kernelized attention forms no attention probabilities, so it is not "
+                    "used.", probability),
+        ConfigField("initializer_range", 0.02, "std of the (truncated) normal initialisation.", finite_at_least(0)),
+        ConfigField("layer_norm_eps", 1e-12, "epsilon of the layer norms.", finite_above(0)),
+        "The family's own fields",
+        ConfigField("pooling", "mean",
+                    "``\"mean\"`` over the patch tokens (translation-invariant) or ``\"cls\"`` (a learned class "
+                    "token; with a grid bias it sits on an extra row above the grid's first column, so it sees "
+                    "positions relative to that corner).", choice(POOLING)),
+        ConfigField("position_scales", 8, "length scales per axis of ``rpe=\"rotary_features\"`` (4 features each).",
+                    int_at_least(1)),
+        ConfigField("relative_heads", None,
+                    "heads with the Manhattan-distance bias of ``rpe=\"manhattan\"``, at most "
+                    "``num_attention_heads`` (None: half of them; the others are content-only).",
+                    optional(int_at_least(1))),
+        ConfigField("rpe_shared_across_layers", False, "one position table for the whole model, or one per layer.",
+                    boolean),
+        ConfigField("rpe_init_std", 0.0, "std of the normal initialisation of the bias tables (0: start at zero).",
+                    finite_at_least(0), float),
+    ),
+    choices={"rpe": POSITION_OPTIONS},
+    aliases={"rpe": POSITION_OPTION_ALIASES},
     feature_map=("prf", "Performer's positive random features"),
-    rpe=("fft_2d", "a learnable 2D relative bias applied by 2D FFT (Luo et al. 2021)"),
+    rpe=("learned_2d", "a learnable 2D relative bias, Luo et al. 2021"),
     max_relative_position=(16, "a patch grid: offsets beyond 16 patches share one bias"),
 )
 
 
+def check_combinations(values: dict) -> None:
+    """The checks that involve more than one field: whole patches, and heads that exist."""
+    image_size, patch_size = values["image_size"], values["patch_size"]
+    if image_size % patch_size:
+        raise ValueError(f"image_size ({image_size}) must be a multiple of patch_size ({patch_size})")
+    heads, relative_heads = values["num_attention_heads"], values["relative_heads"]
+    if relative_heads is not None and relative_heads > heads:
+        raise ValueError(f"relative_heads must be None or an int in [1, num_attention_heads={heads}], "
+                         f"got {relative_heads!r}")
+
+
+@ATTENTION_SCHEMA.declare
 class RelativePerformerViTConfig(PreTrainedConfig):
     """Configuration of a relative-performer ViT.
 
-    Image and encoder fields (names and defaults as ``transformers.ViTConfig``):
+    @family-fields@
 
-    Args:
-        image_size: side of the square images the model is built for (an ``"absolute"`` table
-            has one entry per patch of it; relative options take any multiple of the patch size).
-        patch_size: side of the square patches.
-        num_channels: input channels.
-        hidden_size: width C.
-        num_hidden_layers: encoder layers.
-        num_attention_heads: heads H; ``hidden_size`` must be a multiple of it.
-        intermediate_size: width of the MLP.
-        hidden_act: MLP activation (a key of ``transformers.activations.ACT2FN``).
-        hidden_dropout_prob: dropout on embeddings and every residual branch.
-        attention_probs_dropout_prob: kept for ViT configs; kernelized attention forms no
-            attention probabilities, so it is not used.
-        initializer_range: std of the (truncated) normal initialisation.
-        layer_norm_eps: epsilon of the layer norms.
-
-    The family's own fields:
-
-    Args:
-        pooling: ``"mean"`` over the patch tokens (translation-invariant, the default) or
-            ``"cls"`` (a learned class token; with a grid bias it sits on an extra row above
-            the grid's first column, so it sees positions relative to that corner).
-        position_scales: length scales per axis of ``rpe="rotary_features"`` (4 features each).
-        relative_heads: heads with the Manhattan-distance bias of ``rpe="clipped"`` (default:
-            half of them; the others are content-only).
-        rpe_shared_across_layers: one position table for the whole model, or one per layer
-            (the default).
-        rpe_init_std: std of the normal initialisation of the bias tables (0: start at zero).
-
-    ``rpe`` picks the position option: ``"fft_2d"`` (a learnable per-head 2D relative bias on the
-    patch grid, clipped at ``max_relative_position``, applied as a Toeplitz-block-Toeplitz matrix
-    by 2D FFT), ``"rotary_features"`` (Horn et al.'s first strategy: sinusoidal position features
-    with learned length scales, rotated on the query side, concatenated to the content before the
-    feature map), ``"clipped"`` (their second: a learned bias of the Manhattan distance clipped at
-    ``max_relative_position``, on ``relative_heads`` heads, in O(N K^2)), ``"absolute"`` (a learned
-    position table, the ViT baseline) or ``"none"``.
+    ``rpe`` picks the position option, each named for what it learns: ``"learned_2d"`` (a
+    learnable per-head bias of the 2D offset ``(dy, dx)`` on the patch grid, clipped at
+    ``max_relative_position`` per axis: the 2D counterpart of the 1D ``"learned"``; the core
+    applies it as a Toeplitz-block-Toeplitz matrix, by 2D FFT or densely, whichever
+    ``attn_backend`` picks), ``"rotary_features"`` (Horn et al.'s first strategy: sinusoidal
+    position features with learned length scales, rotated on the query side, concatenated to the
+    content before the feature map), ``"manhattan"`` (their second: a learned bias of the
+    Manhattan distance ``|dy| + |dx|`` clipped at ``max_relative_position``, on
+    ``relative_heads`` heads, in O(N K^2)), ``"absolute"`` (a learned position table, the ViT
+    baseline) or ``"none"``. The earlier names ``"fft_2d"`` (for ``"learned_2d"``) and
+    ``"clipped"`` (for ``"manhattan"``) are still accepted and stored as the current name: the
+    model and its weights are the same.
 
     @shared-attention-fields@
-
-    ``output_attentions`` is accepted and kept, as by every transformers config, but kernelized
-    attention never forms the attention matrix: a model built from a config with
-    ``output_attentions=True`` returns no attention weights (and warns once), and
-    ``forward(output_attentions=True)`` raises ``ValueError``.
     """
 
     model_type = "relative_performer_vit"
 
-    def __init__(
-        self,
-        image_size: int = 224,
-        patch_size: int = 16,
-        num_channels: int = 3,
-        hidden_size: int = 768,
-        num_hidden_layers: int = 12,
-        num_attention_heads: int = 12,
-        intermediate_size: int = 3072,
-        hidden_act: str = "gelu",
-        hidden_dropout_prob: float = 0.0,
-        attention_probs_dropout_prob: float = 0.0,
-        initializer_range: float = 0.02,
-        layer_norm_eps: float = 1e-12,
-        pooling: str = "mean",
-        position_scales: int = 8,
-        relative_heads: Optional[int] = None,
-        rpe_shared_across_layers: bool = False,
-        rpe_init_std: float = 0.0,
-        **kwargs,
-    ) -> None:
-        for name, value in (("image_size", image_size), ("patch_size", patch_size), ("num_channels", num_channels),
-                            ("num_hidden_layers", num_hidden_layers), ("intermediate_size", intermediate_size),
-                            ("position_scales", position_scales)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if image_size % patch_size:
-            raise ValueError(f"image_size ({image_size}) must be a multiple of patch_size ({patch_size})")
-        for name, value in (("hidden_dropout_prob", hidden_dropout_prob),
-                            ("attention_probs_dropout_prob", attention_probs_dropout_prob)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1), got {value!r}")
-        if pooling not in POOLING:
-            raise ValueError(f"pooling must be one of {list(POOLING)}, got {pooling!r}")
-        if relative_heads is not None and (
-            not isinstance(relative_heads, int) or isinstance(relative_heads, bool)
-            or not 1 <= relative_heads <= num_attention_heads
-        ):
-            raise ValueError(f"relative_heads must be None or an int in [1, num_attention_heads={num_attention_heads}], "
-                             f"got {relative_heads!r}")
-        if not isinstance(rpe_shared_across_layers, bool):
-            raise ValueError(f"rpe_shared_across_layers must be a bool, got {rpe_shared_across_layers!r}")
-        if isinstance(rpe_init_std, bool) or not isinstance(rpe_init_std, (int, float)) or rpe_init_std < 0:
-            raise ValueError(f"rpe_init_std must be a number >= 0, got {rpe_init_std!r}")
-        validate_model_fields(
-            family=ATTENTION_SCHEMA.family, hidden_act=hidden_act, initializer_range=initializer_range,
-            layer_norm_eps=("layer_norm_eps", layer_norm_eps), output_attentions=kwargs.get("output_attentions"),
-        )
-        attention = ATTENTION_SCHEMA.take(kwargs, hidden_size=hidden_size, num_attention_heads=num_attention_heads)
-        if attention["rpe"] not in POSITION_OPTIONS:
-            raise ValueError(f"rpe must be one of {list(POSITION_OPTIONS)} for the relative-performer ViT, "
-                             f"got {attention['rpe']!r}")
+    def __init__(self, **kwargs) -> None:
+        ATTENTION_SCHEMA.configure(self, kwargs, check_combinations)
+        super().__init__(**{"auto_map": dict(AUTO_MAP), **kwargs})
 
-        self.image_size = image_size
-        self.patch_size = patch_size
-        self.num_channels = num_channels
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
-        self.hidden_dropout_prob = hidden_dropout_prob
-        self.attention_probs_dropout_prob = attention_probs_dropout_prob
-        self.initializer_range = initializer_range
-        self.layer_norm_eps = layer_norm_eps
-        self.pooling = pooling
-        self.position_scales = position_scales
-        self.relative_heads = relative_heads
-        self.rpe_shared_across_layers = rpe_shared_across_layers
-        self.rpe_init_std = float(rpe_init_std)
-        ATTENTION_SCHEMA.apply(self, attention)
-        kwargs.setdefault("auto_map", dict(AUTO_MAP))
-        super().__init__(**kwargs)
-
-
-RelativePerformerViTConfig.__doc__ = ATTENTION_SCHEMA.document(RelativePerformerViTConfig.__doc__)
 
 __all__ = ["RelativePerformerViTConfig"]

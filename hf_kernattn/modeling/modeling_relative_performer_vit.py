@@ -4,18 +4,19 @@ Patches of ``patch_size`` become tokens on a ``(Hg, Wg)`` grid; pre-LayerNorm en
 the shared :class:`KernelizedSelfAttention` (positive random features by default) and differ only
 in how positions enter (``config.rpe``):
 
-* ``"fft_2d"``: a learnable per-head 2D bias ``b_{dy, dx}`` clipped at ``max_relative_position``,
-  applied by the core as a Toeplitz-block-Toeplitz matrix (2D FFT; Luo et al. 2021, Sec. 4.4).
-* ``"clipped"``: a learnable bias of ``min(|dy| + |dx|, K)`` on ``relative_heads`` heads (Horn et
-  al. 2021, strategy 2), which the core's ``manhattan`` backend computes in O(N K^2).
+* ``"learned_2d"``: a learnable per-head 2D bias ``b_{dy, dx}`` clipped at
+  ``max_relative_position``, applied by the core as a Toeplitz-block-Toeplitz matrix (2D FFT;
+  Luo et al. 2021, Sec. 4.4).
+* ``"manhattan"``: a learnable bias of ``min(|dy| + |dx|, K)`` on ``relative_heads`` heads (Horn
+  et al. 2021, strategy 2), which the core's ``manhattan`` backend computes in O(N K^2).
 * ``"rotary_features"``: position features concatenated to queries and keys before the feature
   map whose dot product depends only on the offset (Horn et al., strategy 1;
   ``positional.RotaryPositionFeatures``).
 * ``"absolute"``: a learned table added to the patch embeddings (ViT), interpolated for other
   image sizes when asked (``interpolate_pos_encoding=True``); ``"none"``: no positions.
 
-Translation: with ``"fft_2d"``, ``"clipped"``, ``"none"`` and mean pooling, content moved by whole
-patches inside the grid (with the vacated patches equal to the background) gives the same
+Translation: with ``"learned_2d"``, ``"manhattan"``, ``"none"`` and mean pooling, content moved by
+whole patches inside the grid (with the vacated patches equal to the background) gives the same
 prediction up to the border effects of what enters and leaves; ``"rotary_features"`` has an exact
 translation-invariant position-position term and is invariant in expectation over its random
 features. Images of any size that is a multiple of ``patch_size`` work with the relative options.
@@ -41,7 +42,7 @@ from .feature_maps import FeatureMap, feature_maps_step
 from .positional import ManhattanDistanceBias, RelativePositionBias2D, RotaryPositionFeatures
 from .pretrained import KernelizedPreTrainedModel, classification_loss, eager_checks, refuse_output_attentions
 
-GRID_BIASES = ("fft_2d", "clipped")
+GRID_BIASES = ("learned_2d", "manhattan")
 
 
 def check_pixel_values(pixel_values: object, config: RelativePerformerViTConfig) -> tuple[int, int]:
@@ -137,9 +138,9 @@ class RelativePerformerViTPositions(nn.Module):
         self.kind = config.rpe
         heads, k = config.num_attention_heads, config.max_relative_position
         self.table: Optional[nn.Module] = None
-        if self.kind == "fft_2d":
+        if self.kind == "learned_2d":
             self.table = RelativePositionBias2D(heads, k)
-        elif self.kind == "clipped":
+        elif self.kind == "manhattan":
             self.table = ManhattanDistanceBias(heads, k, config.relative_heads)
         elif self.kind == "rotary_features":
             self.table = RotaryPositionFeatures(heads, config.position_scales)
@@ -149,7 +150,7 @@ class RelativePerformerViTPositions(nn.Module):
         model (see :meth:`RelativePerformerViTModel.layout`)."""
         if self.kind in GRID_BIASES:
             rows = grid[0] + (1 if cls else 0)
-            extra = {"rpe_clip": self.table.max_distance} if self.kind == "clipped" else {}
+            extra = {"rpe_clip": self.table.max_distance} if self.kind == "manhattan" else {}
             return {"rpe_bias": self.table(rows, grid[1]), "grid": (rows, grid[1]), **extra}
         if self.kind == "rotary_features":
             y, x = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device), indexing="ij")

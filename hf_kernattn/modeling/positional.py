@@ -45,9 +45,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-# "learned": a 1D table (NPRF-BERT, Linear GPT); the relative-performer ViT's position options:
-# "fft_2d" (a 2D table by 2D FFT), "rotary_features", "clipped" (Manhattan distance), "absolute".
-RPE_KINDS = ("none", "learned", "learned_2d", "fft_2d", "rotary_features", "clipped", "absolute")
+# Named for what is learned. "learned": a 1D table over clipped offsets (NPRF-BERT, Linear GPT);
+# the relative-performer ViT's position options: "learned_2d" (a table over clipped 2D offsets),
+# "manhattan" (a table over the clipped Manhattan distance), "rotary_features", "absolute".
+RPE_KINDS = ("none", "learned", "learned_2d", "manhattan", "rotary_features", "absolute")
 
 
 def check_rpe_args(rpe: str, max_relative_position: int) -> None:
