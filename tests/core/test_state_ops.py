@@ -22,7 +22,7 @@ from hf_kernattn.modeling.backends import choose_backend
 from hf_kernattn.modeling.kernels_common import AttentionState
 from hf_kernattn.modeling.kernels_windowed import BandedKernelProduct, banded_kernel_product_reference
 
-from .reference import literal_reference
+from tests.reference import literal_reference
 
 B, H, M, D = 2, 3, 5, 4
 N = 23

@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from hf_kernattn import LinearGPTCache
 from hf_kernattn.convert import convert, convert_to_linear_gpt
 
-from .remote import run_without_package
+from tests.remote import run_without_package
 
 C, L, H, V = 32, 2, 4, 50
 

@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import unpickling_forbidden
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = "the quick brown fox jumps over a lazy dog and then runs far away".split()
 
 # Runs main() of one example script three times and prints the results as JSON.

@@ -11,7 +11,7 @@ from hf_kernattn.modeling.attention_config import validate_attention_fields
 
 from tests.conftest import tiny_attention_config
 
-from .reference import literal_reference
+from tests.reference import literal_reference
 
 
 def test_1d_bias_layout_and_clipping():

@@ -279,7 +279,7 @@ def test_help_states_the_defaults_conversion_uses(tmp_path):
 def test_the_example_scripts_pass_allow_pickle_to_conversion(tmp_path):
     """run_mlm.py and run_glue.py convert a BERT source themselves: a pickle-only source is
     refused as by `convert`, and their --allow_pickle flag reads it."""
-    from tests.test_examples_resume import load_script
+    from tests.tooling.test_examples_resume import load_script
 
     _pickle_only("bert", tmp_path / "pickled")
     src = str(tmp_path / "pickled")

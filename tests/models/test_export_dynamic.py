@@ -21,10 +21,10 @@ from torch.export import Dim
 
 from hf_kernattn import LinearGPTModel, NPRFBertModel, RelativePerformerViTForImageClassification
 
-from .conftest import V_BERT, V_GPT
-from .conftest import tiny_linear_gpt_config as gpt_config
-from .conftest import tiny_nprf_bert_config as bert_config
-from .conftest import tiny_relative_performer_vit_config as vit_config
+from tests.conftest import V_BERT, V_GPT
+from tests.conftest import tiny_linear_gpt_config as gpt_config
+from tests.conftest import tiny_nprf_bert_config as bert_config
+from tests.conftest import tiny_relative_performer_vit_config as vit_config
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 BATCH = Dim("batch", min=1, max=256)

@@ -19,8 +19,8 @@ from hf_kernattn.cards import render_model_card, save_model_card
 from hf_kernattn.cli import main
 from hf_kernattn.hub import PushError, files_to_push, push_folder
 
-from .conftest import tiny_linear_gpt_config, tiny_nprf_bert_config, tiny_relative_performer_vit_config
-from .remote import code_bundle
+from tests.conftest import tiny_linear_gpt_config, tiny_nprf_bert_config, tiny_relative_performer_vit_config
+from tests.remote import code_bundle
 
 RESULTS = [
     {"task": "text-generation", "dataset": "wikitext", "split": "validation", "metric": "perplexity", "value": 23.5},
@@ -201,10 +201,10 @@ def test_edited_checkpoint_code_runs_only_with_trust_remote_code(tmp_path):
 
     import transformers
 
-    from .remote import run_without_package
+    from tests.remote import run_without_package
 
     folder = tmp_path / "edited"
-    shutil.copytree(Path(__file__).parent / "fixtures" / "checkpoints" / "linear_gpt", folder)
+    shutil.copytree(Path(__file__).parents[1] / "fixtures" / "checkpoints" / "linear_gpt", folder)
     code = folder / "modeling_linear_gpt.py"
     code.write_text(code.read_text() + "\nprint('EDITED CODE RAN')\n")
     out = run_without_package(f"""
@@ -244,8 +244,8 @@ def test_the_cards_loading_code_never_prompts(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import BertTokenizerFast, PreTrainedTokenizerFast, ViTImageProcessorPil
 
-    from .conftest import V_BERT, V_GPT
-    from .remote import _BLOCKER
+    from tests.conftest import V_BERT, V_GPT
+    from tests.remote import _BLOCKER
 
     snippets = []
     gpt = tmp_path / "gpt"
@@ -318,7 +318,7 @@ def test_push_to_hub_without_a_network_ends_the_run_with_one_line(script, tmp_pa
     import subprocess
     import sys
 
-    from .test_examples_resume import ROOT, _env, script_args
+    from tests.tooling.test_examples_resume import ROOT, _env, script_args
 
     args, _ = script_args(script, tmp_path)
     out = tmp_path / "out"

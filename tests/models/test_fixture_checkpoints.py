@@ -22,10 +22,10 @@ import transformers
 import hf_kernattn
 from hf_kernattn.modeling.attention_config import CHECKPOINT_FORMAT, LIBRARY_VERSION
 
-from .conftest import unpickling_forbidden
-from .remote import MODELING, code_bundle, run_without_package
+from tests.conftest import unpickling_forbidden
+from tests.remote import MODELING, code_bundle, run_without_package
 
-ROOT = Path(__file__).parent / "fixtures" / "checkpoints"
+ROOT = Path(__file__).parents[1] / "fixtures" / "checkpoints"
 FAMILIES = {"linear_gpt": "AutoModelForCausalLM", "nprf_bert": "AutoModelForMaskedLM",
             "relative_performer_vit": "AutoModelForImageClassification"}
 ENTRY_FILES = {

@@ -17,7 +17,7 @@ from hf_kernattn.modeling.backends import get_backend
 
 from tests.conftest import tiny_attention_config, tiny_linear_gpt_config, tiny_nprf_bert_config
 
-from .reference import literal_reference
+from tests.reference import literal_reference
 
 
 # ----------------------------------------------------------------------------- mixed precision

@@ -15,7 +15,7 @@ from hf_kernattn.modeling import backends
 from hf_kernattn.modeling.kernels_common import AttentionState
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 
-from .remote import run_without_package
+from tests.remote import run_without_package
 
 B, H, M, D = 2, 3, 5, 4
 
@@ -130,7 +130,7 @@ def test_decoding_updates_the_cache_in_its_own_tensors_and_equals_the_parallel_f
 def test_block_weights_stay_contiguous_through_saving_loading_and_generate(tmp_path):
     """nn.Linear's own (out, in) layout everywhere: a column-major copy measured no faster per
     decoding step on this CPU, and FSDP / DeepSpeed need contiguous parameters
-    (``test_contiguous_parameters.py`` checks every family)."""
+    (``tests/models/test_contiguous_parameters.py`` checks every family)."""
     model = _model(mlp_type="gated", norm_type="rmsnorm", position_embedding_type="rope")
     linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(m.weight.is_contiguous() for m in linears)

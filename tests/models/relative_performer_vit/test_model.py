@@ -16,9 +16,9 @@ from hf_kernattn import RelativePerformerViTConfig, RelativePerformerViTForImage
 from hf_kernattn.modeling.feature_maps import FeatureMap
 from hf_kernattn.modeling.positional import RotaryPositionFeatures
 
-from .conftest import checkpointing_enable
-from .conftest import tiny_relative_performer_vit_config as tiny
-from .remote import run_without_package
+from tests.conftest import checkpointing_enable
+from tests.conftest import tiny_relative_performer_vit_config as tiny
+from tests.remote import run_without_package
 
 OPTIONS = ("fft_2d", "rotary_features", "clipped", "absolute", "none")
 

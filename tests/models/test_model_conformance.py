@@ -2,10 +2,10 @@
 (``ModelTesterMixin`` in tests/test_modeling_common.py and ``GenerationTesterMixin`` in
 tests/generation/test_utils.py of huggingface/transformers), item by item, on tiny configs.
 
-Covered elsewhere (not repeated here): padding / batching equivalence (test_nprf_bert_model.py),
+Covered elsewhere (not repeated here): padding / batching equivalence (models/nprf_bert/test_model.py),
 generate with and without the state for greedy, beam search and sampling, left padding,
-continuing from a returned state (test_linear_gpt_generate.py); shapes of every head, padding with
-non-finite padded slots, save/load and remote-code loading of every head (test_family_*.py through
+continuing from a returned state (models/linear_gpt/test_generate.py); shapes of every head, padding with
+non-finite padded slots, save/load and remote-code loading of every head (models/<family>/test_family.py through
 tests/family_mixin.py).
 
 What cannot apply, and how each family declares it:
@@ -410,7 +410,7 @@ def test_output_attentions_is_refused_the_same_way_in_both_families(family):
     ids = ids_for(family)
     with pytest.raises(ValueError, match="no attention weights"):
         model(ids, output_attentions=True)
-    # the config keeps the flag (tests/test_config_contract.py); forward returns no attentions
+    # the config keeps the flag (tests/models/test_config_contract.py); forward returns no attentions
     assert make(output_attentions=True).output_attentions is True
     model.config.output_attentions = True
     assert getattr(model(ids), "attentions", None) is None

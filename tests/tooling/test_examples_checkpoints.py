@@ -18,7 +18,7 @@ from transformers.testing_utils import CaptureLogger
 from transformers.utils import logging as hf_logging
 
 from tests.conftest import unpickling_forbidden
-from tests.test_examples_resume import ROOT, eval_history, load_script, script_args
+from tests.tooling.test_examples_resume import ROOT, eval_history, load_script, script_args
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle")
 

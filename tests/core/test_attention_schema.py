@@ -36,7 +36,7 @@ from hf_kernattn.modeling.attention_config import (
 from hf_kernattn.modeling.backends import AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO, choose_backend
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
-FIXTURES = Path(__file__).parent / "fixtures" / "configs_v0"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs_v0"
 
 FAMILIES = {
     "nprf_bert": (NPRFBertConfig, configuration_nprf_bert),

@@ -16,7 +16,7 @@ from hf_kernattn import LinearGPTCache
 from hf_kernattn.convert import convert, convert_to_linear_gpt
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
-from .remote import run_without_package
+from tests.remote import run_without_package
 
 C, L, H, KV, V = 32, 2, 4, 2, 50
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAMILIES = ["nprf_bert", "linear_gpt", "relative_performer_vit"]
 MODELING = {"nprf_bert": "modeling_nprf_bert.py", "linear_gpt": "modeling_linear_gpt.py",
             "relative_performer_vit": "modeling_relative_performer_vit.py"}
@@ -156,7 +156,7 @@ def test_run_mlm_under_accelerate_fsdp2_on_cpu_shards_saves_and_resumes_exactly(
     DDP on CPU), the checkpoint holds the gathered full state and says so, resuming from it ends
     bitwise where the uninterrupted run ends, and the final folder reloads with the family's code."""
     pytest.importorskip("accelerate")
-    from tests.test_examples_resume import DRIVER, _env, script_args
+    from tests.tooling.test_examples_resume import DRIVER, _env, script_args
 
     args, stop = script_args("run_mlm", tmp_path)
     driver = tmp_path / "driver.py"

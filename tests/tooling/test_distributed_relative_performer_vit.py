@@ -13,7 +13,7 @@ import torch
 
 from hf_kernattn import RelativePerformerViTForImageClassification
 
-from .conftest import tiny_relative_performer_vit_config as tiny
+from tests.conftest import tiny_relative_performer_vit_config as tiny
 
 STEPS, LR = 2, 0.5
 

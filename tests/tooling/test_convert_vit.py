@@ -12,7 +12,7 @@ from transformers import ViTConfig, ViTForImageClassification, ViTModel
 
 from hf_kernattn.convert import convert, convert_to_relative_performer_vit
 
-from .remote import run_without_package
+from tests.remote import run_without_package
 
 SHAPE = dict(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
              intermediate_size=64)

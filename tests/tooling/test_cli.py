@@ -201,7 +201,7 @@ def test_finetune_converted_help_is_plain_text_in_whole_sentences(monkeypatch, c
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "examples" / "finetune_converted.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / "finetune_converted.py"
     spec = importlib.util.spec_from_file_location("finetune_converted_help", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

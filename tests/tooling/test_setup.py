@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _base_python() -> str:
@@ -190,7 +190,7 @@ def test_the_readme_uses_no_deprecated_checkpointing_names():
         transformers.TrainingArguments(output_dir="unused", gradient_checkpointing=True, report_to=[])
     if any(issubclass(w.category, FutureWarning) for w in caught):
         deprecated.append("gradient_checkpointing=True")
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert deprecated  # transformers 5.23 renamed them all
     # an old name may appear only where the README says that it warns, never as what to run
     shown = [m.group(0) for old in deprecated for m in re.finditer(re.escape(old), readme)
@@ -207,7 +207,7 @@ def test_the_readme_vit_quickstart_runs_without_warnings(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     blocks = re.findall(r"```python\n(.*?)```", (root / "README.md").read_text(), flags=re.S)
     (code,) = [b for b in blocks if "RelativePerformerViTForImageClassification(config)" in b and "classify = " in b]
     code += "\nfrom PIL import Image\nprint('CLASSES', len(classify(Image.new('RGB', (40, 40)))))\n"

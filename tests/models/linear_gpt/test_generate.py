@@ -1,6 +1,6 @@
 """Linear GPT generate(): the recurrent state gives the same tokens as recomputing, for every
 decoding mode; padding, continuation and input validation (remote-code loading with generate:
-tests/test_family_linear_gpt.py)."""
+tests/models/linear_gpt/test_family.py)."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.test_examples_resume import (
+from tests.tooling.test_examples_resume import (
     ROOT,
     bert_tokenizer_dir,
     load_script,
@@ -232,7 +232,7 @@ def test_shift_robustness_small_run_writes_its_table_and_plot(tmp_path):
     accuracy is exactly the centred one."""
     import csv
 
-    from tests.test_examples_resume import load_script
+    from tests.tooling.test_examples_resume import load_script
 
     mod = load_script("shift_robustness")
     rows = mod.main(["--output_dir", str(tmp_path), "--options", "none", "absolute", "--seeds", "1", "--epochs", "1",

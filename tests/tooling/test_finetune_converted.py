@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.test_examples_data import load_script
+from tests.tooling.test_examples_data import load_script
 
 TOY = ["--block_size", "48", "--n_embd", "32", "--n_layer", "2", "--n_head", "2", "--gpt2_steps", "100",
        "--finetune_steps", "20", "--eval_steps", "10", "--max_eval_blocks", "6", "--generate_tokens", "5",

@@ -11,7 +11,7 @@ import torch
 import hf_kernattn
 from hf_kernattn.modeling.backends import get_backend
 
-from .reference import literal_reference
+from tests.reference import literal_reference
 
 B, H, M, D = 2, 3, 5, 4
 

@@ -16,7 +16,7 @@ from transformers.cache_utils import LinearAttentionLayer
 from hf_kernattn import LinearGPTForCausalLM
 from hf_kernattn.modeling.cache import LinearGPTCache, LinearGPTCacheLayer
 
-from .conftest import V_GPT, tiny_linear_gpt_config
+from tests.conftest import V_GPT, tiny_linear_gpt_config
 
 VARIANTS = {
     "plain": {},
