@@ -10,6 +10,10 @@ Hooks:
     make_inputs(batch, n, seed): the keyword arguments of a forward without padding.
     prepare(model): adjusts a freshly built model (e.g. a non-zero bias); returns it.
     expected_shapes(cls, config, batch, n): ``{output field: shape}`` for ``cls``.
+    conformance_overrides: config overrides of the conformance checks (random-feature buffers,
+        output flags): the family's configuration with random features.
+    forward_kwargs: extra keyword arguments of a plain forward (``use_cache=False`` for a family
+        that decodes with a state).
     cache_variants (CachedFamilyTests): ``{name: config overrides}`` the cache parity runs over.
     cache_model_class (CachedFamilyTests): the class that decodes (e.g. the causal LM).
     cache_class_name (CachedFamilyTests): the class name of the decoding state ``generate`` returns.
@@ -18,10 +22,17 @@ Hooks:
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers import GenerationMixin
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+from hf_kernattn.modeling.feature_maps import FeatureMap
 
 from tests.remote import run_without_package
 
@@ -32,6 +43,8 @@ class FamilyTests:
     model_classes: tuple = ()
     auto_map: dict = {}
     padding_side = "right"
+    conformance_overrides: dict = {}
+    forward_kwargs: dict = {}
 
     # ------------------------------------------------------------------ hooks
 
@@ -58,6 +71,22 @@ class FamilyTests:
     def tensors(out) -> dict:
         """The tensor fields of a model output (``past_key_values`` and other objects left out)."""
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+    @staticmethod
+    def feature_maps(model) -> list:
+        return [m for m in model.modules() if isinstance(m, FeatureMap)]
+
+    def base_class(self):
+        """The base model class (the first of ``model_classes``)."""
+        return self.model_classes[0]
+
+    def base_config(self, **overrides):
+        """The family's config with ``conformance_overrides`` (random features) and ``overrides``."""
+        return self.make_config(**{**self.conformance_overrides, **overrides})
+
+    def hidden(self, model, inputs) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**inputs, **self.forward_kwargs).last_hidden_state
 
     def padding_mask(self, lengths, n):
         mask = torch.zeros(len(lengths), n, dtype=torch.long)
@@ -128,6 +157,123 @@ class FamilyTests:
                 for name in want:
                     torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
 
+    # random-feature buffers: checkpoints without them, partial ones, mismatched sizes, meta device
+
+    def test_checkpoint_without_feature_buffers_loads_seeded_projections_and_warns(self, tmp_path):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        model = cls(self.base_config()).eval()
+        model.save_pretrained(tmp_path)
+        path = os.path.join(tmp_path, "model.safetensors")
+        state = load_file(path)
+        dropped = [k for k in state if ".feature_map." in k]
+        assert dropped
+        save_file({k: v for k, v in state.items() if k not in dropped}, path, metadata={"format": "pt"})
+
+        logger = logging.get_logger("hf_kernattn.modeling.pretrained")
+        with CaptureLogger(logger) as captured:
+            loaded = cls.from_pretrained(tmp_path).eval()
+        assert "no random-feature buffers" in captured.out and "feature_seed=0" in captured.out
+        for fresh, got in zip(self.feature_maps(model), self.feature_maps(loaded)):
+            assert torch.equal(got.projection, fresh.projection)  # draw 0 of the seed, as built
+            assert int(got.num_draws) == 0 and int(got.num_steps) == 0
+        inputs = self.make_inputs(2, N)
+        torch.testing.assert_close(self.hidden(loaded, inputs), self.hidden(model, inputs), rtol=0, atol=0)
+
+        # a complete checkpoint loads without the warning
+        model.save_pretrained(tmp_path)
+        with CaptureLogger(logger) as captured:
+            cls.from_pretrained(tmp_path)
+        assert "random-feature" not in captured.out
+
+    def test_loaded_feature_buffers_are_kept_when_others_are_missing(self, tmp_path):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        model = cls(self.base_config()).eval()
+        fresh = [f.projection.clone() for f in self.feature_maps(model)]
+        for fmap in self.feature_maps(model):
+            fmap.redraw()  # a projection no fresh model has
+        model.save_pretrained(tmp_path)
+        path = os.path.join(tmp_path, "model.safetensors")
+        state = load_file(path)
+        save_file({k: v for k, v in state.items() if not k.endswith("num_steps")}, path, metadata={"format": "pt"})
+        loaded = cls.from_pretrained(tmp_path)
+        got_maps = self.feature_maps(loaded)
+        assert got_maps and len(got_maps) == len(fresh)
+        for want, got, first in zip(self.feature_maps(model), got_maps, fresh):
+            assert torch.equal(got.projection, want.projection) and not torch.equal(got.projection, first)
+            assert int(got.num_draws) == 1 and int(got.num_steps) == 0
+
+    def test_mismatched_num_random_features_draws_from_the_seed(self, tmp_path):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        cls(self.base_config()).save_pretrained(tmp_path)
+        loaded, info = cls.from_pretrained(
+            tmp_path, num_random_features=32, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+        assert any(k.endswith("projection") for k, *_ in info["mismatched_keys"])
+        fresh = cls(self.base_config(num_random_features=32))
+        for want, got in zip(self.feature_maps(fresh), self.feature_maps(loaded)):
+            assert got.projection.shape == (32, got.head_dim)
+            assert torch.equal(got.projection, want.projection)
+        assert torch.isfinite(self.hidden(loaded.eval(), self.make_inputs(2, N))).all()
+
+    def test_meta_device_build_then_init_weights_sets_every_buffer(self):
+        cls = self.base_class()
+        reference = cls(self.base_config())
+        with torch.device("meta"):
+            model = cls(self.base_config())
+        model.to_empty(device="cpu")
+        with torch.no_grad():  # what uninitialised memory may hold
+            for t in list(model.parameters()) + list(model.buffers()):
+                t.fill_(float("nan") if t.is_floating_point() else 7)
+        model.init_weights()
+        for want, got in zip(self.feature_maps(reference), self.feature_maps(model)):
+            assert torch.equal(got.projection, want.projection)
+            assert int(got.num_draws) == 0 and int(got.num_steps) == 0
+        bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not torch.isfinite(t.float()).all()]
+        assert not bad, bad
+        assert torch.isfinite(self.hidden(model.eval(), self.make_inputs(2, N))).all()
+
+    # output flags
+
+    def test_output_attentions_is_refused_the_same_way_in_every_family(self):
+        cls = self.base_class()
+        model = cls(self.base_config())
+        inputs = self.make_inputs(2, N)
+        with pytest.raises(ValueError, match="no attention weights"):
+            model(**inputs, output_attentions=True)
+        # the config keeps the flag (tests/models/test_config_contract.py); forward returns no attentions
+        assert self.base_config(output_attentions=True).output_attentions is True
+        model.config.output_attentions = True
+        assert getattr(model(**inputs), "attentions", None) is None
+        with pytest.raises(ValueError, match="no attention weights"):
+            model(**inputs, output_attentions=True)
+        assert not cls._supports_attention_backend
+
+    def test_hidden_states_and_return_dict_false_tuples(self):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        model = cls(self.base_config()).eval()
+        inputs = self.make_inputs(2, N)
+        extra = self.forward_kwargs
+        with torch.no_grad():
+            as_dict = model(**inputs, output_hidden_states=True, **extra)
+            as_tuple = model(**inputs, output_hidden_states=True, return_dict=False, **extra)
+        assert len(as_dict.hidden_states) == model.config.num_hidden_layers + 1
+        assert isinstance(as_tuple, tuple)
+        want = [v for v in as_dict.to_tuple()]
+        assert len(as_tuple) == len(want)
+        for got, ref in zip(as_tuple, want):
+            if isinstance(ref, tuple):
+                assert all(torch.equal(a, b) for a, b in zip(got, ref))
+            else:
+                assert torch.equal(got, ref)
+        if "input_ids" in inputs:  # inputs_embeds give the same outputs as input_ids
+            with torch.no_grad():
+                embeds = model.get_input_embeddings()(inputs["input_ids"])
+                torch.testing.assert_close(model(inputs_embeds=embeds, **extra).last_hidden_state, as_dict.last_hidden_state)
+
     def remote_generate_check(self) -> bool:
         return False
 
@@ -176,6 +322,7 @@ print(json.dumps(result))
 
 
 class CachedFamilyTests(FamilyTests):
+    forward_kwargs = {"use_cache": False}
     cache_variants: dict = {"default": {}}
     cache_model_class = None
     cache_class_name = ""

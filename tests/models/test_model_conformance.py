@@ -5,8 +5,10 @@ tests/generation/test_utils.py of huggingface/transformers), item by item, on ti
 Covered elsewhere (not repeated here): padding / batching equivalence (models/nprf_bert/test_model.py),
 generate with and without the state for greedy, beam search and sampling, left padding,
 continuing from a returned state (models/linear_gpt/test_generate.py); shapes of every head, padding with
-non-finite padded slots, save/load and remote-code loading of every head (models/<family>/test_family.py through
-tests/family_mixin.py).
+non-finite padded slots, save/load and remote-code loading of every head, checkpoints without
+(or with some of) the random-feature buffers, a mismatched number of random features, building on
+the meta device, ``output_attentions`` refused and ``output_hidden_states`` / ``return_dict=False``
+tuples, for every family (models/<family>/test_family.py through tests/family_mixin.py).
 
 What cannot apply, and how each family declares it:
 * attention outputs (``has_attentions``): kernelized attention never forms the N x N attention
@@ -25,15 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from transformers import PreTrainedTokenizerFast, Trainer, TrainingArguments
-from transformers.testing_utils import CaptureLogger
-from transformers.utils import logging
 
 from hf_kernattn import (
     LinearGPTCache,
@@ -75,87 +73,6 @@ def feature_maps(model) -> list[FeatureMap]:
 
 
 # ----------------------------------------------------------------------------- initialisation
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_checkpoint_without_feature_buffers_loads_seeded_projections_and_warns(family, tmp_path):
-    cls, make = FAMILIES[family]
-    torch.manual_seed(0)
-    model = cls(make()).eval()
-    model.save_pretrained(tmp_path)
-    path = os.path.join(tmp_path, "model.safetensors")
-    state = load_file(path)
-    dropped = [k for k in state if ".feature_map." in k]
-    assert dropped
-    save_file({k: v for k, v in state.items() if k not in dropped}, path, metadata={"format": "pt"})
-
-    logger = logging.get_logger("hf_kernattn.modeling.pretrained")
-    with CaptureLogger(logger) as captured:
-        loaded = cls.from_pretrained(tmp_path).eval()
-    assert "no random-feature buffers" in captured.out and "feature_seed=0" in captured.out
-    for fresh, got in zip(feature_maps(model), feature_maps(loaded)):
-        assert torch.equal(got.projection, fresh.projection)  # draw 0 of the seed, as built
-        assert int(got.num_draws) == 0 and int(got.num_steps) == 0
-    ids = ids_for(family)
-    torch.testing.assert_close(hidden(loaded, ids), hidden(model, ids), rtol=0, atol=0)
-
-    # a complete checkpoint loads without the warning
-    model.save_pretrained(tmp_path)
-    with CaptureLogger(logger) as captured:
-        cls.from_pretrained(tmp_path)
-    assert "random-feature" not in captured.out
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_loaded_feature_buffers_are_kept_when_others_are_missing(family, tmp_path):
-    cls, make = FAMILIES[family]
-    torch.manual_seed(0)
-    model = cls(make()).eval()
-    for fmap in feature_maps(model):
-        fmap.redraw()  # a projection no fresh model has
-    model.save_pretrained(tmp_path)
-    path = os.path.join(tmp_path, "model.safetensors")
-    state = load_file(path)
-    save_file({k: v for k, v in state.items() if not k.endswith("num_steps")}, path, metadata={"format": "pt"})
-    loaded = cls.from_pretrained(tmp_path)
-    for want, got in zip(feature_maps(model), feature_maps(loaded)):
-        assert torch.equal(got.projection, want.projection)
-        assert int(got.num_draws) == 1 and int(got.num_steps) == 0
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_mismatched_num_random_features_draws_from_the_seed(family, tmp_path):
-    cls, make = FAMILIES[family]
-    torch.manual_seed(0)
-    cls(make()).save_pretrained(tmp_path)
-    loaded, info = cls.from_pretrained(
-        tmp_path, num_random_features=32, ignore_mismatched_sizes=True, output_loading_info=True
-    )
-    assert any(k.endswith("projection") for k, *_ in info["mismatched_keys"])
-    fresh = cls(make(num_random_features=32))
-    for want, got in zip(feature_maps(fresh), feature_maps(loaded)):
-        assert got.projection.shape == (32, got.head_dim)
-        assert torch.equal(got.projection, want.projection)
-    assert torch.isfinite(hidden(loaded.eval(), ids_for(family))).all()
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_meta_device_build_then_init_weights_sets_every_buffer(family):
-    cls, make = FAMILIES[family]
-    reference = cls(make())
-    with torch.device("meta"):
-        model = cls(make())
-    model.to_empty(device="cpu")
-    with torch.no_grad():  # what uninitialised memory may hold
-        for t in list(model.parameters()) + list(model.buffers()):
-            t.fill_(float("nan") if t.is_floating_point() else 7)
-    model.init_weights()
-    for want, got in zip(feature_maps(reference), feature_maps(model)):
-        assert torch.equal(got.projection, want.projection)
-        assert int(got.num_draws) == 0 and int(got.num_steps) == 0
-    bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not torch.isfinite(t.float()).all()]
-    assert not bad, bad
-    assert torch.isfinite(hidden(model.eval(), ids_for(family))).all()
 
 
 # ----------------------------------------------------------------------------- gradient checkpointing
@@ -403,22 +320,6 @@ def test_trainer_gradient_accumulation_equals_one_big_batch(tmp_path):
 # ----------------------------------------------------------------------------- output flags
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_output_attentions_is_refused_the_same_way_in_both_families(family):
-    cls, make = FAMILIES[family]
-    model = cls(make())
-    ids = ids_for(family)
-    with pytest.raises(ValueError, match="no attention weights"):
-        model(ids, output_attentions=True)
-    # the config keeps the flag (tests/models/test_config_contract.py); forward returns no attentions
-    assert make(output_attentions=True).output_attentions is True
-    model.config.output_attentions = True
-    assert getattr(model(ids), "attentions", None) is None
-    with pytest.raises(ValueError, match="no attention weights"):
-        model(ids, output_attentions=True)
-    assert not cls._supports_attention_backend
-
-
 def test_output_attentions_in_generate_raises_before_decoding():
     model = LinearGPTForCausalLM(gpt_config()).eval()
     ids = ids_for("linear_gpt")
@@ -445,31 +346,6 @@ def test_generate_dict_outputs_scores_and_hidden_states():
     assert out.past_key_values.get_seq_length() == 8  # the last token is not fed back
     # greedy: each new token is the arg max of its step's logits
     assert torch.equal(torch.stack([s.argmax(-1) for s in out.logits], 1), out.sequences[:, 5:])
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_hidden_states_and_return_dict_false_tuples(family):
-    cls, make = FAMILIES[family]
-    torch.manual_seed(0)
-    model = cls(make()).eval()
-    ids = ids_for(family)
-    extra = dict(use_cache=False) if family == "linear_gpt" else {}
-    with torch.no_grad():
-        as_dict = model(ids, output_hidden_states=True, **extra)
-        as_tuple = model(ids, output_hidden_states=True, return_dict=False, **extra)
-    assert len(as_dict.hidden_states) == model.config.num_hidden_layers + 1
-    assert isinstance(as_tuple, tuple)
-    want = [v for v in as_dict.to_tuple()]
-    assert len(as_tuple) == len(want)
-    for got, ref in zip(as_tuple, want):
-        if isinstance(ref, tuple):
-            assert all(torch.equal(a, b) for a, b in zip(got, ref))
-        else:
-            assert torch.equal(got, ref)
-    # inputs_embeds give the same outputs as input_ids
-    with torch.no_grad():
-        embeds = model.get_input_embeddings()(ids)
-        torch.testing.assert_close(model(inputs_embeds=embeds, **extra).last_hidden_state, as_dict.last_hidden_state)
 
 
 # ----------------------------------------------------------------------------- generation options

@@ -16,6 +16,8 @@ class TestLinearGPTFamily(CachedFamilyTests):
     padding_side = "left"
     cache_model_class = LinearGPTForCausalLM
     cache_class_name = "LinearGPTCache"
+    # the conformance checks with random features (the buffers under test) and absolute positions
+    conformance_overrides = {"feature_map": "prf", "num_random_features": 16, "position_embedding_type": "absolute"}
     # absolute table, rotary (separate numerator / denominator features), a learned bias clipped
     # at 3 (so the state's window of the last K - 1 keys is exercised past K) and Llama-style blocks
     cache_variants = {
@@ -54,6 +56,7 @@ class TestLinearGPTLlamaStyleFamily(TestLinearGPTFamily):
     before the feature map, RMSNorm, gated MLP without biases, grouped-query attention."""
 
     cache_variants = {"llama": {}}
+    conformance_overrides = {"feature_map": "prf", "num_random_features": 16}
 
     def make_config(self, **overrides):
         return super().make_config(**{**TestLinearGPTFamily.cache_variants["llama"], **overrides})
