@@ -12,6 +12,16 @@ Hooks:
     expected_shapes(cls, config, batch, n): ``{output field: shape}`` for ``cls``.
     conformance_overrides: config overrides of the conformance checks (random-feature buffers,
         output flags): the family's configuration with random features.
+    export_variants: ``{name: config overrides}`` the ``torch.export`` check runs over.
+    export_class / export_atol: the class that is exported (default the base model) and how close
+        the exported program's first output is to eager's.
+    layer_norm_field / config_fields_absent: the name of the family's layer-norm epsilon; shared
+        fields the family's config does not have.
+    tied_lm_class: the language-model head whose output embeddings are tied to the input ones
+        (``None``: the family has no token embeddings).
+    training_class / recompute_overrides / training_inputs(seed): the class trained in the
+        checkpointing check, its config overrides, and one batch with labels.
+    empty_inputs(): ``[(inputs, message)]``: empty inputs and the ValueError each must raise.
     forward_kwargs: extra keyword arguments of a plain forward (``use_cache=False`` for a family
         that decodes with a state).
     cache_variants (CachedFamilyTests): ``{name: config overrides}`` the cache parity runs over.
@@ -34,6 +44,7 @@ from transformers.utils import logging
 
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
+from tests.conftest import checkpointing_enable
 from tests.remote import run_without_package
 
 N = 9  # sequence length of the tests: differs from every head's label count
@@ -45,6 +56,14 @@ class FamilyTests:
     padding_side = "right"
     conformance_overrides: dict = {}
     forward_kwargs: dict = {}
+    export_variants: dict = {"default": {}}
+    export_class = None
+    export_atol = 1e-6
+    layer_norm_field = "layer_norm_eps"
+    config_fields_absent: tuple = ()
+    tied_lm_class = None
+    training_class = None
+    recompute_overrides: dict = {}
 
     # ------------------------------------------------------------------ hooks
 
@@ -273,6 +292,112 @@ class FamilyTests:
             with torch.no_grad():
                 embeds = model.get_input_embeddings()(inputs["input_ids"])
                 torch.testing.assert_close(model(inputs_embeds=embeds, **extra).last_hidden_state, as_dict.last_hidden_state)
+
+    def training_inputs(self, seed: int) -> dict:
+        """Token families: a language-model batch (the ids are their own labels)."""
+        ids = self.make_inputs(2, N, seed=seed)["input_ids"]
+        return {"input_ids": ids, "labels": ids}
+
+    def empty_inputs(self) -> list:
+        """Token families: no rows, or rows of no tokens, as ids and as embeddings."""
+        width = self.make_config().hidden_size
+        return [
+            (inputs, "batch")
+            for shape in ((0, 5), (2, 0))
+            for inputs in ({"input_ids": torch.zeros(shape, dtype=torch.long)},
+                           {"inputs_embeds": torch.zeros(*shape, width)})
+        ]
+
+    # bad inputs and configs
+
+    def test_empty_inputs_raise_a_clear_error(self):
+        model = self.base_class()(self.base_config())
+        for inputs, message in self.empty_inputs():
+            with pytest.raises(ValueError, match=message):
+                model(**inputs)
+
+    @pytest.mark.parametrize(
+        "field,value,error",
+        [
+            ("attention_eps", float("nan"), ValueError),
+            ("attention_eps", -1e-6, ValueError),
+            ("initializer_range", -0.02, ValueError),
+            ("initializer_range", float("inf"), ValueError),
+            ("hidden_act", "no_such_activation", ValueError),
+            ("feature_seed", 1.5, TypeError),
+            ("feature_seed", -1, ValueError),
+            ("use_cache", "yes", TypeError),
+            ("LAYER_NORM", -1e-5, ValueError),
+            ("LAYER_NORM", float("nan"), ValueError),
+        ],
+    )
+    def test_configs_refuse_bad_shared_fields(self, field, value, error):
+        if field in self.config_fields_absent:
+            pytest.skip(f"the family's config has no {field}")
+        if field == "LAYER_NORM":
+            field = self.layer_norm_field
+        with pytest.raises(error, match=field):
+            self.make_config(**{field: value})
+
+    # token embeddings
+
+    def test_resize_token_embeddings_keeps_the_tie(self):
+        if self.tied_lm_class is None:
+            pytest.skip("the family has no token embeddings")
+        torch.manual_seed(0)
+        model = self.tied_lm_class(self.make_config(**{k: v for k, v in self.conformance_overrides.items()
+                                                       if k not in ("feature_map", "num_random_features")}))
+        vocab = model.config.vocab_size
+        model.resize_token_embeddings(vocab + 6)
+        assert model.config.vocab_size == vocab + 6
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        ids = self.make_inputs(2, N)["input_ids"]
+        ids[0, 0] = vocab + 5  # a new id
+        out = model(ids)
+        assert out.logits.shape[-1] == vocab + 6 and torch.isfinite(out.logits).all()
+
+    # gradient checkpointing
+
+    def test_checkpointed_layers_recompute_with_the_features_of_their_forward(self):
+        """Gradient accumulation with feature redraws: two training forwards (each redraws) before
+        one backward. A checkpointed layer recomputes in the backward, after the second redraw; it
+        must use the projection its own forward used. Reference: the same model without any
+        recomputation (float64; identical operations, so ulp-level agreement)."""
+        batches = []
+        for seed in (1, 2):
+            batch = self.training_inputs(seed)
+            batches.append({k: v.double() if v.is_floating_point() else v for k, v in batch.items()})
+        grads = []
+        for checkpointing in (False, True):
+            torch.manual_seed(0)
+            config = self.base_config(feature_redraw_interval=1, **self.recompute_overrides)
+            model = self.training_class(config).double().train()
+            if checkpointing:
+                checkpointing_enable(model)
+            loss = sum(model(**batch, **self.forward_kwargs).loss for batch in batches)
+            loss.backward()
+            assert all(int(f.num_draws) == 2 for f in self.feature_maps(model))
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        for name, g in grads[0].items():
+            torch.testing.assert_close(grads[1][name], g, rtol=1e-12, atol=1e-14, msg=name)
+
+    # torch.export
+
+    def test_torch_export_matches_eager(self):
+        """Every variant exports with torch.export (no data-dependent Python reads while tracing)
+        and the exported program gives eager's first output (the same graph of operations:
+        a few float32 ulps at most, ``export_atol``)."""
+        cls = self.export_class or self.base_class()
+        for variant, overrides in self.export_variants.items():
+            torch.manual_seed(0)
+            model = cls(self.base_config(**overrides)).eval()
+            (name, value), = self.make_inputs(2, 10).items()
+            extra = dict(return_dict=False) | self.forward_kwargs
+            with torch.no_grad():
+                program = torch.export.export(model, (value,), kwargs=extra)
+                got = program.module()(value, **extra)[0]
+                want = model(value, **extra)[0]
+            torch.testing.assert_close(got, want, rtol=self.export_atol, atol=self.export_atol, msg=variant)
 
     def remote_generate_check(self) -> bool:
         return False

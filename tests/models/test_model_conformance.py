@@ -8,7 +8,9 @@ continuing from a returned state (models/linear_gpt/test_generate.py); shapes of
 non-finite padded slots, save/load and remote-code loading of every head, checkpoints without
 (or with some of) the random-feature buffers, a mismatched number of random features, building on
 the meta device, ``output_attentions`` refused and ``output_hidden_states`` / ``return_dict=False``
-tuples, for every family (models/<family>/test_family.py through tests/family_mixin.py).
+tuples, empty inputs, bad shared config fields, resized token embeddings keeping the tie,
+checkpointed layers recomputing with their forward's random features, and ``torch.export``, for
+every family (models/<family>/test_family.py through tests/family_mixin.py).
 
 What cannot apply, and how each family declares it:
 * attention outputs (``has_attentions``): kernelized attention never forms the N x N attention
@@ -49,13 +51,6 @@ from hf_kernattn.modeling.feature_maps import FeatureMap
 from tests.conftest import V_BERT, V_GPT, checkpointing_disable, checkpointing_enable, checkpointing_training_argument
 from tests.conftest import tiny_linear_gpt_config as gpt_config
 from tests.conftest import tiny_nprf_bert_config as bert_config
-
-# both families with random features (the buffers under test), Linear GPT also with RPE
-FAMILIES = {
-    "nprf_bert": (NPRFBertModel, lambda **kw: bert_config(**kw)),
-    "linear_gpt": (LinearGPTModel, lambda **kw: gpt_config(**{"feature_map": "prf", "num_random_features": 16, **kw})),
-}
-
 
 def ids_for(family: str, batch=2, n=9, seed=0) -> torch.Tensor:
     vocab = V_BERT if family == "nprf_bert" else V_GPT
@@ -169,38 +164,6 @@ def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
     assert g_a.keys() == g_b.keys()
     for name, g in g_a.items():
         torch.testing.assert_close(g_b[name], g, rtol=1e-12, atol=1e-14, msg=name)
-
-
-@pytest.mark.parametrize("family", ["nprf_bert", "linear_gpt"])
-def test_checkpointed_layers_recompute_with_the_features_of_their_forward(family):
-    """Gradient accumulation with feature redraws: two training forwards (each redraws) before
-    one backward. A checkpointed layer recomputes in the backward, after the second redraw; it
-    must use the projection its own forward used. Reference: the same model without any
-    recomputation (float64; identical operations, so ulp-level agreement)."""
-
-    def build(checkpointing: bool):
-        torch.manual_seed(0)
-        if family == "nprf_bert":
-            cfg = bert_config(feature_redraw_interval=1, hidden_dropout_prob=0.0, recompute_attention=False)
-            model = NPRFBertForMaskedLM(cfg)
-        else:
-            model = LinearGPTForCausalLM(gpt_config(feature_map="prf", num_random_features=16, feature_redraw_interval=1))
-        model = model.double().train()
-        if checkpointing:
-            checkpointing_enable(model)
-        return model
-
-    batches = [ids_for(family, seed=s) for s in (1, 2)]
-    grads = []
-    for checkpointing in (False, True):
-        model = build(checkpointing)
-        loss = sum(model(ids, labels=ids, use_cache=False).loss if family == "linear_gpt" else model(ids, labels=ids).loss
-                   for ids in batches)
-        loss.backward()
-        assert all(int(f.num_draws) == 2 for f in feature_maps(model))
-        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    for name, g in grads[0].items():
-        torch.testing.assert_close(grads[1][name], g, rtol=1e-12, atol=1e-14, msg=name)
 
 
 def test_training_arguments_gradient_checkpointing_trains_nprf_bert(tmp_path):
@@ -428,20 +391,6 @@ def test_stateful_model_refuses_assisted_and_prompt_lookup_decoding():
 # ----------------------------------------------------------------------------- embeddings, mismatched heads
 
 
-@pytest.mark.parametrize("family", ["nprf_bert", "linear_gpt"])
-def test_resize_token_embeddings_keeps_the_tie(family):
-    torch.manual_seed(0)
-    model = NPRFBertForMaskedLM(bert_config()) if family == "nprf_bert" else LinearGPTForCausalLM(gpt_config())
-    vocab = model.config.vocab_size
-    model.resize_token_embeddings(vocab + 6)
-    assert model.config.vocab_size == vocab + 6
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
-    ids = ids_for(family)
-    ids[0, 0] = vocab + 5  # a new id
-    out = model(ids)
-    assert out.logits.shape[-1] == vocab + 6 and torch.isfinite(out.logits).all()
-
-
 def test_sequence_classification_head_with_another_num_labels(tmp_path):
     torch.manual_seed(0)
     NPRFBertForSequenceClassification(bert_config(num_labels=2)).save_pretrained(tmp_path)
@@ -490,29 +439,6 @@ def test_nprf_bert_refuses_4d_masks_that_are_not_padding_masks():
 
 
 # ----------------------------------------------------------------------------- torch.export
-
-
-@pytest.mark.parametrize(
-    "family,kw",
-    [
-        ("nprf_bert", {}),
-        ("linear_gpt", {}),
-        ("linear_gpt", dict(position_embedding_type="rotary")),
-        ("linear_gpt", dict(rpe="learned", max_relative_position=4, position_embedding_type="none")),
-    ],
-)
-def test_torch_export_matches_eager(family, kw):
-    cls, make = FAMILIES[family]
-    torch.manual_seed(0)
-    model = cls(make(**kw)).eval()
-    ids = ids_for(family, n=10)
-    extra = dict(return_dict=False) | (dict(use_cache=False) if family == "linear_gpt" else {})
-    with torch.no_grad():
-        program = torch.export.export(model, (ids,), kwargs=extra)
-        got = program.module()(ids, **extra)[0]
-        want = model(ids, **extra)[0]
-    # the same graph of operations: float32 results agree to a few ulps
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_torch_export_linear_gpt_with_padding_mask_matches_eager():
@@ -610,41 +536,6 @@ def test_linear_gpt_refuses_mask_values_other_than_0_and_1():
             model(ids, attention_mask=mask)
         with pytest.raises(ValueError, match="attention_mask must hold only 1"):
             model.generate(ids, attention_mask=mask, max_new_tokens=2)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_empty_inputs_raise_a_clear_error(family):
-    cls, make = FAMILIES[family]
-    model = cls(make())
-    for shape in ((0, 5), (2, 0)):
-        with pytest.raises(ValueError, match="batch"):
-            model(torch.zeros(shape, dtype=torch.long))
-        with pytest.raises(ValueError, match="batch"):
-            model(inputs_embeds=torch.zeros(*shape, 32))
-
-
-@pytest.mark.parametrize(
-    "field,value,error",
-    [
-        ("attention_eps", float("nan"), ValueError),
-        ("attention_eps", -1e-6, ValueError),
-        ("initializer_range", -0.02, ValueError),
-        ("initializer_range", float("inf"), ValueError),
-        ("hidden_act", "no_such_activation", ValueError),
-        ("feature_seed", 1.5, TypeError),
-        ("feature_seed", -1, ValueError),
-        ("use_cache", "yes", TypeError),
-        ("LAYER_NORM", -1e-5, ValueError),
-        ("LAYER_NORM", float("nan"), ValueError),
-    ],
-)
-@pytest.mark.parametrize("family", ["nprf_bert", "linear_gpt"])
-def test_configs_refuse_bad_shared_fields(family, field, value, error):
-    if field == "LAYER_NORM":
-        field = "layer_norm_eps" if family == "nprf_bert" else "layer_norm_epsilon"
-    make = bert_config if family == "nprf_bert" else gpt_config
-    with pytest.raises(error, match=field):
-        make(**{field: value})
 
 
 def test_decoding_state_of_another_model_is_refused():

@@ -18,6 +18,14 @@ class TestLinearGPTFamily(CachedFamilyTests):
     cache_class_name = "LinearGPTCache"
     # the conformance checks with random features (the buffers under test) and absolute positions
     conformance_overrides = {"feature_map": "prf", "num_random_features": 16, "position_embedding_type": "absolute"}
+    export_variants = {
+        "absolute": {},
+        "rotary": {"position_embedding_type": "rotary"},
+        "rpe": {"rpe": "learned", "max_relative_position": 4, "position_embedding_type": "none"},
+    }
+    layer_norm_field = "layer_norm_epsilon"
+    tied_lm_class = LinearGPTForCausalLM
+    training_class = LinearGPTForCausalLM
     # absolute table, rotary (separate numerator / denominator features), a learned bias clipped
     # at 3 (so the state's window of the last K - 1 keys is exercised past K) and Llama-style blocks
     cache_variants = {
@@ -57,6 +65,7 @@ class TestLinearGPTLlamaStyleFamily(TestLinearGPTFamily):
 
     cache_variants = {"llama": {}}
     conformance_overrides = {"feature_map": "prf", "num_random_features": 16}
+    export_variants = {"llama": {}}
 
     def make_config(self, **overrides):
         return super().make_config(**{**TestLinearGPTFamily.cache_variants["llama"], **overrides})

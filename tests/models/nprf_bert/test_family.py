@@ -23,6 +23,9 @@ class TestNPRFBertFamily(FamilyTests):
     )
     auto_map = AUTO_MAP
     padding_side = "right"
+    tied_lm_class = NPRFBertForMaskedLM
+    training_class = NPRFBertForMaskedLM
+    recompute_overrides = {"hidden_dropout_prob": 0.0, "recompute_attention": False}
 
     def make_config(self, **overrides):
         return tiny_nprf_bert_config(**overrides)  # num_labels 2: what question answering needs

@@ -14,6 +14,12 @@ from tests.family_mixin import FamilyTests
 class TestRelativePerformerViTFamily(FamilyTests):
     model_classes = (RelativePerformerViTModel, RelativePerformerViTForImageClassification)
     auto_map = AUTO_MAP
+    # the exported classifier gives eager's logits exactly (the same operations)
+    export_class = RelativePerformerViTForImageClassification
+    export_atol = 0
+    export_variants = {rpe: {"rpe": rpe} for rpe in ("fft_2d", "clipped", "rotary_features", "absolute")}
+    config_fields_absent = ("use_cache",)
+    training_class = RelativePerformerViTForImageClassification
 
     def make_config(self, **overrides):
         return tiny_relative_performer_vit_config(**overrides)
@@ -21,6 +27,12 @@ class TestRelativePerformerViTFamily(FamilyTests):
     def make_inputs(self, batch, n, seed=0):
         """Images of 4 x 4 patches (``n`` is the text families' length; a grid is fixed here)."""
         return {"pixel_values": torch.randn(batch, 1, 16, 16, generator=torch.Generator().manual_seed(seed))}
+
+    def training_inputs(self, seed):
+        return {**self.make_inputs(2, 0, seed=seed), "labels": torch.tensor([0, 2])}
+
+    def empty_inputs(self):
+        return [({"pixel_values": torch.zeros(0, 1, 16, 16)}, "at least one image")]
 
     def expected_shapes(self, cls, config, batch, n):
         c, tokens = config.hidden_size, 16
