@@ -97,21 +97,30 @@ def test_attention_run_writes_the_windowed_case_to_its_csv(tmp_path):
     assert (tmp_path / "attention_bench.png").exists()
 
 
+def _run_workload_in_process(target, kwargs) -> dict:
+    """A stand-in for ``common.measure``: builds the generate benchmark's workload that ``target``
+    names (``module:function``) from ``kwargs``, runs it once in this process and reports its time."""
+    import time
+
+    from hf_kernattn.bench import generate
+
+    fn = getattr(generate, target.split(":")[1])(**kwargs)
+    t0 = time.perf_counter()
+    fn()
+    torch.set_grad_enabled(True)
+    return {"time_s": time.perf_counter() - t0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
+
+
 def test_generate_continuation_only_writes_its_csv(tmp_path, monkeypatch):
     # the real continuation workloads at toy sizes, run in this process instead of a fresh one
     # (start-up of a process importing transformers would dominate a test this small)
     import csv
-    import time
 
     from hf_kernattn.bench import common, generate
 
     def in_process(target, kwargs, **_):
         assert target.endswith(":continuation_workload")
-        fn = generate.continuation_workload(**kwargs)
-        t0 = time.perf_counter()
-        fn()
-        torch.set_grad_enabled(True)
-        return {"time_s": time.perf_counter() - t0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
+        return _run_workload_in_process(target, kwargs)
 
     monkeypatch.setattr(common, "measure", in_process)
     args = generate.build_parser().parse_args([
@@ -134,7 +143,6 @@ def test_generate_bench_alternates_every_case_and_reports_spreads(tmp_path, monk
     ratio as median [min-max] of the per-round ratios."""
     import csv
     import re
-    import time
 
     from hf_kernattn.bench import common, generate
 
@@ -143,11 +151,7 @@ def test_generate_bench_alternates_every_case_and_reports_spreads(tmp_path, monk
     def in_process(target, kwargs, **_):
         name = target.split(":")[1]
         order.append((name, kwargs.get("model", kwargs.get("layout", kwargs.get("mode")))))
-        fn = getattr(generate, name)(**kwargs)
-        t0 = time.perf_counter()
-        fn()
-        torch.set_grad_enabled(True)
-        return {"time_s": time.perf_counter() - t0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
+        return _run_workload_in_process(target, kwargs)
 
     monkeypatch.setattr(common, "measure", in_process)
     args = generate.build_parser().parse_args([

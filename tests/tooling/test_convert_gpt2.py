@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from hf_kernattn import LinearGPTCache
 from hf_kernattn.convert import convert, convert_to_linear_gpt
 
-from tests.remote import run_without_package
+from tests.remote import causal_lm_logits_without_package
 
 C, L, H, V = 32, 2, 4, 50
 
@@ -72,13 +72,7 @@ def test_saved_conversion_loads_without_the_package(gpt2_dir, tmp_path):
     ids = torch.randint(0, V, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = lm(ids, use_cache=False).logits.tolist()
-    code = f"""
-import json, torch, transformers
-m = transformers.AutoModelForCausalLM.from_pretrained("linear", trust_remote_code=True).eval()
-with torch.no_grad():
-    print(json.dumps(m(torch.tensor({ids.tolist()}), use_cache=False).logits.tolist()))
-"""
-    assert json.loads(run_without_package(code, cwd=str(tmp_path)).strip().splitlines()[-1]) == want
+    assert causal_lm_logits_without_package("linear", ids, tmp_path) == want
     card = (tmp_path / "linear" / "README.md").read_text()
     assert f"base_model: {folder}" in card
 

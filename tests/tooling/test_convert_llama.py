@@ -16,7 +16,7 @@ from hf_kernattn import LinearGPTCache
 from hf_kernattn.convert import convert, convert_to_linear_gpt
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
-from tests.remote import run_without_package
+from tests.remote import causal_lm_logits_without_package
 
 C, L, H, KV, V = 32, 2, 4, 2, 50
 
@@ -118,13 +118,7 @@ def test_saved_conversion_loads_without_the_package(llama_dir, tmp_path):
     ids = torch.randint(1, V, (1, 7), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         want = lm(ids, use_cache=False).logits.tolist()
-    code = f"""
-import json, torch, transformers
-m = transformers.AutoModelForCausalLM.from_pretrained("linear", trust_remote_code=True).eval()
-with torch.no_grad():
-    print(json.dumps(m(torch.tensor({ids.tolist()}), use_cache=False).logits.tolist()))
-"""
-    assert json.loads(run_without_package(code, cwd=str(tmp_path)).strip().splitlines()[-1]) == want
+    assert causal_lm_logits_without_package("linear", ids, tmp_path) == want
     assert "base_model:" in (tmp_path / "linear" / "README.md").read_text()
 
 
