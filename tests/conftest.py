@@ -2,9 +2,7 @@
 
 Every test that builds a tiny model starts from these and passes overrides for the sizes or
 options it is about, so a change of the tiny shape happens in one place. The builders are plain
-functions (``from tests.conftest import tiny_nprf_bert_config``); the fixtures ``nprf_bert_config``,
-``linear_gpt_config`` and ``attention_config`` return the builder itself, so a test that takes the
-fixture calls ``nprf_bert_config(num_labels=3)``.
+functions (``from tests.conftest import tiny_nprf_bert_config``).
 """
 
 from __future__ import annotations
@@ -65,21 +63,6 @@ def tiny_attention_config(**overrides) -> SimpleNamespace:
     )
     base.update(overrides)
     return SimpleNamespace(**base)
-
-
-@pytest.fixture
-def nprf_bert_config():
-    return tiny_nprf_bert_config
-
-
-@pytest.fixture
-def linear_gpt_config():
-    return tiny_linear_gpt_config
-
-
-@pytest.fixture
-def attention_config():
-    return tiny_attention_config
 
 
 def checkpointing_enable(model, **kwargs) -> None:

@@ -10,6 +10,20 @@ Hooks:
     make_inputs(batch, n, seed): the keyword arguments of a forward without padding.
     prepare(model): adjusts a freshly built model (e.g. a non-zero bias); returns it.
     expected_shapes(cls, config, batch, n): ``{output field: shape}`` for ``cls``.
+    conformance_overrides: config overrides of the conformance checks (random-feature buffers,
+        output flags): the family's configuration with random features.
+    export_variants: ``{name: config overrides}`` the ``torch.export`` check runs over.
+    export_class / export_atol: the class that is exported (default the base model) and how close
+        the exported program's first output is to eager's.
+    layer_norm_field / config_fields_absent: the name of the family's layer-norm epsilon; shared
+        fields the family's config does not have.
+    tied_lm_class: the language-model head whose output embeddings are tied to the input ones
+        (``None``: the family has no token embeddings).
+    training_class / recompute_overrides / training_inputs(seed): the class trained in the
+        checkpointing check, its config overrides, and one batch with labels.
+    empty_inputs(): ``[(inputs, message)]``: empty inputs and the ValueError each must raise.
+    forward_kwargs: extra keyword arguments of a plain forward (``use_cache=False`` for a family
+        that decodes with a state).
     cache_variants (CachedFamilyTests): ``{name: config overrides}`` the cache parity runs over.
     cache_model_class (CachedFamilyTests): the class that decodes (e.g. the causal LM).
     cache_class_name (CachedFamilyTests): the class name of the decoding state ``generate`` returns.
@@ -18,11 +32,19 @@ Hooks:
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers import GenerationMixin
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
 
+from hf_kernattn.modeling.feature_maps import FeatureMap
+
+from tests.conftest import checkpointing_enable
 from tests.remote import run_without_package
 
 N = 9  # sequence length of the tests: differs from every head's label count
@@ -32,6 +54,16 @@ class FamilyTests:
     model_classes: tuple = ()
     auto_map: dict = {}
     padding_side = "right"
+    conformance_overrides: dict = {}
+    forward_kwargs: dict = {}
+    export_variants: dict = {"default": {}}
+    export_class = None
+    export_atol = 1e-6
+    layer_norm_field = "layer_norm_eps"
+    config_fields_absent: tuple = ()
+    tied_lm_class = None
+    training_class = None
+    recompute_overrides: dict = {}
 
     # ------------------------------------------------------------------ hooks
 
@@ -58,6 +90,22 @@ class FamilyTests:
     def tensors(out) -> dict:
         """The tensor fields of a model output (``past_key_values`` and other objects left out)."""
         return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+    @staticmethod
+    def feature_maps(model) -> list:
+        return [m for m in model.modules() if isinstance(m, FeatureMap)]
+
+    def base_class(self):
+        """The base model class (the first of ``model_classes``)."""
+        return self.model_classes[0]
+
+    def base_config(self, **overrides):
+        """The family's config with ``conformance_overrides`` (random features) and ``overrides``."""
+        return self.make_config(**{**self.conformance_overrides, **overrides})
+
+    def hidden(self, model, inputs) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**inputs, **self.forward_kwargs).last_hidden_state
 
     def padding_mask(self, lengths, n):
         mask = torch.zeros(len(lengths), n, dtype=torch.long)
@@ -128,6 +176,229 @@ class FamilyTests:
                 for name in want:
                     torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
 
+    # random-feature buffers: checkpoints without them, partial ones, mismatched sizes, meta device
+
+    def test_checkpoint_without_feature_buffers_loads_seeded_projections_and_warns(self, tmp_path):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        model = cls(self.base_config()).eval()
+        model.save_pretrained(tmp_path)
+        path = os.path.join(tmp_path, "model.safetensors")
+        state = load_file(path)
+        dropped = [k for k in state if ".feature_map." in k]
+        assert dropped
+        save_file({k: v for k, v in state.items() if k not in dropped}, path, metadata={"format": "pt"})
+
+        logger = logging.get_logger("hf_kernattn.modeling.pretrained")
+        with CaptureLogger(logger) as captured:
+            loaded = cls.from_pretrained(tmp_path).eval()
+        assert "no random-feature buffers" in captured.out and "feature_seed=0" in captured.out
+        for fresh, got in zip(self.feature_maps(model), self.feature_maps(loaded)):
+            assert torch.equal(got.projection, fresh.projection)  # draw 0 of the seed, as built
+            assert int(got.num_draws) == 0 and int(got.num_steps) == 0
+        inputs = self.make_inputs(2, N)
+        torch.testing.assert_close(self.hidden(loaded, inputs), self.hidden(model, inputs), rtol=0, atol=0)
+
+        # a complete checkpoint loads without the warning
+        model.save_pretrained(tmp_path)
+        with CaptureLogger(logger) as captured:
+            cls.from_pretrained(tmp_path)
+        assert "random-feature" not in captured.out
+
+    def test_loaded_feature_buffers_are_kept_when_others_are_missing(self, tmp_path):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        model = cls(self.base_config()).eval()
+        fresh = [f.projection.clone() for f in self.feature_maps(model)]
+        for fmap in self.feature_maps(model):
+            fmap.redraw()  # a projection no fresh model has
+        model.save_pretrained(tmp_path)
+        path = os.path.join(tmp_path, "model.safetensors")
+        state = load_file(path)
+        save_file({k: v for k, v in state.items() if not k.endswith("num_steps")}, path, metadata={"format": "pt"})
+        loaded = cls.from_pretrained(tmp_path)
+        got_maps = self.feature_maps(loaded)
+        assert got_maps and len(got_maps) == len(fresh)
+        for want, got, first in zip(self.feature_maps(model), got_maps, fresh):
+            assert torch.equal(got.projection, want.projection) and not torch.equal(got.projection, first)
+            assert int(got.num_draws) == 1 and int(got.num_steps) == 0
+
+    def test_mismatched_num_random_features_draws_from_the_seed(self, tmp_path):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        cls(self.base_config()).save_pretrained(tmp_path)
+        loaded, info = cls.from_pretrained(
+            tmp_path, num_random_features=32, ignore_mismatched_sizes=True, output_loading_info=True
+        )
+        assert any(k.endswith("projection") for k, *_ in info["mismatched_keys"])
+        fresh = cls(self.base_config(num_random_features=32))
+        for want, got in zip(self.feature_maps(fresh), self.feature_maps(loaded)):
+            assert got.projection.shape == (32, got.head_dim)
+            assert torch.equal(got.projection, want.projection)
+        assert torch.isfinite(self.hidden(loaded.eval(), self.make_inputs(2, N))).all()
+
+    def test_meta_device_build_then_init_weights_sets_every_buffer(self):
+        cls = self.base_class()
+        reference = cls(self.base_config())
+        with torch.device("meta"):
+            model = cls(self.base_config())
+        model.to_empty(device="cpu")
+        with torch.no_grad():  # what uninitialised memory may hold
+            for t in list(model.parameters()) + list(model.buffers()):
+                t.fill_(float("nan") if t.is_floating_point() else 7)
+        model.init_weights()
+        for want, got in zip(self.feature_maps(reference), self.feature_maps(model)):
+            assert torch.equal(got.projection, want.projection)
+            assert int(got.num_draws) == 0 and int(got.num_steps) == 0
+        bad = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not torch.isfinite(t.float()).all()]
+        assert not bad, bad
+        assert torch.isfinite(self.hidden(model.eval(), self.make_inputs(2, N))).all()
+
+    # output flags
+
+    def test_output_attentions_is_refused_the_same_way_in_every_family(self):
+        cls = self.base_class()
+        model = cls(self.base_config())
+        inputs = self.make_inputs(2, N)
+        with pytest.raises(ValueError, match="no attention weights"):
+            model(**inputs, output_attentions=True)
+        # the config keeps the flag (tests/models/test_config_contract.py); forward returns no attentions
+        assert self.base_config(output_attentions=True).output_attentions is True
+        model.config.output_attentions = True
+        assert getattr(model(**inputs), "attentions", None) is None
+        with pytest.raises(ValueError, match="no attention weights"):
+            model(**inputs, output_attentions=True)
+        assert not cls._supports_attention_backend
+
+    def test_hidden_states_and_return_dict_false_tuples(self):
+        cls = self.base_class()
+        torch.manual_seed(0)
+        model = cls(self.base_config()).eval()
+        inputs = self.make_inputs(2, N)
+        extra = self.forward_kwargs
+        with torch.no_grad():
+            as_dict = model(**inputs, output_hidden_states=True, **extra)
+            as_tuple = model(**inputs, output_hidden_states=True, return_dict=False, **extra)
+        assert len(as_dict.hidden_states) == model.config.num_hidden_layers + 1
+        assert isinstance(as_tuple, tuple)
+        want = [v for v in as_dict.to_tuple()]
+        assert len(as_tuple) == len(want)
+        for got, ref in zip(as_tuple, want):
+            if isinstance(ref, tuple):
+                assert all(torch.equal(a, b) for a, b in zip(got, ref))
+            else:
+                assert torch.equal(got, ref)
+        if "input_ids" in inputs:  # inputs_embeds give the same outputs as input_ids
+            with torch.no_grad():
+                embeds = model.get_input_embeddings()(inputs["input_ids"])
+                torch.testing.assert_close(model(inputs_embeds=embeds, **extra).last_hidden_state, as_dict.last_hidden_state)
+
+    def training_inputs(self, seed: int) -> dict:
+        """Token families: a language-model batch (the ids are their own labels)."""
+        ids = self.make_inputs(2, N, seed=seed)["input_ids"]
+        return {"input_ids": ids, "labels": ids}
+
+    def empty_inputs(self) -> list:
+        """Token families: no rows, or rows of no tokens, as ids and as embeddings."""
+        width = self.make_config().hidden_size
+        return [
+            (inputs, "batch")
+            for shape in ((0, 5), (2, 0))
+            for inputs in ({"input_ids": torch.zeros(shape, dtype=torch.long)},
+                           {"inputs_embeds": torch.zeros(*shape, width)})
+        ]
+
+    # bad inputs and configs
+
+    def test_empty_inputs_raise_a_clear_error(self):
+        model = self.base_class()(self.base_config())
+        for inputs, message in self.empty_inputs():
+            with pytest.raises(ValueError, match=message):
+                model(**inputs)
+
+    @pytest.mark.parametrize(
+        "field,value,error",
+        [
+            ("attention_eps", float("nan"), ValueError),
+            ("attention_eps", -1e-6, ValueError),
+            ("initializer_range", -0.02, ValueError),
+            ("initializer_range", float("inf"), ValueError),
+            ("hidden_act", "no_such_activation", ValueError),
+            ("feature_seed", 1.5, TypeError),
+            ("feature_seed", -1, ValueError),
+            ("use_cache", "yes", TypeError),
+            ("LAYER_NORM", -1e-5, ValueError),
+            ("LAYER_NORM", float("nan"), ValueError),
+        ],
+    )
+    def test_configs_refuse_bad_shared_fields(self, field, value, error):
+        if field in self.config_fields_absent:
+            pytest.skip(f"the family's config has no {field}")
+        if field == "LAYER_NORM":
+            field = self.layer_norm_field
+        with pytest.raises(error, match=field):
+            self.make_config(**{field: value})
+
+    # token embeddings
+
+    def test_resize_token_embeddings_keeps_the_tie(self):
+        if self.tied_lm_class is None:
+            pytest.skip("the family has no token embeddings")
+        torch.manual_seed(0)
+        model = self.tied_lm_class(self.make_config(**{k: v for k, v in self.conformance_overrides.items()
+                                                       if k not in ("feature_map", "num_random_features")}))
+        vocab = model.config.vocab_size
+        model.resize_token_embeddings(vocab + 6)
+        assert model.config.vocab_size == vocab + 6
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        ids = self.make_inputs(2, N)["input_ids"]
+        ids[0, 0] = vocab + 5  # a new id
+        out = model(ids)
+        assert out.logits.shape[-1] == vocab + 6 and torch.isfinite(out.logits).all()
+
+    # gradient checkpointing
+
+    def test_checkpointed_layers_recompute_with_the_features_of_their_forward(self):
+        """Gradient accumulation with feature redraws: two training forwards (each redraws) before
+        one backward. A checkpointed layer recomputes in the backward, after the second redraw; it
+        must use the projection its own forward used. Reference: the same model without any
+        recomputation (float64; identical operations, so ulp-level agreement)."""
+        batches = []
+        for seed in (1, 2):
+            batch = self.training_inputs(seed)
+            batches.append({k: v.double() if v.is_floating_point() else v for k, v in batch.items()})
+        grads = []
+        for checkpointing in (False, True):
+            torch.manual_seed(0)
+            config = self.base_config(feature_redraw_interval=1, **self.recompute_overrides)
+            model = self.training_class(config).double().train()
+            if checkpointing:
+                checkpointing_enable(model)
+            loss = sum(model(**batch, **self.forward_kwargs).loss for batch in batches)
+            loss.backward()
+            assert all(int(f.num_draws) == 2 for f in self.feature_maps(model))
+            grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        for name, g in grads[0].items():
+            torch.testing.assert_close(grads[1][name], g, rtol=1e-12, atol=1e-14, msg=name)
+
+    # torch.export
+
+    def test_torch_export_matches_eager(self):
+        """Every variant exports with torch.export (no data-dependent Python reads while tracing)
+        and the exported program gives eager's first output (the same graph of operations:
+        a few float32 ulps at most, ``export_atol``)."""
+        cls = self.export_class or self.base_class()
+        for variant, overrides in self.export_variants.items():
+            torch.manual_seed(0)
+            model = cls(self.base_config(**overrides)).eval()
+            (name, value), = self.make_inputs(2, 10).items()
+            extra = dict(return_dict=False) | self.forward_kwargs
+            with torch.no_grad():
+                program = torch.export.export(model, (value,), kwargs=extra)
+                got = program.module()(value, **extra)[0]
+                want = model(value, **extra)[0]
+            torch.testing.assert_close(got, want, rtol=self.export_atol, atol=self.export_atol, msg=variant)
+
     def remote_generate_check(self) -> bool:
         return False
 
@@ -176,6 +447,7 @@ print(json.dumps(result))
 
 
 class CachedFamilyTests(FamilyTests):
+    forward_kwargs = {"use_cache": False}
     cache_variants: dict = {"default": {}}
     cache_model_class = None
     cache_class_name = ""

@@ -1,4 +1,4 @@
-"""One rank of the two-process FSDP2 check of ``tests/test_distributed.py`` (not a test module).
+"""One rank of the two-process FSDP2 check of ``tests/tooling/test_distributed.py`` (not a test module).
 
 Started twice by the test with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set (CPU,
 gloo). For each family it builds the same seeded tiny model in float64 on both ranks, shards it

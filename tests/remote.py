@@ -6,6 +6,7 @@ That is how a user without our package loads a checkpoint with ``trust_remote_co
 from __future__ import annotations
 
 import ast
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +39,19 @@ def run_without_package(code: str, cwd: str, timeout: int = 300) -> str:
     )
     assert proc.returncode == 0, f"subprocess failed:\n{proc.stderr[-4000:]}"
     return proc.stdout
+
+
+def causal_lm_logits_without_package(folder: str, ids, cwd) -> list:
+    """The logits (``use_cache=False``, as nested lists) of the causal LM saved in ``cwd/folder``
+    for the token ids ``ids``, loaded through ``AutoModelForCausalLM`` with ``trust_remote_code``
+    in a process that cannot import hf_kernattn."""
+    code = f"""
+import json, torch, transformers
+m = transformers.AutoModelForCausalLM.from_pretrained({folder!r}, trust_remote_code=True).eval()
+with torch.no_grad():
+    print(json.dumps(m(torch.tensor({ids.tolist()}), use_cache=False).logits.tolist()))
+"""
+    return json.loads(run_without_package(code, cwd=str(cwd)).strip().splitlines()[-1])
 
 
 MODELING = Path(__file__).resolve().parents[1] / "hf_kernattn" / "modeling"

@@ -1,0 +1,112 @@
+"""Linear GPT's decoding state on transformers' own cache layers.
+
+The state of each layer is a ``transformers.cache_utils.LinearAttentionLayer`` whose recurrent
+states are S, z and (with the clipped bias) the window's keys and values. What transformers'
+caches offer is checked against running the model on the matching batch from scratch: reset
+and reuse, reordering for beams, repeating and selecting rows; decoding updates the tensors in
+place. Logits are compared in float64 at 1e-10 (the same arithmetic in another order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import LinearAttentionLayer
+
+from hf_kernattn import LinearGPTForCausalLM
+from hf_kernattn.modeling.cache import LinearGPTCache, LinearGPTCacheLayer
+
+from tests.conftest import V_GPT, tiny_linear_gpt_config
+
+VARIANTS = {
+    "plain": {},
+    "rotary": {"position_embedding_type": "rotary"},
+    "rpe": {"rpe": "learned", "max_relative_position": 3, "position_embedding_type": "none"},
+}
+
+
+def _model(variant):
+    torch.manual_seed(0)
+    return LinearGPTForCausalLM(tiny_linear_gpt_config(**VARIANTS[variant])).double().eval()
+
+
+def _ids(b=3, n=7, seed=1):
+    return torch.randint(1, V_GPT, (b, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_state_is_in_transformers_layer_format_and_updated_in_place(variant):
+    model = _model(variant)
+    ids = _ids()
+    with torch.no_grad():
+        cache = model(ids[:, :4], use_cache=True).past_key_values
+        assert all(isinstance(layer, LinearAttentionLayer) for layer in cache.layers) and all(cache.is_linear)
+        layer = cache.layers[0]
+        m, d = model.transformer.h[0].attn.feature_map.num_features, 16
+        shapes = [(3, 2, m, d), (3, 2, m)] + ([(3, 2, 2, m), (3, 2, 2, d)] if variant == "rpe" else [])
+        assert [tuple(layer.recurrent_states[i].shape) for i in range(layer.number_of_states)] == shapes
+        pointers = [layer.recurrent_states[i].data_ptr() for i in range(layer.number_of_states)]
+        before = layer.recurrent_states[0].clone()
+        for t in range(4, 7):
+            model(ids[:, t : t + 1], past_key_values=cache)
+        assert [layer.recurrent_states[i].data_ptr() for i in range(layer.number_of_states)] == pointers
+        assert not torch.equal(layer.recurrent_states[0], before)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_reset_then_reuse_equals_a_fresh_cache(variant):
+    model = _model(variant)
+    first, second = _ids(seed=1), _ids(seed=2)
+    with torch.no_grad():
+        cache = model(first, use_cache=True).past_key_values
+        model(first[:, :1], past_key_values=cache)
+        cache.reset()
+        assert cache.get_seq_length() == 0 and not cache.is_initialized
+        reused = [model(second[:, :5], past_key_values=cache).logits, model(second[:, 5:6], past_key_values=cache).logits]
+        fresh_cache = model(second[:, :5], use_cache=True).past_key_values
+        fresh = [model(second[:, :5], use_cache=False).logits, model(second[:, 5:6], past_key_values=fresh_cache).logits]
+    for a, b in zip(reused, fresh):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_reorder_repeat_and_select_rows_equal_running_those_rows(variant):
+    model = _model(variant)
+    ids = _ids()
+    nxt = _ids(n=1, seed=5)
+    order = torch.tensor([2, 0, 0])
+    with torch.no_grad():
+        cases = []
+        cache = model(ids, use_cache=True).past_key_values
+        cache.reorder_cache(order)
+        cases.append((cache, order))
+        cache = model(ids, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(2)
+        cases.append((cache, torch.arange(3).repeat_interleave(2)))
+        cache = model(ids, use_cache=True).past_key_values
+        cache.batch_select_indices(torch.tensor([1, 2]))
+        cases.append((cache, torch.tensor([1, 2])))
+        for cache, rows in cases:
+            got = model(nxt[rows], past_key_values=cache).logits
+            want_cache = model(ids[rows], use_cache=True).past_key_values
+            want = model(nxt[rows], past_key_values=want_cache).logits
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+            assert cache.batch_size == len(rows)
+
+
+def test_a_copy_is_independent_and_bad_arguments_are_refused():
+    model = _model("rpe")
+    ids = _ids()
+    with torch.no_grad():
+        cache = model(ids, use_cache=True).past_key_values
+        copy = cache.copy()
+        model(ids[:, :1], past_key_values=cache)
+        assert copy.get_seq_length() == 7 and cache.get_seq_length() == 8
+        assert not torch.equal(copy.layers[0].recurrent_states[0], cache.layers[0].recurrent_states[0])
+    with pytest.raises(ValueError, match="window must be None .* or an int >= 0"):
+        LinearGPTCache(2, window=-1)
+    with pytest.raises(ValueError, match="num_layers must be a positive int"):
+        LinearGPTCache(0)
+    with pytest.raises(NotImplementedError, match="cannot be cropped"):
+        cache.crop(3)
+    assert LinearGPTCacheLayer().get_state() is None
