@@ -8,7 +8,7 @@ from pathlib import Path
 
 import hf_kernattn_cli as cli
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_modules_are_named_as_their_commands():

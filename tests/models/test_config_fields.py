@@ -23,7 +23,7 @@ from hf_kernattn import (
 from hf_kernattn.modeling import configuration_linear_gpt, configuration_nprf_bert, configuration_relative_performer_vit
 from hf_kernattn.modeling.attention_config import SHARED_FIELD_NAMES, AttentionSchema, ConfigField, int_at_least
 
-from .conftest import tiny_relative_performer_vit_config
+from tests.conftest import tiny_relative_performer_vit_config
 
 FAMILIES = {
     "nprf_bert": (NPRFBertConfig, configuration_nprf_bert),
@@ -173,7 +173,7 @@ def test_a_checkpoint_saved_under_an_earlier_name_loads_and_gives_identical_outp
 
 
 def test_the_fixture_checkpoint_written_with_fft_2d_loads_as_learned_2d():
-    folder = Path(__file__).parent / "fixtures" / "checkpoints" / "relative_performer_vit"
+    folder = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints" / "relative_performer_vit"
     assert json.loads((folder / "config.json").read_text())["rpe"] == "fft_2d"
     assert transformers.AutoConfig.from_pretrained(folder).rpe == "learned_2d"
 
