@@ -59,7 +59,7 @@ from .kernels_common import (
 from .kernels_dense import dense_attention
 from .kernels_fft import fft_attention, fft_error_bound
 from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention, recurrent_step_in_place
-from .kernels_manhattan import manhattan_attention
+from .kernels_manhattan import manhattan_attention, manhattan_distances, manhattan_table
 from .kernels_windowed import windowed_attention
 from .registry import (  # noqa: F401  (the registry's public names are also this module's)
     _REGISTRY,
@@ -129,7 +129,8 @@ def kernelized_attention(
         rpe_bias: None, ``(H, 2N-1)`` (1D, entry ``r + N - 1`` = offset ``r = j - i``) or, with
             ``grid``, ``(H, 2Hg-1, 2Wg-1)``. With ``rpe_clip = K`` also the clipped table
             ``(H, 2K+1)`` (entry ``r + K``), the form a call with ``initial_state`` needs when
-            ``N <= K``.
+            ``N <= K``; with ``grid`` and ``rpe_clip = K`` also the per-distance table ``(H, K+1)``
+            of the clipped Manhattan distance (entry ``d`` holds ``b_d``).
         causal: only keys ``j <= i`` (1D only).
         attention_mask: ``(B, N)``, 1 keep, 0 padding (padded keys contribute nothing).
         grid: ``(Hg, Wg)`` with ``Hg * Wg == N`` for a 2D bias on a row-major token grid.
@@ -237,8 +238,7 @@ def kernelized_attention(
             "every key keeps its own weight for ever, so no constant-size state exists"
         )
     # a clipped 1D bias as its table (H, 2K+1); refused when a state must be read K back and the bias does not reach
-    clipped = (clipped_table(rpe_bias, n, rpe_clip, continuing=initial_state is not None)
-               if rpe_clip is not None and rpe == "1d" else None)
+    clipped = _clipped_table(rpe_bias, rpe, n, grid_t, rpe_clip, continuing=initial_state is not None)
     full = None  # the bias as (H, 2N-1) / (H, 2Hg-1, 2Wg-1), made once when a backend or the fft check needs it
     window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
     m_den = m if q_den is None else q_den.shape[-1]
@@ -263,7 +263,7 @@ def kernelized_attention(
     name = choose_backend(n=n, **request) if backend == "auto" else backend
     dt = compute_dtype_for(q)  # the dtype rule
     if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
-        full = full_bias(rpe_bias, n, rpe_clip) if rpe else None
+        full = _full_bias(rpe_bias, rpe, n, grid_t, rpe_clip) if rpe else None
         name, dt = _auto_fft_precision(q, k, full, causal, key_mask, request)
     spec = get_backend(name)
     # A backend that carries no state still runs a call that starts without one: the final state is then folded
@@ -297,7 +297,7 @@ def kernelized_attention(
             if clipped is not None and "rpe_clip" in spec.takes:
                 bias = clipped
             else:
-                bias = full if full is not None else full_bias(rpe_bias, n, rpe_clip if rpe == "1d" else None)
+                bias = full if full is not None else _full_bias(rpe_bias, rpe, n, grid_t, rpe_clip)
             bias = bias.to(dt)
         given = dict(
             rpe_bias=bias, causal=causal, key_mask=key_mask, grid=grid_t, eps=float(eps), rpe_clip=rpe_clip,
@@ -322,6 +322,24 @@ def kernelized_attention(
                     mine.copy_(new)
             state = given_state
     return out if state is None else (out, AttentionState(*state, kind=kind))
+
+
+def _clipped_table(rpe_bias, rpe, n, grid, rpe_clip, continuing):
+    """A bias declared clipped at ``K`` as its table (what a backend taking ``rpe_clip`` gets):
+    1D ``(H, 2K+1)``, 2D the per-distance table ``(H, K+1)`` of the clipped Manhattan distance;
+    None without ``rpe_clip``."""
+    if rpe_clip is None or rpe is None:
+        return None
+    if rpe == "1d":
+        return clipped_table(rpe_bias, n, rpe_clip, continuing=continuing)
+    return rpe_bias if rpe_bias.dim() == 2 else manhattan_distances(rpe_bias, grid[0], grid[1], rpe_clip)
+
+
+def _full_bias(rpe_bias, rpe, n, grid, rpe_clip):
+    """The bias as ``(H, 2N-1)`` / ``(H, 2Hg-1, 2Wg-1)`` (from a clipped table when given one)."""
+    if rpe == "2d":
+        return manhattan_table(rpe_bias, grid[0], grid[1]) if rpe_bias.dim() == 2 else rpe_bias
+    return full_bias(rpe_bias, n, rpe_clip)
 
 
 def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):

@@ -47,7 +47,8 @@ class BackendSpec:
         split_denominator: takes separate denominator features ``q_den``, ``k_den``.
         needs_rpe_clip: only runs a bias declared clipped (``rpe_clip``): a 1D bias constant
             beyond ``+-K``, or a 2D bias of the clipped Manhattan distance. A backend that takes
-            ``rpe_clip`` receives a clipped 1D bias as its table ``(H, 2K+1)``.
+            ``rpe_clip`` receives a clipped 1D bias as its table ``(H, 2K+1)`` and a clipped 2D
+            bias as its per-distance table ``(H, K+1)``.
         devices: device types it runs on.
         complexity: a short note for docs and error messages, e.g. ``"O(N)"``.
         description: one line for ``hf-kernattn backends``.
