@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .attention_config import complete_attention_fields
-from .backends import get_backend, kernelized_attention
+from .dispatch import get_backend, kernelized_attention
 from .feature_maps import FeatureMap
 from .positional import apply_rotary
 

@@ -1,4 +1,4 @@
-"""Checks and normal forms of what :func:`~backends.kernelized_attention` is given.
+"""Checks and normal forms of what :func:`~dispatch.kernelized_attention` is given.
 
 Every check names the parameter and what is allowed (``TypeError`` for a wrong type,
 ``ValueError`` for a wrong shape or value). Checks that read tensor values (mask values, the

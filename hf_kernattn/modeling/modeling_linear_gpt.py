@@ -37,7 +37,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import KernelizedSelfAttention
-from .backends import get_backend
+from .dispatch import get_backend
 from .cache import LinearGPTCache, LinearGPTCacheLayer
 from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
 from .feature_maps import FeatureMap, feature_maps_step

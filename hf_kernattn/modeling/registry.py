@@ -4,7 +4,7 @@ Each backend declares at registration what it can do (causal / non-causal, 1D or
 relative-position bias, key padding masks, carrying a state, separate denominator features,
 step-wise decoding, devices) and which keyword arguments it takes; :func:`choose_backend` is the
 ``backend="auto"`` rule, from crossovers measured by ``hf-kernattn bench attention``. The single
-entry point that validates a call and dispatches it is ``backends.kernelized_attention``.
+entry point that validates a call and dispatches it is ``dispatch.kernelized_attention``.
 """
 
 from __future__ import annotations
