@@ -220,35 +220,36 @@ def _check_tensors(q, k, v, causal, output_final_state, in_place, backend, eps) 
     check_tensor("q", q, 4, "(batch, heads, seq, features)")
     check_tensor("k", k, 4, "(batch, heads, seq, features)")
     check_tensor("v", v, 4, "(batch, heads, seq, head_dim)")
-    if q.shape != k.shape:
-        raise ValueError(f"q and k must have the same shape (batch, heads, seq, features), got {tuple(q.shape)} and {tuple(k.shape)}")
-    if v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"v must match q in (batch, heads, seq) = {tuple(q.shape[:3])}, got {tuple(v.shape[:3])}")
+    qs, vs = q.shape, v.shape
+    if qs != k.shape:
+        raise ValueError(f"q and k must have the same shape (batch, heads, seq, features), got {tuple(qs)} and {tuple(k.shape)}")
+    if vs[:3] != qs[:3]:
+        raise ValueError(f"v must match q in (batch, heads, seq) = {tuple(qs[:3])}, got {tuple(vs[:3])}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if not isinstance(causal, bool):
+    if type(causal) is not bool:
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not isinstance(output_final_state, bool):
+    if type(output_final_state) is not bool:
         raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
-    if not isinstance(in_place, bool):
+    if type(in_place) is not bool:
         raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string: 'auto' or one of {available_backends()}")
     if not valid_eps(eps):
         raise ValueError(f"eps must be a number >= 0 (finite, not NaN), got {eps!r}")
-    if q.shape[2] == 0:
-        raise ValueError(f"q, k and v must hold at least one token (seq >= 1), got q of shape {tuple(q.shape)}")
-    if q.shape[3] == 0:
-        raise ValueError(f"q and k must have at least one feature (features >= 1), got shape {tuple(q.shape)}")
-    if v.shape[3] == 0:
-        raise ValueError(f"v must have head_dim >= 1, got shape {tuple(v.shape)}")
+    if qs[2] == 0:
+        raise ValueError(f"q, k and v must hold at least one token (seq >= 1), got q of shape {tuple(qs)}")
+    if qs[3] == 0:
+        raise ValueError(f"q and k must have at least one feature (features >= 1), got shape {tuple(qs)}")
+    if vs[3] == 0:
+        raise ValueError(f"v must have head_dim >= 1, got shape {tuple(vs)}")
 
 
 def valid_eps(eps: object) -> bool:
     """``eps`` is a number >= 0, finite (not a bool)."""
-    return not isinstance(eps, bool) and isinstance(eps, (int, float)) and math.isfinite(eps) and eps >= 0
+    return (type(eps) is float or (isinstance(eps, (int, float)) and not isinstance(eps, bool))) and 0 <= eps < math.inf
 
 
 def _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful, continuing):
@@ -412,15 +413,15 @@ def _full_bias(rpe_bias, rpe, n, grid, rpe_clip):
 def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
     """The one-token decoding step without a bias (:func:`recurrent_step` in place on the
     state's own tensors) when the general path would run exactly that with nothing to refuse;
-    None otherwise (the general path then runs, with its full checks and messages). The inputs
-    pass stage 1's own checks of the tensors and the scalar arguments (an error is the one the
-    general path raises first); what is left to check is what makes a call a decoding step.
-    Per-token work of the general path it skips: dispatch, dtype conversions, value-free
+    None otherwise (the general path then runs, with its full checks and messages). Its guard
+    only tells whether the call is such a step (cheap comparisons, no message: running stage 1's
+    checks here measured slower per token). Per-token work of the general path it skips: dispatch, dtype conversions, value-free
     bookkeeping."""
+    tensors = (q, k, v) if q_den is None else (q, k, v, q_den, k_den)
     if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4)):
         return None
-    _check_tensors(q, k, v, causal, output_final_state, True, "auto", eps)
-    check_denominator_features(q_den, k_den, q)
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in tensors):
+        return None
     given_kind = getattr(state, "kind", None)
     state = AttentionState(*state)
     kv, z = state.kv, state.z
@@ -430,16 +431,20 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
     d = v.shape[-1]
     m_den = m if q_den is None else q_den.shape[-1]
     dt = kv.dtype
-    if (n != 1 or kv.shape != (b, h, m, d) or z.shape != (b, h, m_den) or q.dtype != dt or z.dtype != dt
-            or compute_dtype_for(q) != dt or kv.device != q.device or z.device != q.device):
+    if (n != 1 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or m == 0 or d == 0 or kv.shape != (b, h, m, d)
+            or z.shape != (b, h, m_den) or dt not in _STATE_DTYPES or z.dtype != dt
+            or any(x.dtype != dt or x.device != kv.device for x in tensors) or z.device != kv.device):
+        return None
+    if q_den is not None and (k_den.shape != q_den.shape or q_den.shape[:3] != q.shape[:3] or m_den == 0):
+        return None
+    if not valid_eps(eps):
         return None
     kind = StateKind(split=q_den is not None, features=m, den_features=m_den, values=d, window=None)
     if given_kind is not None and given_kind != kind:
         return None  # a state of another kind: the general path names the mismatch
     if _shares_memory(kv) or _shares_memory(z):
         return None  # an expanded state cannot be written in place: the general path says so
-    tensors = (q, k, v, kv, z) if q_den is None else (q, k, v, q_den, k_den, kv, z)
-    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, kv, z)):
         return None
     if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
         return None
@@ -455,6 +460,9 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
     den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
     out = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], kv, z, float(eps), *den_t, in_place=True)[0]
     return out[:, :, None], AttentionState(kv, z, kind=kind)
+
+
+_STATE_DTYPES = (torch.float32, torch.float64)  # compute dtypes: an input in one of them is computed in it
 
 
 def _shares_memory(x: torch.Tensor) -> bool:

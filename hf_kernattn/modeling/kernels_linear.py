@@ -244,7 +244,6 @@ def causal_chunked_attention(
     return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den)
 
 
-@full_precision
 def recurrent_step(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
@@ -267,6 +266,8 @@ def recurrent_step(
         in_place: write ``S + k_t v_t^T`` and ``z + k_den_t`` into ``state`` and ``normalizer``
             (one fused update each, no new state tensors: the decoding form at the memory
             bound; inputs in the state's dtype, nothing recording gradients).
+    Runs as given (no autocast guard of its own, which would cost per token): its callers,
+    :func:`recurrent_attention` and the decoding step, run it with autocast off.
     Returns:
         ``(out_t (B, H, D), S + k_t v_t^T, z + k_den_t)`` (with ``in_place`` the given tensors).
     """
