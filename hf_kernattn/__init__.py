@@ -3,13 +3,8 @@
 Importing the package registers every model family with the ``transformers`` Auto classes.
 """
 
-from .modeling.backends import (
-    BackendSpec,
-    available_backends,
-    get_backend,
-    kernelized_attention,
-    register_backend,
-)
+from .modeling.dispatch import kernelized_attention  # importing it registers the built-in backends
+from .modeling.registry import BackendSpec, available_backends, get_backend, register_backend
 from .modeling.kernels_common import AttentionState, StateKind
 from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .modeling.backends import kernelized_attention
+from .modeling.dispatch import kernelized_attention
 from .modeling.feature_maps import FEATURE_MAPS, PROJECTIONS, FeatureMap
 
 ATTENTION_NAME = "kernelized"

@@ -78,9 +78,9 @@ CROSSOVER_NS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 def _kernelized_attention() -> Callable[..., Any]:
     """The public entry point, importable both inside the package and from the flat layout."""
     try:
-        from ..modeling.backends import kernelized_attention
+        from ..modeling.dispatch import kernelized_attention
     except ImportError:  # imported as a top-level module by the isolated runner
-        from modeling.backends import kernelized_attention  # type: ignore[no-redef]
+        from modeling.dispatch import kernelized_attention  # type: ignore[no-redef]
     return kernelized_attention
 
 

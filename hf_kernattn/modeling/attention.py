@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from .attention_config import complete_attention_fields
-from .backends import get_backend, kernelized_attention
+from .dispatch import get_backend, kernelized_attention
 from .feature_maps import FeatureMap
 from .positional import apply_rotary
 
@@ -79,6 +79,13 @@ class KernelizedSelfAttention(nn.Module):
             redraw_interval=config.feature_redraw_interval,
             seed=int(config.feature_seed) + 1000 * layer_idx,
         )
+        # what a family configures: Llama's rotary positions before the feature map (``rope``) or
+        # rotations of the features (``rotary``), a bias table of its own (``rpe``, a module with
+        # ``weight`` (H, 2K+1) and ``max_relative_position`` K) and dropout on the attention output
+        self.rope = False
+        self.rotary = False
+        self.rpe: Optional[nn.Module] = None
+        self.dropout = nn.Dropout(0.0)
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
@@ -152,6 +159,11 @@ class KernelizedSelfAttention(nn.Module):
         merged = attn.transpose(1, 2).reshape(b, n, h * d).to(dtype)
         return self.o_proj(merged)
 
+    def call_backend(self, continuing: bool) -> str:
+        """The backend of a call: the configured ``attn_backend`` (a family may check it against
+        its options, or pick another for a call that continues from a state)."""
+        return self.backend
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -162,39 +174,63 @@ class KernelizedSelfAttention(nn.Module):
         recompute: Optional[bool] = None,
         projection: Optional[torch.Tensor] = None,
         extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        past_key_values=None,
     ) -> torch.Tensor:
         """Args:
             hidden_states: ``(B, N, C)``.
             attention_mask: ``(B, N)``, 1 keep, 0 padding.
-            rpe_bias: ``(H, 2N-1)`` or with ``grid`` ``(H, 2Hg-1, 2Wg-1)``.
+            rpe_bias: ``(H, 2N-1)`` or with ``grid`` ``(H, 2Hg-1, 2Wg-1)``; a bias clipped at
+                ``rpe_clip`` may be its table (see :func:`kernelized_attention`). None: the
+                module's own table (``self.rpe``, clipped at its ``max_relative_position``) if it
+                has one.
             grid: ``(Hg, Wg)`` for a 2D bias.
             rpe_clip: ``K`` when the 1D bias comes from a table clipped at ``K`` (enables the
                 O(N K) ``windowed`` backend; see :func:`kernelized_attention`).
-            recompute: recompute the feature maps and the kernel in the backward pass instead
-                of storing their intermediates (see ``recompute_attention``; the linear
-                projections are kept, not recomputed). None: the module's configured
-                ``recompute_attention``; False: never (e.g. when an enclosing layer is already
-                gradient-checkpointed, so the work is not done three times); True: always.
+            recompute: for calls without an earlier state, recompute the feature maps and the
+                kernel in the backward pass instead of storing their intermediates (see
+                ``recompute_attention``; the linear projections are kept, not recomputed). None:
+                the module's configured ``recompute_attention``; False: never (e.g. when an
+                enclosing layer is already gradient-checkpointed, so the work is not done three
+                times); True: always. Calls that continue from a state never recompute.
             projection: the random-feature projection to use; None: the feature map's current
                 buffer, read once here. The recomputation receives that tensor explicitly, and a
                 redraw installs a new tensor, so a redraw before the backward changes nothing
                 (an enclosing checkpointed layer can read the buffer outside its checkpoint and
                 pass it here for the same guarantee).
             extra: position features concatenated before the feature map (see :meth:`project`).
+            rotary: ``(cos, sin)`` of the positions: with ``self.rope`` each ``(B, 1, N, D/2)``,
+                rotating the projected queries and keys (Llama's RoPE); with ``self.rotary`` each
+                ``(B, 1, N, M/2)``, rotating the feature-mapped ones in the numerator while the
+                positive ones serve the denominator (``q_den``, ``k_den``); else ignored.
+            past_key_values: causal modules: a cache layer with ``get_state()`` / ``set_state()``
+                (Linear GPT's :class:`~cache.LinearGPTCacheLayer`): the new tokens continue from
+                its state, which is then replaced by the state after them; or None.
         Returns:
             ``(B, N, C)``.
         """
         if recompute is not None and not isinstance(recompute, bool):
             raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
-        recompute = self.recompute if recompute is None else recompute
+        layer = past_key_values
+        initial_state = layer.get_state() if layer is not None else None
+        recompute = (self.recompute if recompute is None else recompute) and initial_state is None
         if projection is None:
             projection = self.feature_map.projection
-        q, k, v = self.projections(hidden_states, extra)
-        args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection)
+        if rpe_bias is None and self.rpe is not None:
+            # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed
+            # backend; a state reaches K positions back, so the calls take the table itself
+            rpe_bias, rpe_clip = self.rpe.weight, self.rpe.max_relative_position
+        q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
+        args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection,
+                rotary if self.rotary else None, initial_state, layer is not None)
         if recompute and torch.is_grad_enabled():
-            out = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
+            out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
         else:
-            out = self._attend(*args)
+            out, state = self._attend(*args)
+        if state is not None:
+            layer.set_state(state)
+        if self.dropout.training and self.dropout.p > 0:
+            out = self.dropout(out)
         return self.output(out, hidden_states.dtype)
 
     def _attend(
@@ -207,13 +243,28 @@ class KernelizedSelfAttention(nn.Module):
         grid: Optional[Sequence[int]],
         rpe_clip: Optional[int],
         projection: Optional[torch.Tensor] = None,
-    ) -> torch.Tensor:
-        """Projected queries, keys, values -> feature maps, kernel: ``(B, H, N, d)`` before
-        ``o_proj`` (what ``recompute`` runs again in the backward pass)."""
-        q, k, v = self.features(q, k, v, projection, attention_mask)
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        initial_state=None,
+        output_final_state: bool = False,
+    ) -> tuple[torch.Tensor, object]:
+        """Projected queries, keys, values -> feature maps, positions, kernel (what ``recompute``
+        runs again in the backward pass): ``(B, H, N, d)`` before ``o_proj`` and the state after
+        these tokens (None unless ``output_final_state``)."""
+        # padded keys are masked by the core: only real ones must lie in the feature map's valid range;
+        # a decoding step reads nothing on the host: an unrepresentable key gives NaN, not an error
+        q, k, v = self.features(q, k, v, projection, attention_mask,
+                                sync_free=initial_state is not None and q.shape[2] == 1)
+        den = {}
+        if rotary is not None:
+            den = dict(q_den=q, k_den=k)
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if rpe_bias is not None:
             rpe_bias = rpe_bias.to(q.dtype)
-        return kernelized_attention(
+        result = kernelized_attention(
             q, k, v, rpe_bias=rpe_bias, causal=self.causal, attention_mask=attention_mask,
-            grid=grid, backend=self.backend, eps=self.eps, rpe_clip=rpe_clip,
+            grid=grid, backend=self.call_backend(continuing=initial_state is not None), eps=self.eps, rpe_clip=rpe_clip,
+            initial_state=initial_state, output_final_state=output_final_state,
+            # decoding (nothing recorded for autograd): the state is updated in the cache's own tensors
+            in_place=initial_state is not None and not torch.is_grad_enabled(), **den,
         )
+        return result if output_final_state else (result, None)

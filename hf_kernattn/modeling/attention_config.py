@@ -31,7 +31,8 @@ from typing import Any, Callable, Optional
 
 from transformers.activations import ACT2FN
 
-from .backends import AUTO_DENSE_MAX_N, AUTO_FFT_MAX_ERROR, AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO, get_backend
+from .dispatch import get_backend  # the entry point: the built-in backends are registered
+from .registry import AUTO_DENSE_MAX_N, AUTO_FFT_MAX_ERROR, AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO
 from .feature_maps import FEATURE_MAPS, PROJECTIONS
 from .positional import RPE_KINDS
 

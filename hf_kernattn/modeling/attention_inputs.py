@@ -1,4 +1,4 @@
-"""Checks and normal forms of what :func:`~backends.kernelized_attention` is given.
+"""Checks and normal forms of what :func:`~dispatch.kernelized_attention` is given.
 
 Every check names the parameter and what is allowed (``TypeError`` for a wrong type,
 ``ValueError`` for a wrong shape or value). Checks that read tensor values (mask values, the
@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import AttentionState, StateKind, is_size
+from .kernels_common import AttentionState, StateKind, is_size, known_true
 
 
 def check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:
@@ -97,13 +97,22 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
         if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
             raise ValueError(f"rpe_bias must have shape {want}; a 3D bias needs grid=(height, width)")
         check_tensor("rpe_bias", rpe_bias, 2, want)
-        widths = [2 * n - 1] + ([2 * rpe_clip + 1] if rpe_clip is not None else [])  # 1D only (a list: sizes
-        # may be symbolic under torch.export, and those cannot be hashed into a set)
-        if rpe_bias.shape[0] != h or not any(rpe_bias.shape[1] == w for w in widths):
+        # sizes may be symbolic under torch.export: the table's width is compared without adding a guard, and
+        # a table's width is not compared with a symbolic length (a guard would pin the length)
+        table = rpe_clip is not None and known_true(rpe_bias.shape[1] == 2 * rpe_clip + 1)
+        if rpe_bias.shape[0] != h or not (table or rpe_bias.shape[1] == 2 * n - 1):
             raise ValueError(f"rpe_bias must have shape {want}, got {tuple(rpe_bias.shape)}")
         return "1d"
     hg, wg = grid
     want = (h, 2 * hg - 1, 2 * wg - 1)
+    if rpe_clip is not None and isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 2:
+        # the per-distance table of a bias of the clipped Manhattan distance
+        table = (h, rpe_clip + 1)
+        check_tensor("rpe_bias", rpe_bias, 2, f"(heads, rpe_clip+1) = {table}")
+        if tuple(rpe_bias.shape) != table:
+            raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want} or, as the table of "
+                             f"the clipped Manhattan distance, (heads, rpe_clip+1) = {table}, got {tuple(rpe_bias.shape)}")
+        return "2d"
     check_tensor("rpe_bias", rpe_bias, 3, f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
     if tuple(rpe_bias.shape) != want:
         raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want}, got {tuple(rpe_bias.shape)}")
@@ -114,11 +123,12 @@ def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_c
                        grid: Optional[Sequence[int]] = None) -> None:
     """``rpe_clip`` needs a bias that really is clipped at K: a full 1D bias ``(H, 2N-1)``
     constant beyond ``+-K``, or a 2D bias that depends only on ``min(|dy| + |dx|, K)`` (the
-    clipped Manhattan distance). Checked in eager mode only."""
+    clipped Manhattan distance). Checked in eager mode only. A clipped table (1D ``(H, 2K+1)``,
+    2D ``(H, K+1)``) is clipped by construction: nothing is read."""
     if rpe is None:
         raise ValueError("rpe_clip needs a 1D rpe_bias (heads, 2*seq-1) or, with grid, a 2D one")
-    if torch.compiler.is_compiling():
-        return  # traced: the declaration is trusted
+    if torch.compiler.is_compiling() or is_clipped_table(rpe_bias, rpe, rpe_clip):
+        return  # traced: the declaration is trusted; a table is clipped by construction
     if rpe == "2d":
         from .kernels_manhattan import manhattan_distances, manhattan_table
 
@@ -130,8 +140,6 @@ def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_c
                     f"so rpe_clip={rpe_clip} does not hold for this 2D bias"
                 )
         return
-    if rpe_bias.shape[-1] != 2 * n - 1:
-        return  # a (H, 2K+1) table is clipped by construction
     clip = min(rpe_clip, n - 1)
     with torch.no_grad():
         left = rpe_bias[:, : n - 1 - clip]
@@ -141,6 +149,16 @@ def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_c
             and torch.equal(right, rpe_bias[:, n - 1 + clip : n + clip].expand_as(right))
         ):
             raise ValueError(f"rpe_bias is not constant beyond offsets +-{rpe_clip}, so rpe_clip={rpe_clip} does not hold")
+
+
+def is_clipped_table(rpe_bias: torch.Tensor, rpe: Optional[str], rpe_clip: Optional[int]) -> bool:
+    """Whether a checked bias declared clipped at ``K`` is given as its table: 1D ``(H, 2K+1)``
+    (when ``2K+1 = 2N-1`` the table and the full bias are the same tensor), 2D ``(H, K+1)``."""
+    if rpe_clip is None:
+        return False
+    if rpe == "2d":
+        return rpe_bias.dim() == 2
+    return rpe == "1d" and known_true(rpe_bias.shape[-1] == 2 * rpe_clip + 1)
 
 
 def check_denominator_features(q_den: object, k_den: object, q: torch.Tensor) -> None:

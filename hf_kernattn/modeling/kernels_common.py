@@ -10,7 +10,7 @@ relative-position bias (all ones without one). A 1D bias has shape ``(H, 2N-1)``
 ``r + N - 1`` holds ``b_r``); a 2D bias for a row-major ``(Hg, Wg)`` grid has shape
 ``(H, 2Hg-1, 2Wg-1)``.
 
-What happens once, before a kernel runs (``backends.kernelized_attention``): inputs are
+What happens once, before a kernel runs (``dispatch.kernelized_attention``): inputs are
 validated, non-finite entries isolated (:func:`isolate_non_finite`), q, k, v and the bias cast
 to the compute dtype (:func:`compute_dtype_for`: float32 at least, float64 stays float64) and
 padded keys zeroed with their values (:func:`mask_keys`). A kernel therefore receives inputs of

@@ -15,7 +15,7 @@ keys ``j <= i`` (causal: ``S`` and ``z`` become running sums).
   inside chunks of ``C`` tokens plus the state of the earlier chunks. Time
   O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D): never quadratic in N.
 * :func:`recurrent_step` / :func:`recurrent_attention`: causal, one token at a time on the state
-  ``(S, z)``: O(M D) time and memory per token (the decoding form; :func:`recurrent_step_in_place`
+  ``(S, z)``: O(M D) time and memory per token (the decoding form; with ``in_place=True``
   updates a state's own tensors). With a bias clipped at K
   each step also reads the window of the last K - 1 keys: O(K (M + D) + M D) per token. With an
   unclipped 1D bias the weights differ per query and each step re-reads the past: O(t (M + D))
@@ -244,7 +244,6 @@ def causal_chunked_attention(
     return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den)
 
 
-@full_precision
 def recurrent_step(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
@@ -254,6 +253,8 @@ def recurrent_step(
     eps: float = 1e-6,
     q_den_t: Optional[torch.Tensor] = None,
     k_den_t: Optional[torch.Tensor] = None,
+    *,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One RNN step of causal linear attention.
 
@@ -262,37 +263,25 @@ def recurrent_step(
         v_t: ``(B, H, D)``.
         state: S ``(B, H, M, D)``; normalizer: z ``(B, H, M')`` (float32 at least).
         q_den_t, k_den_t: ``(B, H, M')`` denominator features (default ``q_t, k_t``).
+        in_place: write ``S + k_t v_t^T`` and ``z + k_den_t`` into ``state`` and ``normalizer``
+            (one fused update each, no new state tensors: the decoding form at the memory
+            bound; inputs in the state's dtype, nothing recording gradients).
+    Runs as given (no autocast guard of its own, which would cost per token): its callers,
+    :func:`recurrent_attention` and the decoding step, run it with autocast off.
     Returns:
-        ``(out_t (B, H, D), S + k_t v_t^T, z + k_den_t)``.
+        ``(out_t (B, H, D), S + k_t v_t^T, z + k_den_t)`` (with ``in_place`` the given tensors).
     """
     if q_den_t is None:
         q_den_t, k_den_t = q_t, k_t
-    state = state + k_t[..., :, None] * v_t[..., None, :]
-    normalizer = normalizer + k_den_t
+    if in_place:
+        state = state.addcmul_(k_t[..., :, None], v_t[..., None, :])
+        normalizer = normalizer.add_(k_den_t)
+    else:
+        state = state + k_t[..., :, None] * v_t[..., None, :]
+        normalizer = normalizer + k_den_t
     num = (q_t[..., None, :] @ state)[..., 0, :]
     den = (q_den_t * normalizer).sum(dim=-1, keepdim=True)
     return num / (den + eps), state, normalizer
-
-
-def recurrent_step_in_place(
-    q_t: torch.Tensor,
-    k_t: torch.Tensor,
-    v_t: torch.Tensor,
-    state: AttentionState,
-    eps: float = 1e-6,
-    q_den_t: Optional[torch.Tensor] = None,
-    k_den_t: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """:func:`recurrent_step` writing ``S + k_t v_t^T`` and ``z + k_den_t`` into ``state.kv`` and
-    ``state.z`` (one fused update each, no new state tensors: the decoding form at the memory
-    bound). Inputs in the state's dtype, nothing recording gradients. Returns ``out_t (B, H, D)``."""
-    if q_den_t is None:
-        q_den_t, k_den_t = q_t, k_t
-    state.kv.addcmul_(k_t[..., :, None], v_t[..., None, :])
-    state.z.add_(k_den_t)
-    num = (q_t[..., None, :] @ state.kv)[..., 0, :]
-    den = (q_den_t * state.z).sum(dim=-1, keepdim=True)
-    return num / (den + eps)
 
 
 @full_precision

@@ -62,7 +62,8 @@ def manhattan_attention(
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """Non-causal attention on a ``grid = (Hg, Wg)`` with a 2D bias ``(H, 2Hg-1, 2Wg-1)`` that
-    depends only on ``min(|dy| + |dx|, K)``, ``K = rpe_clip`` (see the module docstring).
+    depends only on ``min(|dy| + |dx|, K)``, ``K = rpe_clip`` (see the module docstring), or
+    with that bias as its per-distance table ``(H, K+1)`` (entry d holds ``b_d``).
 
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype (``N = Hg Wg``), padded keys and values
     already zero. Returns ``(B, H, N, D)``. Gradients of the bias land on the entries
@@ -73,7 +74,10 @@ def manhattan_attention(
     d = v.shape[-1]
     hg, wg = grid
     clip = int(rpe_clip)
-    dist = manhattan_distances(rpe_bias, hg, wg, clip)  # (H, K+1)
+    if rpe_bias.dim() == 2:  # the per-distance table; distances no pair reaches take the farthest reachable one's
+        dist = rpe_bias[:, torch.arange(clip + 1, device=rpe_bias.device).clamp(max=hg - 1 + wg - 1)]
+    else:
+        dist = manhattan_distances(rpe_bias, hg, wg, clip)  # (H, K+1)
     dist, eps_h = shifted_bias(dist, clip + 1, False, eps)  # every coefficient <= 1; the shift cancels
     c = torch.exp(dist)
     eps_h = eps_h[None, :, None]  # (1, H, 1)

@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN
@@ -38,11 +37,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import KernelizedSelfAttention
-from .backends import get_backend, kernelized_attention
+from .dispatch import get_backend
 from .cache import LinearGPTCache, LinearGPTCacheLayer
 from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
 from .feature_maps import FeatureMap, feature_maps_step
-from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin
+from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin  # noqa: F401  (apply_rotary: public here)
 from .pretrained import (
     KernelizedPreTrainedModel,
     drop_default_generation_attentions,
@@ -83,9 +82,9 @@ class LinearGPTAttention(KernelizedSelfAttention):
         self.dropout = nn.Dropout(config.attn_pdrop)
         self._position_embedding_type = config.position_embedding_type
         self._checked_backend = None  # the BackendSpec attn_backend was last checked as
-        self._call_backend(continuing=False)  # a backend that cannot serve this model fails here
+        self.call_backend(continuing=False)  # a backend that cannot serve this model fails here
 
-    def _call_backend(self, continuing: bool) -> str:
+    def call_backend(self, continuing: bool) -> str:
         """The backend of a call: the configured ``attn_backend``, checked against this model's
         options (again when it was re-registered); for a call that continues from a state, the
         configured one if it carries a state, else ``auto`` (which picks one that does)."""
@@ -100,76 +99,6 @@ class LinearGPTAttention(KernelizedSelfAttention):
             )
             self._checked_backend = spec
         return "auto" if continuing and not spec.state else self.backend
-
-    def forward(  # type: ignore[override]
-        self,
-        hidden_states: torch.Tensor,
-        key_mask: Optional[torch.Tensor] = None,
-        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        past_key_values: Optional[LinearGPTCacheLayer] = None,
-        projection: Optional[torch.Tensor] = None,
-        recompute: Optional[bool] = None,
-    ) -> torch.Tensor:
-        """Args:
-            hidden_states: ``(B, N, C)``.
-            key_mask: ``(B, N)`` bool, True = real token, or None (no padding).
-            rotary: ``(cos, sin)``, each ``(B, 1, N, M/2)`` for ``"rotary"`` positions (M the
-                feature size) or ``(B, 1, N, D/2)`` for ``"rope"`` (D the head size); else None.
-            past_key_values: this layer's :class:`LinearGPTCacheLayer`: the new tokens continue
-                from its state, which is then replaced by the state after them; or None.
-            projection: the random-feature projection to use (None: the feature map's current one).
-            recompute: for calls without an earlier state (training, prefill), recompute the
-                feature maps and kernel in the backward pass instead of storing
-                their intermediates. None: ``recompute_attention`` of the config; False: never
-                (inside a gradient-checkpointed block); True: always. Calls that continue from
-                a state never recompute.
-        Returns:
-            ``(B, N, C)``.
-        """
-        if recompute is not None and not isinstance(recompute, bool):
-            raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
-        layer = past_key_values
-        initial_state = layer.get_state() if layer is not None else None
-        if projection is None:
-            projection = self.feature_map.projection
-        recompute = (self.recompute if recompute is None else recompute) and initial_state is None
-        q, k, v = self.projections(hidden_states, rope=rotary if self.rope else None)
-        args = (q, k, v, key_mask, rotary, projection, initial_state, layer is not None)
-        if recompute and torch.is_grad_enabled():
-            out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
-        else:
-            out, state = self._attend(*args)
-        if state is not None:
-            layer.set_state(state)
-        return self.output(dropout(self.dropout, out), hidden_states.dtype)
-
-    def _attend(self, q, k, v, key_mask, rotary, projection, initial_state, output_final_state):
-        """Feature maps, positions and the core on the projected queries, keys and values (what
-        ``recompute`` runs again in the backward pass): the attention ``(B, H, N, D)`` and, when
-        asked, the state after these tokens."""
-        # padded keys are masked by the core: only real ones must lie in the feature map's valid range
-        # a decoding step reads nothing on the host: an unrepresentable key gives NaN, not an error
-        q, k, v = self.features(q, k, v, projection, attention_mask=key_mask,
-                                sync_free=initial_state is not None and q.shape[2] == 1)
-        extra = {}
-        if self.rotary:
-            cos, sin = rotary
-            extra = dict(q_den=q, k_den=k)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        bias = clip = None
-        if self.rpe is not None:
-            # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed
-            # backend; a state reaches K positions back, so a call with one takes the table itself
-            clip = self.rpe.max_relative_position
-            bias = (self.rpe.weight if output_final_state else self.rpe(q.shape[2])).to(q.dtype)
-        result = kernelized_attention(
-            q, k, v, rpe_bias=bias, causal=True, attention_mask=key_mask, eps=self.eps, rpe_clip=clip,
-            backend=self._call_backend(continuing=initial_state is not None),
-            initial_state=initial_state, output_final_state=output_final_state,
-            # decoding (nothing recorded for autograd): the state is updated in the cache's own tensors
-            in_place=initial_state is not None and not torch.is_grad_enabled(), **extra,
-        )
-        return result if output_final_state else (result, None)
 
 
 # activations computed by one fused kernel: the same function (GPT-2's "gelu_new" is the tanh
@@ -263,7 +192,7 @@ class LinearGPTBlock(GradientCheckpointingLayer):
         # inside a checkpointed block the backward recomputes the attention already
         recompute = False if self.gradient_checkpointing and self.training else None
         attn = self.attn(
-            self.ln_1(hidden_states), key_mask=key_mask, rotary=rotary, past_key_values=past_key_values,
+            self.ln_1(hidden_states), attention_mask=key_mask, rotary=rotary, past_key_values=past_key_values,
             projection=projection, recompute=recompute,
         )
         hidden_states = hidden_states + dropout(self.resid_dropout, attn)

@@ -122,13 +122,14 @@ class NPRFBertLayer(GradientCheckpointingLayer):
         """Args:
             hidden_states: ``(B, N, C)``.
             attention_mask: ``(B, N)`` 1 keep / 0 padding, or None.
-            rpe_bias: shared ``(H, 2N-1)`` bias (ignored when this layer has its own table).
+            rpe_bias: the shared bias clipped at ``max_relative_position = K``: its table
+                ``(H, 2K+1)`` or ``(H, 2N-1)`` (ignored when this layer has its own table).
             projection: the attention's random-feature projection, read by the caller: under
                 gradient checkpointing the recomputation then uses the tensor of its forward even
                 if the features were redrawn since (None: the current one).
         """
         if self.rpe is not None:
-            rpe_bias = self.rpe(hidden_states.shape[1])
+            rpe_bias = self.rpe.weight
         # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed backend
         clip = self.max_relative_position if rpe_bias is not None else None
         # inside a checkpointed layer the backward recomputes the block already
@@ -344,8 +345,8 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         )
         return_dict = return_dict if return_dict is not None else self.config.return_dict
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
-        n = hidden.shape[1]
-        rpe_bias = self.rpe(n) if self.rpe is not None else None
+        # the table clipped at K itself (H, 2K+1): the core expands it only where a backend needs it
+        rpe_bias = self.rpe.weight if self.rpe is not None else None
         all_hidden = (hidden,) if output_hidden_states else None
         for layer in self.layers:
             # positional: gradient checkpointing tracks positional tensors (rpe_bias has a gradient);

@@ -150,8 +150,9 @@ class RelativePerformerViTPositions(nn.Module):
         model (see :meth:`RelativePerformerViTModel.layout`)."""
         if self.kind in GRID_BIASES:
             rows = grid[0] + (1 if cls else 0)
-            extra = {"rpe_clip": self.table.max_distance} if self.kind == "manhattan" else {}
-            return {"rpe_bias": self.table(rows, grid[1]), "grid": (rows, grid[1]), **extra}
+            if self.kind == "manhattan":  # the per-distance table itself: the core expands it only where a backend needs it
+                return {"rpe_bias": self.table.distances(), "grid": (rows, grid[1]), "rpe_clip": self.table.max_distance}
+            return {"rpe_bias": self.table(rows, grid[1]), "grid": (rows, grid[1])}
         if self.kind == "rotary_features":
             y, x = torch.meshgrid(torch.arange(grid[0], device=device), torch.arange(grid[1], device=device), indexing="ij")
             coords = torch.stack([y.flatten(), x.flatten()], dim=-1).to(self.table.log_scales.dtype)

@@ -4,7 +4,7 @@ Each backend declares at registration what it can do (causal / non-causal, 1D or
 relative-position bias, key padding masks, carrying a state, separate denominator features,
 step-wise decoding, devices) and which keyword arguments it takes; :func:`choose_backend` is the
 ``backend="auto"`` rule, from crossovers measured by ``hf-kernattn bench attention``. The single
-entry point that validates a call and dispatches it is ``backends.kernelized_attention``.
+entry point that validates a call and dispatches it is ``dispatch.kernelized_attention``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ class BackendSpec:
         split_denominator: takes separate denominator features ``q_den``, ``k_den``.
         needs_rpe_clip: only runs a bias declared clipped (``rpe_clip``): a 1D bias constant
             beyond ``+-K``, or a 2D bias of the clipped Manhattan distance. A backend that takes
-            ``rpe_clip`` receives a clipped 1D bias as its table ``(H, 2K+1)``.
+            ``rpe_clip`` receives a clipped 1D bias as its table ``(H, 2K+1)`` and a clipped 2D
+            bias as its per-distance table ``(H, K+1)``.
         devices: device types it runs on.
         complexity: a short note for docs and error messages, e.g. ``"O(N)"``.
         description: one line for ``hf-kernattn backends``.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_kernattn import LinearGPTForCausalLM, kernelized_attention
-from hf_kernattn.modeling import backends
+from hf_kernattn.modeling import dispatch
 from hf_kernattn.modeling.kernels_common import AttentionState
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 
@@ -98,8 +98,8 @@ def test_fast_path_runs_for_a_decoding_step(monkeypatch):
     """The fast path is what a decoding step runs (so the figures measure it); its result is the
     general path's (checked above)."""
     calls = []
-    real = backends.recurrent_step_in_place
-    monkeypatch.setattr(backends, "recurrent_step_in_place", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = dispatch.recurrent_step
+    monkeypatch.setattr(dispatch, "recurrent_step", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, _, state = _step_inputs(3)
     kernelized_attention(q, k, v, causal=True, initial_state=state, output_final_state=True, in_place=True)
     assert calls == [1]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import hf_kernattn.modeling.modeling_linear_gpt as lgpt
+import hf_kernattn.modeling.attention as attention_module
 from hf_kernattn import LinearGPTCache
 from hf_kernattn.convert import convert, convert_to_linear_gpt
 from hf_kernattn.modeling.feature_maps import FeatureMap
@@ -85,7 +85,7 @@ def test_with_the_exact_softmax_kernel_the_converted_model_is_llama(llama_dir, m
     lm = convert(folder).double()
     ids = torch.randint(1, V, (2, 11), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(FeatureMap, "forward", lambda self, x, **_: x)
-    monkeypatch.setattr(lgpt, "kernelized_attention", _softmax_kernel)
+    monkeypatch.setattr(attention_module, "kernelized_attention", _softmax_kernel)
     with torch.no_grad():
         want = llama.double()(ids).logits
         got = lm(ids, use_cache=False).logits

@@ -17,6 +17,7 @@ from hf_kernattn import (
     NPRFBertForTokenClassification,
     NPRFBertModel,
 )
+from tests.conftest import V_BERT
 from tests.conftest import tiny_nprf_bert_config as tiny
 
 
@@ -206,3 +207,46 @@ def test_bad_inputs_raise():
         NPRFBertForQuestionAnswering(tiny(num_labels=3))
     with pytest.raises(ValueError, match="labels"):
         NPRFBertForMaskedLM(tiny())(ids, labels=ids[:, :3])
+
+
+def _host_reads(monkeypatch, model, ids) -> list[str]:
+    """Names of the host reads (.item(), bool() of a tensor, torch.equal, ...) in one forward."""
+    reads = []
+    with torch.no_grad():
+        model(ids)  # the first call may build buffers
+        for name in ("__bool__", "item", "__int__", "__float__", "__index__", "tolist"):
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+        real_equal = torch.equal
+        monkeypatch.setattr(torch, "equal", lambda *a, **k: reads.append("equal") or real_equal(*a, **k))
+        try:
+            model(ids)
+        finally:
+            monkeypatch.undo()
+    return reads
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_forward_reads_nothing_on_the_host_per_layer_for_the_bias(monkeypatch, shared):
+    """The bias clipped at K travels as its table (H, 2K+1) with rpe_clip: nothing verifies an
+    expanded bias (torch.equal, .item(), bool() of a tensor, ...) per layer per forward. With a
+    deterministic feature map and no padding, a forward reads on the host only what the model
+    checks once (the token ids' range): as many reads with 1 or 3 layers, with the bias or without.
+    The outputs equal those of the bias expanded by hand to (H, 2N-1)."""
+    ids = torch.randint(1, V_BERT, (2, 11), generator=torch.Generator().manual_seed(1))
+    counts = {}
+    for layers in (1, 3):
+        for rpe in ("learned", "none"):
+            torch.manual_seed(0)
+            cfg = tiny(feature_map="elu", rpe=rpe, rpe_shared_across_layers=shared, max_relative_position=3,
+                       num_hidden_layers=layers)
+            counts[layers, rpe] = _host_reads(monkeypatch, NPRFBertModel(cfg).eval().double(), ids)
+    assert counts[3, "learned"] == counts[1, "learned"] == counts[1, "none"] == counts[3, "none"], counts
+    torch.manual_seed(0)
+    model = NPRFBertModel(tiny(feature_map="elu", rpe_shared_across_layers=True, max_relative_position=3)).eval().double()
+    with torch.no_grad():
+        out = model(ids).last_hidden_state
+        hidden = model.embeddings(ids, None, None, None)
+        for layer in model.layers:
+            hidden = layer(hidden, None, model.rpe(ids.shape[1]))
+    torch.testing.assert_close(out, hidden, rtol=0, atol=1e-12)

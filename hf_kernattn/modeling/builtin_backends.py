@@ -1,0 +1,53 @@
+"""The seven built-in attention backends, registered with their declared capabilities.
+
+The kernels are the ``kernels_*.py`` files (one per algorithm); the registry, the declared
+capabilities and the ``auto`` rule are ``registry.py``; the entry point that checks a call and
+runs a backend is ``dispatch.kernelized_attention``.
+"""
+
+from __future__ import annotations
+
+from .kernels_dense import dense_attention
+from .kernels_fft import fft_attention
+from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
+from .kernels_manhattan import manhattan_attention
+from .kernels_windowed import windowed_attention
+from .registry import register_backend
+
+STATE_ARGUMENTS = ("initial_state", "output_final_state")
+SPLIT_ARGUMENTS = ("q_den", "k_den")
+register_backend(
+    "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps") + SPLIT_ARGUMENTS, causal=True, noncausal=True,
+    rpe_1d=True, rpe_2d=True, split_denominator=True,
+    complexity="O(N^2 M)", description="exact quadratic reference (materialises the N x N matrix)",
+)
+register_backend(
+    "linear", linear_attention, takes=("eps",) + SPLIT_ARGUMENTS, causal=False, noncausal=True, split_denominator=True,
+    complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
+)
+register_backend(
+    "causal_chunked", causal_chunked_attention, takes=("eps",) + SPLIT_ARGUMENTS + STATE_ARGUMENTS, causal=True,
+    noncausal=False, split_denominator=True, state=True,
+    complexity="O(N C (M + D) + N M D)", description="causal linear attention, exact chunks plus running state",
+)
+register_backend(
+    "fft", fft_attention, takes=("rpe_bias", "causal", "grid", "eps"), causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
+    complexity="O(N M D log N)", description="Toeplitz / block-Toeplitz RPE by FFT (Luo et al. 2021), 1D and 2D",
+)
+register_backend(
+    "windowed", windowed_attention, takes=("rpe_bias", "rpe_clip", "causal", "eps") + STATE_ARGUMENTS,
+    causal=True, noncausal=True, rpe_1d=True, needs_rpe_clip=True, state=True,
+    complexity="O(N K (M + D) + N M D)",
+    description="exact for a bias clipped at K (rpe_clip): dense near the diagonal, running sums beyond",
+)
+register_backend(
+    "manhattan", manhattan_attention, takes=("rpe_bias", "grid", "rpe_clip", "eps"), causal=False, noncausal=True,
+    rpe_2d=True, needs_rpe_clip=True, complexity="O(N K^2 (M + D) + N M D)",
+    description="exact for a 2D bias of the clipped Manhattan distance: near offsets one by one, all keys beyond",
+)
+register_backend(
+    "recurrent", recurrent_attention, takes=("rpe_bias", "rpe_clip", "eps") + SPLIT_ARGUMENTS + STATE_ARGUMENTS,
+    causal=True, noncausal=False, rpe_1d=True, decoding=True, state=True, split_denominator=True,
+    complexity="O(M D) per token, O(K (M + D)) clipped at K",
+    description="RNN form, one token at a time (decoding)",
+)

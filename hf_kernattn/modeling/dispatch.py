@@ -1,0 +1,493 @@
+"""The single entry point :func:`kernelized_attention`: check -> prepare -> choose -> run -> finish.
+
+The registry and the ``auto`` rule live in ``registry.py``, the seven built-in backends are
+registered in ``builtin_backends.py`` (the kernels themselves are the ``kernels_*.py`` files).
+
+Each backend declares what it can do when it is registered (causal / non-causal, 1D or 2D
+relative-position bias, key padding masks, step-wise decoding, devices). A call asks for a
+combination; :func:`kernelized_attention` validates the inputs, then either runs the named
+backend (raising ``ValueError`` with the backends that *can* do it if it cannot) or, with
+``backend="auto"``, the fastest valid one according to crossovers measured by
+``hf-kernattn bench attention`` (see :data:`AUTO_DENSE_MAX_N`) that is also accurate: every
+backend but ``fft`` is exact up to ordinary float32 summation; ``fft`` is kept only where its
+error bound (``kernels_fft.fft_error_bound``) in the input's dtype is at most
+:data:`AUTO_FFT_MAX_ERROR` = 1e-4, otherwise ``auto`` takes ``windowed`` (clipped bias) or the
+FFT computed in float64.
+
+The work common to every backend happens here, once, in stages of one job each: check
+(:func:`_check`, with the checks of ``attention_inputs.py``), prepare (isolation of non-finite
+inputs; the dtype rule: float32 at least, float64 stays float64, the bias and a state too; key
+masking: padded keys and their values zeroed), choose (:func:`_choose`), run (the backend
+receives exactly the keyword arguments it declared at registration, ``takes``, and nothing
+else) and finish (:func:`_finish`: non-finite rows, the output dtype, the state).
+
+Causal calls carry a state (``initial_state``, ``output_final_state``; see
+``kernels_common.AttentionState``): prefill, continuation with many new tokens and one-token
+decoding are one call. ``auto`` then takes a backend declared ``state``: for a single new token
+one declared ``decoding`` (``recurrent``: no per-call set-up), otherwise ``causal_chunked``
+(no bias) or ``windowed`` (a bias clipped at K; a state with an unclipped bias would have to
+keep every key, so it is refused). A named backend that carries no state runs a call that
+starts without one and asks for the final state: the state is folded from the call's keys and
+values. Reading a state (``initial_state``) needs a backend declared ``state``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from .attention_inputs import (
+    check_clipped_bias,
+    check_denominator_features,
+    check_grid,
+    check_rpe,
+    check_rpe_clip,
+    check_state,
+    check_state_kind,
+    check_tensor,
+    normalize_mask,
+)
+from .builtin_backends import fft_attention, recurrent_attention
+from .kernels_common import (
+    AttentionState,
+    StateKind,
+    autocast_disabled,
+    clipped_table,
+    compute_dtype_for,
+    fold_into_state,
+    full_bias,
+    isolate_non_finite,
+    mask_keys,
+)
+from .kernels_fft import fft_error_bound
+from .kernels_linear import recurrent_step
+from .kernels_manhattan import manhattan_distances, manhattan_table
+from .registry import _REGISTRY, AUTO_FFT_MAX_ERROR, available_backends, choose_backend, get_backend
+
+
+def _auto_fft_precision(
+    q: torch.Tensor, k: torch.Tensor, rpe_bias, causal: bool, key_mask, request: dict
+) -> tuple[str, torch.dtype]:
+    """``auto`` chose ``fft``: keep it where its error bound in the input's compute dtype meets
+    :data:`AUTO_FFT_MAX_ERROR`, else the exact ``windowed`` backend (clipped bias) or the FFT in
+    float64. Returns the backend and the dtype to compute in. While compiling, data are not
+    inspected (no host sync): float32 is then assumed not to meet the target."""
+    dt = compute_dtype_for(q)
+    if torch.compiler.is_compiling():
+        bound = 0.0 if dt == torch.float64 else math.inf
+    else:
+        bound = fft_error_bound(q, k, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, dtype=dt)
+    if bound <= AUTO_FFT_MAX_ERROR:
+        return "fft", dt
+    windowed = _REGISTRY.get("windowed")
+    if windowed is not None and not windowed.missing(**request):
+        return "windowed", dt
+    if dt != torch.float64 and q.device.type != "mps":  # MPS has no float64
+        return "fft", torch.float64
+    return "fft", dt
+
+
+def kernelized_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rpe_bias: Optional[torch.Tensor] = None,
+    causal: bool = False,
+    attention_mask: Optional[torch.Tensor] = None,
+    grid: Optional[Sequence[int]] = None,
+    backend: str = "auto",
+    eps: float = 1e-6,
+    rpe_clip: Optional[int] = None,
+    *,
+    q_den: Optional[torch.Tensor] = None,
+    k_den: Optional[torch.Tensor] = None,
+    initial_state: Optional[AttentionState] = None,
+    output_final_state: bool = False,
+    in_place: bool = False,
+):
+    """Kernelized attention over feature-mapped queries and keys.
+
+    ``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)``, ``c = exp(rpe_bias)``.
+
+    Args:
+        q: ``(B, H, N, M)`` query features (after the feature map).
+        k: ``(B, H, N, M)`` key features.
+        v: ``(B, H, N, D)`` values.
+        rpe_bias: None, ``(H, 2N-1)`` (1D, entry ``r + N - 1`` = offset ``r = j - i``) or, with
+            ``grid``, ``(H, 2Hg-1, 2Wg-1)``. With ``rpe_clip = K`` also the clipped table
+            ``(H, 2K+1)`` (entry ``r + K``), the form a call with ``initial_state`` needs when
+            ``N <= K``; with ``grid`` and ``rpe_clip = K`` also the per-distance table ``(H, K+1)``
+            of the clipped Manhattan distance (entry ``d`` holds ``b_d``).
+        causal: only keys ``j <= i`` (1D only).
+        attention_mask: ``(B, N)``, 1 keep, 0 padding (padded keys contribute nothing).
+        grid: ``(Hg, Wg)`` with ``Hg * Wg == N`` for a 2D bias on a row-major token grid.
+        backend: ``"auto"`` or a registered name (:func:`available_backends`). ``auto`` picks
+            the fastest valid backend whose error meets 1e-4 relative to the values (see
+            :data:`AUTO_FFT_MAX_ERROR`); a named ``fft`` runs in the input's dtype with the error
+            stated in ``kernels_fft.fft_attention``.
+        eps: added to the denominator.
+        rpe_clip: optional ``K``: declares the 1D bias constant for offsets beyond ``+-K`` (a
+            clipped table, as :class:`RelativePositionBias1D` makes). Enables the O(N K)
+            ``windowed`` backend; gradients of the clipped region then land on entries ``+-K``
+            (the gradient of the table is unchanged). With a 2D bias it declares a bias of the
+            clipped Manhattan distance ``min(|dy| + |dx|, K)`` (Horn et al.), which enables the
+            O(N K^2) ``manhattan`` backend. Checked in eager mode: a bias that is
+            not constant there raises ``ValueError`` (while ``torch.compile`` / ``torch.export``
+            trace, the declaration is trusted).
+        q_den, k_den: keyword-only, optional ``(B, H, N, M')`` features for the denominator:
+            ``out_i = sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (no bias).
+            Rotary features rotate ``q`` and ``k`` (signed) and keep the positive ones here.
+        initial_state: keyword-only, causal only: the :class:`AttentionState` an earlier call
+            returned; the new tokens continue after it (a bias needs ``rpe_clip``).
+        output_final_state: keyword-only, causal only: also return the state after these tokens.
+            A backend that does not carry a state (not declared ``state``, e.g. ``dense``, ``fft``)
+            still runs a call without ``initial_state``: the state is then folded from the call's
+            keys and values (O(N M D)); continuing from a state needs a backend declared ``state``.
+        in_place: keyword-only: write the state after these tokens into ``initial_state``'s own
+            tensors and return them (decoding without allocating a state per token; a one-token
+            step of the ``recurrent`` backend without a bias updates them with one fused
+            operation each). Needs ``initial_state`` in the compute dtype, ``output_final_state``
+            and no autograd recording through the state or the inputs.
+    Returns:
+        ``(B, H, N, D)`` in the dtype of ``v``; with ``output_final_state`` ``(out, state)``,
+        the state in the compute dtype (float32, or float64 for float64 inputs). Splitting a
+        sequence, carrying the state and resuming gives what one call over it gives.
+
+    Empty inputs: a batch of 0 sequences (or 0 heads) gives an empty ``(0, H, N, D)`` result
+    (after every other check); ``N = 0``, ``M = 0`` or ``D = 0`` raise ``ValueError``, as does
+    an ``eps`` that is negative or not finite.
+
+    Non-finite inputs stay where they are: a NaN/inf in a query, or in the key or value of a
+    real position, makes NaN exactly the rows that see it (its own row; when causal the later
+    ones; otherwise all), and never an earlier row or a row of another sequence or head, in the
+    outputs or their gradients. Through a returned state every row of later calls sees it and is
+    non-finite too (NaN; an inf that a one-token step, which isolates nothing, carried into the
+    state may stay inf). Padded positions may hold anything.
+
+    Host syncs: the mask values and a clipped bias are checked in eager mode, except in a
+    one-token step from a state (decoding), whose mask is used unchecked.
+    """
+    if in_place is True and rpe_bias is None and grid is None and rpe_clip is None and backend in ("auto", "recurrent"):
+        fast = _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, initial_state, output_final_state)
+        if fast is not None:
+            return fast
+    call = _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
+                  initial_state, output_final_state, in_place)
+    poisoned = bad_key = None
+    if call.initial_state is None or call.n > 1:  # a one-token step's only row sees all it reads: nothing to isolate
+        q, k, v, q_den, k_den, poisoned, bad_key = isolate_non_finite(q, k, v, call.key_mask, causal, q_den, k_den)
+    spec, dt, fold, full = _choose(call, backend, q, k, rpe_bias, output_final_state)
+    with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
+        q, k, v, q_den, k_den, state = _prepare(call, dt, q, k, v, q_den, k_den)
+        if call.b == 0 or call.h == 0:
+            return _empty(call, q, k, v, k_den, rpe_bias, state, output_final_state, dt)
+        bias = _bias_for(spec, call, rpe_bias, full, dt)
+        given = dict(
+            rpe_bias=bias, causal=causal, key_mask=call.key_mask, grid=call.grid, eps=float(eps), rpe_clip=call.rpe_clip,
+            q_den=q_den, k_den=k_den, initial_state=state, output_final_state=output_final_state,
+        )
+        result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
+        if fold:  # a backend without a state: the final state folded from this call's keys and values
+            result = result, fold_into_state(None, k, v, k if k_den is None else k_den, call.window)
+        out, state = result if output_final_state else (result, None)
+        return _finish(call, out, state, poisoned, bad_key, call.out_dtype, in_place)
+
+
+@dataclass
+class _Call:
+    """What the checks found out about a call, in normal form."""
+
+    b: int
+    h: int
+    n: int
+    rpe: Optional[str]  # "1d", "2d" or None
+    grid: Optional[tuple[int, int]]
+    rpe_clip: Optional[int]
+    clipped: Optional[torch.Tensor]  # a clipped bias as its table
+    window: Optional[int]
+    kind: StateKind
+    initial_state: Optional[AttentionState]  # as given (its tensors are written when in_place)
+    key_mask: Optional[torch.Tensor]
+    request: dict  # what the backend must be able to do (BackendSpec.missing)
+    out_dtype: torch.dtype
+
+
+def _check_tensors(q, k, v, causal, output_final_state, in_place, backend, eps) -> None:
+    """Stage 1a: the tensors' shapes, dtypes and devices and the scalar arguments."""
+    check_tensor("q", q, 4, "(batch, heads, seq, features)")
+    check_tensor("k", k, 4, "(batch, heads, seq, features)")
+    check_tensor("v", v, 4, "(batch, heads, seq, head_dim)")
+    qs, vs = q.shape, v.shape
+    if qs != k.shape:
+        raise ValueError(f"q and k must have the same shape (batch, heads, seq, features), got {tuple(qs)} and {tuple(k.shape)}")
+    if vs[:3] != qs[:3]:
+        raise ValueError(f"v must match q in (batch, heads, seq) = {tuple(qs[:3])}, got {tuple(vs[:3])}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if type(causal) is not bool:
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if type(output_final_state) is not bool:
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    if type(in_place) is not bool:
+        raise TypeError(f"in_place must be a bool, got {type(in_place).__name__}")
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string: 'auto' or one of {available_backends()}")
+    if not valid_eps(eps):
+        raise ValueError(f"eps must be a number >= 0 (finite, not NaN), got {eps!r}")
+    if qs[2] == 0:
+        raise ValueError(f"q, k and v must hold at least one token (seq >= 1), got q of shape {tuple(qs)}")
+    if qs[3] == 0:
+        raise ValueError(f"q and k must have at least one feature (features >= 1), got shape {tuple(qs)}")
+    if vs[3] == 0:
+        raise ValueError(f"v must have head_dim >= 1, got shape {tuple(vs)}")
+
+
+def valid_eps(eps: object) -> bool:
+    """``eps`` is a number >= 0, finite (not a bool)."""
+    return (type(eps) is float or (isinstance(eps, (int, float)) and not isinstance(eps, bool))) and 0 <= eps < math.inf
+
+
+def _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful, continuing):
+    """Stage 1b: the positions (grid, bias, its clipping): ``(rpe, grid, rpe_clip, clipped table)``."""
+    h, n = q.shape[1], q.shape[2]
+    grid_t = check_grid(grid, n)
+    if grid_t is not None and causal:
+        raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
+    rpe_clip = check_rpe_clip(rpe_clip)
+    rpe = None
+    if rpe_bias is not None:
+        rpe = check_rpe(rpe_bias, h, n, grid_t, rpe_clip)
+        if rpe_bias.device != q.device:
+            raise ValueError(f"rpe_bias must be on the device of q ({q.device}), got {rpe_bias.device}")
+    elif grid_t is not None:
+        grid_t = None  # a grid without a bias changes nothing
+    if rpe_clip is not None:
+        check_clipped_bias(rpe_bias, rpe, n, rpe_clip, grid_t)
+    if q_den is not None and rpe is not None:
+        raise ValueError("separate denominator features (q_den, k_den) cannot be combined with rpe_bias")
+    if stateful and rpe is not None and rpe_clip is None:
+        raise ValueError(
+            "a state with a relative-position bias needs rpe_clip=K (a bias clipped at K): with an unclipped bias "
+            "every key keeps its own weight for ever, so no constant-size state exists"
+        )
+    # a clipped bias as its table; refused when a state must be read K back and the bias does not reach
+    return rpe, grid_t, rpe_clip, _clipped_table(rpe_bias, rpe, n, grid_t, rpe_clip, continuing=continuing)
+
+
+def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
+           initial_state, output_final_state, in_place) -> _Call:
+    """Stage 1, check: every argument (``TypeError`` / ``ValueError`` naming it), in normal form."""
+    _check_tensors(q, k, v, causal, output_final_state, in_place, backend, eps)
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    check_denominator_features(q_den, k_den, q)
+    stateful = initial_state is not None or output_final_state
+    if stateful and not causal:
+        raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")
+    rpe, grid_t, rpe_clip, clipped = _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful,
+                                                 initial_state is not None)
+    window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
+    kind = StateKind(split=q_den is not None, features=m, den_features=m if q_den is None else q_den.shape[-1],
+                     values=d, window=window)
+    shapes = {"kv": (b, h, m, d), "z": (b, h, kind.den_features)}
+    if window is not None:
+        shapes.update(window_k=(b, h, window, m), window_v=(b, h, window, d))
+    given_kind = getattr(initial_state, "kind", None)
+    initial_state = check_state(initial_state, shapes, q.device)
+    check_state_kind(given_kind, kind)  # what the shapes cannot tell apart (the rotary split has M' = M)
+    if in_place:
+        _check_in_place(initial_state, output_final_state, compute_dtype_for(q), q, k, v, q_den, k_den, rpe_bias)
+    # a one-token step from a state (decoding) reads no mask values: no host sync per token
+    key_mask = normalize_mask(attention_mask, b, n, q.device, inspect=initial_state is None or n > 1)
+    request = dict(
+        causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip,
+        state=stateful, split=q_den is not None,
+    )
+    return _Call(b, h, n, rpe, grid_t, rpe_clip, clipped, window, kind, initial_state, key_mask, request, v.dtype)
+
+
+def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool):
+    """Stage 3, choose: the backend (``auto``'s choice or the named one, refused with the
+    backends that can when it cannot), the compute dtype, whether the final state is folded
+    (a backend without a state) and the full bias when ``auto``'s FFT check made it."""
+    request = dict(call.request)
+    name = choose_backend(n=call.n, **request) if backend == "auto" else backend
+    dt = compute_dtype_for(q)  # the dtype rule
+    full = None
+    if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
+        full = _full_bias(rpe_bias, call.rpe, call.n, call.grid, call.rpe_clip) if call.rpe else None
+        name, dt = _auto_fft_precision(q, k, full, request["causal"], call.key_mask, request)
+    spec = get_backend(name)
+    # A backend that carries no state still runs a call that starts without one: the final state is then folded
+    # from this call's keys and values (O(N M D)), so a named backend also serves training and prefill with a state.
+    fold = output_final_state and call.initial_state is None and not spec.state
+    if fold:
+        request["state"] = False
+    lacks = spec.missing(**request)
+    if lacks:
+        able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
+        raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
+    return spec, dt, fold, full
+
+
+def _prepare(call: _Call, dt, q, k, v, q_den, k_den):
+    """Stage 2 (after the non-finite values were isolated), prepare: the dtype rule (the inputs
+    and a state in ``dt``) and key masking (padded keys and their values zeroed)."""
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    k, v = mask_keys(k, v, call.key_mask)
+    if q_den is not None:
+        q_den = q_den.to(dt)
+        k_den = mask_keys(k_den, k_den[..., :1], call.key_mask)[0].to(dt)
+    state = call.initial_state
+    if state is not None:
+        state = AttentionState(*(None if x is None else x.to(dt) for x in state))
+    return q, k, v, q_den, k_den, state
+
+
+def _empty(call: _Call, q, k, v, k_den, rpe_bias, state, output_final_state, dt):
+    """Nothing to attend over (0 sequences or heads): an empty result, attached to every input."""
+    attached = q.sum() + k.sum() + (rpe_bias.sum().to(dt) if rpe_bias is not None else 0)
+    out = (v * 0 + attached * 0).to(call.out_dtype)
+    if not output_final_state:
+        return out
+    return out, AttentionState(*fold_into_state(state, k, v, k if k_den is None else k_den, call.window), kind=call.kind)
+
+
+def _bias_for(spec, call: _Call, rpe_bias, full, dt):
+    """The bias in the form the backend takes, in ``dt``: a clipped table for a backend that
+    takes ``rpe_clip``, the full bias otherwise."""
+    if rpe_bias is None:
+        return None
+    if call.clipped is not None and "rpe_clip" in spec.takes:
+        bias = call.clipped
+    else:
+        bias = full if full is not None else _full_bias(rpe_bias, call.rpe, call.n, call.grid, call.rpe_clip)
+    return bias.to(dt)
+
+
+def _finish(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place):
+    """Stage 5, finish: rows that saw a non-finite input made NaN, the output in the dtype of
+    ``v``, a state that saw a non-finite key made NaN, written into the given tensors when
+    ``in_place``, and recorded with the call's kind."""
+    nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
+    if poisoned is not None:
+        out = torch.where(poisoned[..., None], nan, out)
+    out = out.to(out_dtype)
+    if state is None:
+        return out
+    if bad_key is not None:
+        # a non-finite real key was replaced by zeros here; every later row sees it, in later calls too
+        seen = bad_key[..., None, None]
+        state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:])
+    if in_place:
+        for mine, new in zip(call.initial_state, state):
+            if mine is not None and mine is not new:
+                mine.copy_(new)
+        state = call.initial_state
+    return out, AttentionState(*state, kind=call.kind)
+
+
+def _clipped_table(rpe_bias, rpe, n, grid, rpe_clip, continuing):
+    """A bias declared clipped at ``K`` as its table (what a backend taking ``rpe_clip`` gets):
+    1D ``(H, 2K+1)``, 2D the per-distance table ``(H, K+1)`` of the clipped Manhattan distance;
+    None without ``rpe_clip``."""
+    if rpe_clip is None or rpe is None:
+        return None
+    if rpe == "1d":
+        return clipped_table(rpe_bias, n, rpe_clip, continuing=continuing)
+    return rpe_bias if rpe_bias.dim() == 2 else manhattan_distances(rpe_bias, grid[0], grid[1], rpe_clip)
+
+
+def _full_bias(rpe_bias, rpe, n, grid, rpe_clip):
+    """The bias as ``(H, 2N-1)`` / ``(H, 2Hg-1, 2Wg-1)`` (from a clipped table when given one)."""
+    if rpe == "2d":
+        return manhattan_table(rpe_bias, grid[0], grid[1]) if rpe_bias.dim() == 2 else rpe_bias
+    return full_bias(rpe_bias, n, rpe_clip)
+
+
+def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
+    """The one-token decoding step without a bias (:func:`recurrent_step` in place on the
+    state's own tensors) when the general path would run exactly that with nothing to refuse;
+    None otherwise (the general path then runs, with its full checks and messages). Its guard
+    only tells whether the call is such a step (cheap comparisons, no message: running stage 1's
+    checks here measured slower per token). Per-token work of the general path it skips: dispatch, dtype conversions, value-free
+    bookkeeping."""
+    tensors = (q, k, v) if q_den is None else (q, k, v, q_den, k_den)
+    if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4)):
+        return None
+    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in tensors):
+        return None
+    given_kind = getattr(state, "kind", None)
+    state = AttentionState(*state)
+    kv, z = state.kv, state.z
+    if state.window_k is not None or not (isinstance(kv, torch.Tensor) and isinstance(z, torch.Tensor)):
+        return None
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    m_den = m if q_den is None else q_den.shape[-1]
+    dt = kv.dtype
+    if (n != 1 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or m == 0 or d == 0 or kv.shape != (b, h, m, d)
+            or z.shape != (b, h, m_den) or dt not in _STATE_DTYPES or z.dtype != dt
+            or any(x.dtype != dt or x.device != kv.device for x in tensors) or z.device != kv.device):
+        return None
+    if q_den is not None and (k_den.shape != q_den.shape or q_den.shape[:3] != q.shape[:3] or m_den == 0):
+        return None
+    if not valid_eps(eps):
+        return None
+    kind = StateKind(split=q_den is not None, features=m, den_features=m_den, values=d, window=None)
+    if given_kind is not None and given_kind != kind:
+        return None  # a state of another kind: the general path names the mismatch
+    if _shares_memory(kv) or _shares_memory(z):
+        return None  # an expanded state cannot be written in place: the general path says so
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, kv, z)):
+        return None
+    if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
+        return None
+    if get_backend("recurrent").fn is not recurrent_attention:  # a replaced recurrent backend runs as registered
+        return None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, 1):
+            return None
+        keep = attention_mask.to(device=q.device, dtype=torch.bool)
+        k, v = mask_keys(k, v, keep)
+        if k_den is not None:
+            k_den = mask_keys(k_den, k_den[..., :1], keep)[0]
+    den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
+    out = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], kv, z, float(eps), *den_t, in_place=True)[0]
+    return out[:, :, None], AttentionState(kv, z, kind=kind)
+
+
+_STATE_DTYPES = (torch.float32, torch.float64)  # compute dtypes: an input in one of them is computed in it
+
+
+def _shares_memory(x: torch.Tensor) -> bool:
+    """Whether several elements of ``x`` lie at one memory location (a dimension of size > 1
+    with stride 0, as ``expand`` makes): such a tensor cannot be written in place."""
+    return any(st == 0 and sz > 1 for st, sz in zip(x.stride(), x.shape))
+
+
+def _check_in_place(state, output_final_state, dt, *inputs) -> None:
+    """``ValueError`` unless ``in_place=True`` can write the final state into ``state``."""
+    if state is None or not output_final_state:
+        raise ValueError("in_place=True needs initial_state and output_final_state=True: it writes the final state "
+                         "into initial_state's tensors")
+    tensors = [x for x in state if x is not None]
+    if any(x.dtype != dt for x in tensors):
+        raise ValueError(f"in_place=True needs initial_state in the compute dtype {dt}, got "
+                         f"{sorted({str(x.dtype) for x in tensors})}")
+    for name, x in state._asdict().items():
+        if x is not None and _shares_memory(x):
+            raise ValueError(
+                f"in_place=True cannot write into initial_state.{name} of shape {tuple(x.shape)} and strides "
+                f"{x.stride()}: it is expanded (a dimension of stride 0, as .expand() makes), so one memory location "
+                "holds several of its elements. Pass a state that owns its memory (.contiguous() or .clone() of each "
+                "tensor), or in_place=False"
+            )
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (*tensors, *inputs)):
+        raise ValueError("in_place=True cannot be used while autograd records through the state or the inputs "
+                         "(the earlier graph needs the old state): use in_place=False")
