@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         for rnd in range(rounds):
             res = {}
             for model in MODELS:  # alternated: vit, rpvit, vit, rpvit, ...
-                res[model] = measure(f"hf_kernattn.bench.vision:workload", dict(model=model, grid=grid, **shape),
+                res[model] = measure("hf_kernattn.bench.vision:workload", dict(model=model, grid=grid, **shape),
                                      repeats=args.repeats, timeout_s=args.timeout, max_seconds=args.timeout / 2,
                                      threads=args.threads)
                 runs[model].append(res[model])
