@@ -1,5 +1,7 @@
 """Configuration of NPRF-BERT: a BERT encoder whose attention is normalised positive random
-features with a learnable relative-position bias evaluated by FFT (Luo et al. 2021).
+features with a learnable relative-position bias (Luo et al. 2021), clipped at
+``max_relative_position``: applied by FFT in O(N log N), or exactly in O(N K) by the windowed
+backend, whichever ``attn_backend="auto"`` finds faster for the length.
 
 The BERT fields keep BERT's names and defaults, so a ``BertConfig`` maps onto this one field by
 field (see ``hf_kernattn.convert``). The attention fields are the ones every hf-kernattn family
@@ -76,7 +78,7 @@ ATTENTION_SCHEMA = AttentionSchema(
     # Luo et al. 2021's choices where they differ from the shared defaults.
     feature_map=("prf", "NPRF: positive random features"),
     normalize_qk=(True, "the N of NPRF"),
-    rpe=("learned", "the paper's learnable bias, applied by FFT"),
+    rpe=("learned", "the paper's learnable bias (auto: dense below 1,024 tokens, then the exact windowed form at the default clip)"),
     max_relative_position=(512, "BERT's length"),
 )
 

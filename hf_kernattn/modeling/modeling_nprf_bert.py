@@ -1,5 +1,6 @@
 """NPRF-BERT: a BERT encoder with normalised positive-random-feature attention and a learnable
-relative-position bias computed in O(N log N) by FFT (Luo et al. 2021, Algorithm 1).
+relative-position bias (Luo et al. 2021, Algorithm 1) passed to the core as its clipped table:
+O(N log N) by FFT or exactly O(N K) windowed, whichever backend ``auto`` picks for the length.
 
 The layer structure, head layouts and losses follow BERT (post-norm residual blocks, pooler on
 the first token, MLM head tied to the input embeddings). Attention is the shared
