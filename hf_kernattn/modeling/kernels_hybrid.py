@@ -1,0 +1,202 @@
+"""Sliding-window hybrid attention: exact softmax weights over a window of recent keys, kernelized beyond.
+
+Formula (``r = j - i``; the window of query ``i`` is ``-W < r <= 0`` when causal, ``|r| < W``
+otherwise; a key is allowed when it is not padded and, when causal, ``j <= i``)::
+
+    w_ij = a_h exp(s_ij),  s_ij = scale (q_i . k_j)      allowed j in the window of i
+    w_ij = b_h phi(q_i) . phi(k_j)                         every other allowed j
+    out_i = sum_j w_ij v_j / (sum_j w_ij + eps)
+
+``q, k`` are the raw (projected) queries and keys, ``phi(q), phi(k)`` their feature-mapped forms,
+``a_h, b_h`` optional positive per-head mixing weights (1 when not given). One numerator and one
+denominator join both parts (Zhang et al. 2024, LoLCATs).
+
+Stabiliser: with ``m_i = max(0, max_{j in the window} s_ij)`` the numerator, the denominator and
+``eps`` are all multiplied by ``exp(-m_i)``: window weights become ``a exp(s - m) <= a``, the
+kernelized part ``b exp(-m) phi . phi``. The quotient is unchanged (``m`` carries no gradient, and
+none is lost: the function does not depend on it). Window weights underflow only where
+``exp(s) << eps`` anyway.
+
+Cost: chunks of ``C`` queries against the keys of their window (rounded out to whole chunks),
+plus prefix (and, non-causal, suffix) sums of chunk states ``sum phi(k)^T [v, 1]`` for the keys
+beyond: time O(N (C + W) (Dk + M + D) + N M D), memory O(N (C + W) + (N / C) M D): linear in N
+for a fixed window.
+
+Causal calls continue from a :class:`HybridState` and return one: the last ``W - 1`` raw keys,
+their features, values and a validity flag (padding and the slots before the first token are
+invalid), and ``(S, z)`` of every older key. Splitting a sequence, carrying the state and
+resuming gives what one call over the whole sequence gives, with constant work and memory per
+decoded token.
+
+:func:`hybrid_attention_reference` is the same function written densely with the band mask.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .kernels_common import chunk_tokens, full_precision, with_ones_column
+
+
+class HybridState(NamedTuple):
+    """What causal hybrid attention carries from one call to the next.
+
+    Attributes:
+        kv: ``S (B, H, M, D)``, ``sum_j phi(k_j)^T v_j`` over the keys older than the window.
+        z: ``(B, H, M)``, ``sum_j phi(k_j)`` over the same keys.
+        window_k: ``(B, H, W - 1, M)``, features of the most recent keys (oldest first).
+        window_v: ``(B, H, W - 1, D)``, their values.
+        window_raw: ``(B, H, W - 1, Dk)``, their raw keys (for the exact softmax weights).
+        window_valid: ``(B, 1, W - 1)`` bool, False for padding and for slots before the first token.
+    """
+
+    kv: torch.Tensor
+    z: torch.Tensor
+    window_k: torch.Tensor
+    window_v: torch.Tensor
+    window_raw: torch.Tensor
+    window_valid: torch.Tensor
+
+
+def _zero_padded(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x (B, H, N, F)`` with padded positions (``valid (B, 1, N)`` False) replaced by zeros
+    (``torch.where``: a NaN in a padded slot reaches neither the output nor a gradient)."""
+    return torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _per_head(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor | float:
+    return 1.0 if x is None else x.to(like.dtype)[None, :, None, None]
+
+
+def _band(n_q: int, first_q: int, lo: int, hi: int, window: int, causal: bool, device):
+    """Offsets of keys ``[lo, hi)`` from queries at key positions ``first_q ..``: ``(in window,
+    causally allowed)`` as ``(Cq, Wb)`` bool masks."""
+    r = torch.arange(lo, hi, device=device)[None, :] - torch.arange(first_q, first_q + n_q, device=device)[:, None]
+    if causal:
+        return (r > -window) & (r <= 0), r <= 0
+    return r.abs() < window, None
+
+
+@full_precision
+def hybrid_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_feat: torch.Tensor,
+    k_feat: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+    scale: Optional[float] = None,
+    key_mask: Optional[torch.Tensor] = None,
+    window_weight: Optional[torch.Tensor] = None,
+    linear_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    initial_state: Optional[HybridState] = None,
+    output_final_state: bool = False,
+):
+    """Hybrid attention (module docstring) over ``q, k (B, H, N, Dk)``, ``q_feat, k_feat
+    (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype; ``window = W >= 1``; ``scale`` defaults to
+    ``Dk ** -0.5``; ``key_mask (B, N)`` bool, True for real tokens; ``window_weight`` /
+    ``linear_weight`` ``(H,)`` positive mixing weights ``a_h``, ``b_h``. Returns ``(B, H, N, D)``;
+    with ``output_final_state`` (causal only) ``(out, HybridState)``."""
+    if not causal and (initial_state is not None or output_final_state):
+        raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")
+    b, h, n, dk = q.shape
+    w = int(window)
+    scale = dk ** -0.5 if scale is None else float(scale)
+    valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
+    k, k_feat, v = (_zero_padded(x, valid) for x in (k, k_feat, v))
+    start = 0  # key position of the first query: the state's window goes before the new tokens
+    if initial_state is not None:
+        start = w - 1
+        k = torch.cat([initial_state.window_raw, k], dim=2)
+        k_feat = torch.cat([initial_state.window_k, k_feat], dim=2)
+        v = torch.cat([initial_state.window_v, v], dim=2)
+        valid = torch.cat([initial_state.window_valid, valid], dim=2)
+    v1 = with_ones_column(v)
+    nk, c = k.shape[2], max(1, int(chunk_size))
+    states = chunk_tokens(k_feat, c).transpose(-1, -2) @ chunk_tokens(v1, c)  # (B, H, nc, M, D+1)
+    zero = torch.zeros_like(states[:, :, :1])
+    prefix = torch.cat([zero, torch.cumsum(states, dim=2)], dim=2)  # prefix[f]: chunks < f
+    total = prefix[:, :, -1:]
+    if initial_state is not None:
+        old = torch.cat([initial_state.kv, initial_state.z[..., None]], dim=-1)[:, :, None]
+        prefix = prefix + old
+    a_w, b_l = _per_head(window_weight, q), _per_head(linear_weight, q)
+    rows = []
+    for a0 in range(0, n, c):
+        a1 = min(a0 + c, n)
+        first = start + a0  # key position of the chunk's first query
+        lo = max(0, first - w + 1) // c * c
+        # keys up to the chunk's last query (causal) or its window's end, rounded up to a chunk (the suffix sums)
+        hi = start + a1 if causal else min(nk, -(-(a1 + w - 1) // c) * c)
+        inwin, before = _band(a1 - a0, first, lo, hi, w, causal, q.device)
+        allowed = valid[:, :, None, lo:hi] if before is None else valid[:, :, None, lo:hi] & before
+        win = inwin & allowed
+        s = (q[:, :, a0:a1] @ k[:, :, lo:hi].transpose(-1, -2)) * scale
+        s_win = s.masked_fill(~win, -torch.inf)
+        m = s_win.detach().amax(dim=-1, keepdim=True).clamp_min(0)
+        em = torch.exp(-m)
+        qf = q_feat[:, :, a0:a1]
+        lin = (qf @ k_feat[:, :, lo:hi].transpose(-1, -2)).masked_fill(~(allowed & ~inwin), 0)
+        weights = a_w * torch.exp(s_win - m) + (b_l * em) * lin
+        far = prefix[:, :, lo // c]
+        if not causal:
+            far = far + total[:, :, 0] - prefix[:, :, -(-hi // c)]
+        y = weights @ v1[:, :, lo:hi] + (b_l * em) * (qf @ far)
+        rows.append(y[..., :-1] / (y[..., -1:] + eps * em))
+    out = torch.cat(rows, dim=2)
+    if not output_final_state:
+        return out
+    return out, _fold(initial_state, k, k_feat, v, valid, start, w)
+
+
+def _fold(state, k, k_feat, v, valid, start, w) -> HybridState:
+    """The state after this call: the last ``W - 1`` keys form the window, older ones (those not
+    yet in ``state``'s sums: from key position 0 of this call's key array, which begins with the
+    old window) enter ``S`` and ``z``."""
+    b, h = k.shape[:2]
+    keep = w - 1
+    if state is None:  # no earlier window: invalid zero slots before the first token
+        pad = (0, 0, keep, 0)
+        k, k_feat, v = (torch.nn.functional.pad(x, pad) for x in (k, k_feat, v))
+        valid = torch.nn.functional.pad(valid, (keep, 0), value=False)
+    leaving = k.shape[2] - keep
+    kv = k_feat[:, :, :leaving].transpose(-1, -2) @ v[:, :, :leaving]
+    z = k_feat[:, :, :leaving].sum(dim=2)
+    if state is not None:
+        kv, z = state.kv + kv, state.z + z
+    return HybridState(kv, z, k_feat[:, :, leaving:], v[:, :, leaving:], k[:, :, leaving:], valid[:, :, leaving:])
+
+
+def empty_hybrid_state(b, h, window, dk, m, d, dtype, device) -> HybridState:
+    """The state before the first token (every window slot invalid)."""
+    keep = window - 1
+    zeros = lambda *shape: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+    return HybridState(zeros(b, h, m, d), zeros(b, h, m), zeros(b, h, keep, m), zeros(b, h, keep, d),
+                       zeros(b, h, keep, dk), torch.zeros(b, 1, keep, dtype=torch.bool, device=device))
+
+
+def hybrid_attention_reference(
+    q, k, q_feat, k_feat, v, *, window, causal, scale=None, key_mask=None, window_weight=None, linear_weight=None,
+    eps=1e-6,
+):
+    """:func:`hybrid_window_attention` written densely (``N x N`` weights with the band mask, no
+    stabiliser): the plain reference its tests compare with."""
+    b, h, n, dk = q.shape
+    scale = dk ** -0.5 if scale is None else scale
+    valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
+    k, k_feat, v = (_zero_padded(x, valid) for x in (k, k_feat, v))
+    r = torch.arange(n, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]
+    inwin = ((r > -window) & (r <= 0)) if causal else (r.abs() < window)
+    allowed = valid[:, :, None, :] & ((r <= 0) if causal else torch.ones_like(inwin))
+    exact = torch.exp(q @ k.transpose(-1, -2) * scale)
+    kernel = q_feat @ k_feat.transpose(-1, -2)
+    a_w, b_l = _per_head(window_weight, q), _per_head(linear_weight, q)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    weights = torch.where(inwin & allowed, a_w * exact, torch.where(allowed, b_l * kernel, zero))
+    return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + eps)
