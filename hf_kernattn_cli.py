@@ -5,6 +5,8 @@
   exposes ``add_arguments(parser)`` and ``run(args) -> int``.
 * ``hf-kernattn demo``: the README's main demo (``hf_kernattn/demo.py``).
 * ``hf-kernattn convert``: softmax checkpoint -> kernelized one (``hf_kernattn/convert/``).
+* ``hf-kernattn linearize``: convert, then train the feature maps by attention transfer
+  (``hf_kernattn/convert/linearize.py``).
 * ``hf-kernattn push CHECKPOINT REPO_ID``: publish a saved checkpoint on the Hub (``hf_kernattn/push.py``).
 
 This module lives next to the ``hf_kernattn`` package, not inside it: importing the package
@@ -39,7 +41,7 @@ BENCHMARKS = {
     "vision": "vision",
 }
 # top-level command -> module under hf_kernattn
-COMMANDS = {"demo": "demo", "convert": "convert", "push": "push"}
+COMMANDS = {"demo": "demo", "convert": "convert", "linearize": "convert.linearize", "push": "push"}
 
 
 def _package_file(module: str) -> Optional[str]:

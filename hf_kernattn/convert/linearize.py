@@ -1,0 +1,480 @@
+"""Linearize a pretrained softmax model by attention transfer: convert it, then train only its feature maps.
+
+Converting copies every weight and puts a feature map in place of ``exp(q . k / sqrt(d))``
+(``hf-kernattn convert``); attention transfer (Zhang et al. 2024, LoLCATs; Hedgehog) then trains
+only what conversion added, so that each layer's kernelized attention reproduces the softmax
+attention it replaces:
+
+1. The teacher (the source model, softmax attention) and the student (its conversion, with a
+   learned feature map: ``hedgehog`` by default) read the same token blocks.
+2. Every attention layer of the student receives the *teacher's* input to that layer (hooks on
+   both models), so the layers train together but independently of each other's errors.
+3. The loss is the mean over layers of the mean squared error between the student's and the
+   teacher's attention output (after the output projection, before the residual).
+4. Only the feature maps' weights train (``train="feature_maps"``); ``train="attention"`` also
+   trains the attention's projections (T2R, Kasai et al. 2021). Everything else stays the copied
+   source weights.
+
+Text: a ``datasets`` name (``dataset``, online or from the local cache) or local plain-text
+files (``train_files``), tokenized with the source's tokenizer and cut into blocks of
+``block_size`` tokens. Batches are a function of the step and the seed only, and checkpoints
+(``checkpointing_steps``; JSON and safetensors only) hold the trained weights, the optimizer,
+the scheduler and the random states: a run stopped and resumed
+(``resume_from_checkpoint="latest"``) ends bitwise where the uninterrupted run ends. The result
+is saved Hub-ready (weights, code, tokenizer, a model card recording the recipe).
+
+Python::
+
+    from hf_kernattn.convert.linearize import linearize
+    model = linearize("openai-community/gpt2", "gpt2-linear", train_files=["train.txt"], steps=500)
+
+CLI::
+
+    hf-kernattn linearize openai-community/gpt2 gpt2-linear --train_file train.txt --steps 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from torch import nn
+from transformers.utils import logging
+
+from .common import read_config, resolve_checkpoint
+
+logger = logging.get_logger("hf_kernattn")
+
+# where a source model's attention starts (the module whose input is the attention's input) and
+# ends (the module whose output is the attention's output, after the output projection)
+TEACHER_ATTENTION = {
+    "gpt2": (r"transformer\.h\.(\d+)\.attn", r"transformer\.h\.(\d+)\.attn"),
+    "llama": (r"model\.layers\.(\d+)\.self_attn", r"model\.layers\.(\d+)\.self_attn"),
+    "bert": (r"(?:bert\.)?encoder\.layer\.(\d+)\.attention\.self", r"(?:bert\.)?encoder\.layer\.(\d+)\.attention\.output\.dense"),
+    "roberta": (r"(?:roberta\.)?encoder\.layer\.(\d+)\.attention\.self",
+                r"(?:roberta\.)?encoder\.layer\.(\d+)\.attention\.output\.dense"),
+}
+TRAINABLE = ("feature_maps", "attention")
+DEFAULT_FEATURE_MAP = "hedgehog"
+CHECKPOINT_PREFIX = "step_"
+
+
+def _layer_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
+    """The modules whose full name matches ``pattern`` (one group: the layer index), by layer."""
+    found = {}
+    for name, module in model.named_modules():
+        m = re.fullmatch(pattern, name)
+        if m:
+            found[int(m.group(1))] = module
+    if sorted(found) != list(range(len(found))):
+        raise ValueError(f"attention layers {sorted(found)} of {type(model).__name__} are not numbered 0..N-1")
+    return [found[i] for i in range(len(found))]
+
+
+def attention_pairs(teacher: nn.Module, student: nn.Module, model_type: str):
+    """Per layer ``(teacher input module, teacher output module, student attention module)``."""
+    from ..modeling.attention import KernelizedSelfAttention
+
+    if model_type not in TEACHER_ATTENTION:
+        raise ValueError(f"attention transfer supports sources of type {sorted(TEACHER_ATTENTION)}, got {model_type!r}")
+    first, last = (_layer_modules(teacher, p) for p in TEACHER_ATTENTION[model_type])
+    mine = [m for m in student.modules() if isinstance(m, KernelizedSelfAttention)]
+    if not (len(first) == len(last) == len(mine)) or not mine:
+        raise ValueError(f"the teacher has {len(first)} attention layers and the student {len(mine)}: "
+                         "they must match one to one")
+    return list(zip(first, last, mine))
+
+
+def _hidden_states_of(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _output_of(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+@contextmanager
+def transfer_hooks(pairs):
+    """Hooks for one step: the teacher's attention inputs and outputs are recorded, and each
+    student attention layer runs on the teacher's input to that layer, its output recorded.
+    Yields ``(teacher_outputs, student_outputs)``, two lists filled by the forward passes."""
+    n = len(pairs)
+    inputs: list[Optional[torch.Tensor]] = [None] * n
+    teacher_out: list[Optional[torch.Tensor]] = [None] * n
+    student_out: list[Optional[torch.Tensor]] = [None] * n
+
+    def record_input(i):
+        def hook(module, args, kwargs):
+            inputs[i] = _hidden_states_of(args, kwargs).detach()
+        return hook
+
+    def record(i, where):
+        def hook(module, args, kwargs, output):
+            where[i] = _output_of(output)
+        return hook
+
+    def substitute(i):
+        def hook(module, args, kwargs):
+            given = _hidden_states_of(args, kwargs)
+            mine = inputs[i].to(given.dtype)
+            if args:
+                return (mine, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": mine}
+        return hook
+
+    handles = []
+    try:
+        for i, (first, last, student) in enumerate(pairs):
+            handles.append(first.register_forward_pre_hook(record_input(i), with_kwargs=True))
+            handles.append(last.register_forward_hook(record(i, teacher_out), with_kwargs=True))
+            handles.append(student.register_forward_pre_hook(substitute(i), with_kwargs=True))
+            handles.append(student.register_forward_hook(record(i, student_out), with_kwargs=True))
+        yield teacher_out, student_out
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def transfer_loss(teacher_out: Sequence[torch.Tensor], student_out: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
+    """Mean over layers of the mean squared error; also each layer's value."""
+    per_layer = [nn.functional.mse_loss(s.float(), t.float()) for t, s in zip(teacher_out, student_out)]
+    return torch.stack(per_layer).mean(), [float(x.detach()) for x in per_layer]
+
+
+def select_trainable(student: nn.Module, train: str) -> list[str]:
+    """Freeze every parameter of ``student`` but those attention transfer trains; their names."""
+    from ..modeling.attention import KernelizedSelfAttention
+
+    if train not in TRAINABLE:
+        raise ValueError(f"train must be one of {list(TRAINABLE)}, got {train!r}")
+    keep = set()
+    for name, module in student.named_modules():
+        if isinstance(module, KernelizedSelfAttention):
+            part = module.feature_map if train == "feature_maps" else module
+            keep.update(id(p) for p in part.parameters())
+    names = []
+    for name, p in student.named_parameters():
+        p.requires_grad_(id(p) in keep)
+        if id(p) in keep:
+            names.append(name)
+    if not names:
+        raise ValueError(
+            f"nothing to train: the student's feature map {getattr(student.config, 'feature_map', '?')!r} has no weights. "
+            "Use a learned feature map (feature_map='hedgehog' or 'hedgehog_exp') or train='attention'"
+        )
+    return names
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def read_texts(train_files: Optional[Sequence[str]] = None, dataset: Optional[str] = None,
+               dataset_config: Optional[str] = None, split: str = "train", text_column: str = "text") -> list[str]:
+    """The training texts: local plain-text files, or a ``datasets`` dataset's ``text_column``."""
+    if bool(train_files) == bool(dataset):
+        raise ValueError("give exactly one source of text: train_files (local plain-text files) or dataset (a datasets name)")
+    if train_files:
+        texts = []
+        for path in train_files:
+            p = Path(path)
+            if not p.is_file():
+                raise ValueError(f"train file {path!r} does not exist")
+            texts.append(p.read_text(encoding="utf-8", errors="replace"))
+        return texts
+    import datasets
+
+    data = datasets.load_dataset(dataset, dataset_config, split=split)
+    if text_column not in data.column_names:
+        raise ValueError(f"dataset {dataset!r} has no column {text_column!r}; its columns: {data.column_names}")
+    return [t for t in data[text_column] if t]
+
+
+def token_blocks(tokenizer, texts: Iterable[str], block_size: int) -> torch.Tensor:
+    """``(num_blocks, block_size)`` token ids: the texts tokenized (no special tokens), joined
+    by the end-of-text (or separator) token and cut into whole blocks."""
+    sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if sep is not None:
+            ids.append(sep)
+    n = len(ids) // block_size
+    if n == 0:
+        raise ValueError(f"the text holds {len(ids)} tokens: fewer than one block of block_size={block_size}")
+    return torch.tensor(ids[: n * block_size], dtype=torch.long).view(n, block_size)
+
+
+def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
+    """The batch of step ``step`` (0-based): epochs of a shuffle seeded by ``seed`` and the epoch,
+    so that a resumed run reads exactly what an uninterrupted one would."""
+    n = blocks.shape[0]
+    rows = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(i, n)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
+        rows.append(int(order[pos]))
+    return blocks[rows]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def _load_teacher(src: Path, model_type: str, dtype: torch.dtype):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM if model_type in ("gpt2", "llama") else AutoModel
+    teacher = cls.from_pretrained(src, attn_implementation="eager", dtype=dtype)
+    return teacher.eval().requires_grad_(False)
+
+
+def linearize(
+    source: str | Path,
+    output_dir: str | Path,
+    *,
+    train_files: Optional[Sequence[str]] = None,
+    dataset: Optional[str] = None,
+    dataset_config: Optional[str] = None,
+    dataset_split: str = "train",
+    text_column: str = "text",
+    feature_map: str = DEFAULT_FEATURE_MAP,
+    train: str = "feature_maps",
+    steps: int = 200,
+    batch_size: int = 8,
+    block_size: int = 128,
+    learning_rate: float = 1e-2,
+    warmup_steps: int = 0,
+    scheduler: str = "cosine",
+    seed: int = 0,
+    checkpointing_steps: Optional[int] = None,
+    checkpoints_total_limit: Optional[int] = None,
+    resume_from_checkpoint: Optional[str] = None,
+    stop_after_steps: Optional[int] = None,
+    revision: Optional[str] = None,
+    allow_pickle: bool = False,
+    progress: bool = True,
+    **overrides: Any,
+):
+    """Convert ``source`` (GPT-2, Llama, BERT or RoBERTa; a folder or a Hub id) and train its
+    feature maps by attention transfer (module docstring); saves the result Hub-ready in
+    ``output_dir`` and returns it, with ``linearize_report`` (per-layer losses before and after,
+    the recipe). ``overrides``: config fields of the converted family. ``stop_after_steps``:
+    end this invocation after that many steps of this invocation (a checkpoint is written there),
+    e.g. to split a long run into jobs resumed with ``resume_from_checkpoint="latest"``."""
+    from transformers import AutoTokenizer, get_scheduler
+
+    from . import convert
+    from ..training import checkpoints as ckpt
+    from ..training.serialization import load_tree, save_tree
+
+    for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("block_size", block_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not (isinstance(learning_rate, (int, float)) and learning_rate > 0):
+        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+    src = resolve_checkpoint(source, revision, allow_pickle)
+    model_type = read_config(src, tuple(TEACHER_ATTENTION))["model_type"]
+    if train not in TRAINABLE:
+        raise ValueError(f"train must be one of {list(TRAINABLE)}, got {train!r}")
+    texts = read_texts(train_files, dataset, dataset_config, dataset_split, text_column)
+    tokenizer = AutoTokenizer.from_pretrained(src)
+    blocks = token_blocks(tokenizer, texts, block_size)
+
+    torch.manual_seed(seed)
+    student = convert(src, None, feature_map=feature_map, allow_pickle=allow_pickle, **overrides)
+    teacher = _load_teacher(src, model_type, next(student.parameters()).dtype)
+    student.eval()  # attention transfer: no dropout, so that a step is a function of the weights and the batch
+    trained = select_trainable(student, train)
+    pairs = attention_pairs(teacher, student, model_type)
+    params = [p for p in student.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    sched = get_scheduler(scheduler, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps)
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = dict(source=str(source), model_type=model_type, texts=len(texts), blocks=int(blocks.shape[0]),
+                    feature_map=feature_map, train=train, steps=steps, batch_size=batch_size, block_size=block_size,
+                    learning_rate=learning_rate, warmup_steps=warmup_steps, scheduler=scheduler, seed=seed,
+                    overrides=overrides)
+    fingerprint = ckpt.run_fingerprint(settings)
+    start, history = 0, []
+    resume = ckpt.resolve_checkpoint(resume_from_checkpoint, out, fingerprint, prefix=CHECKPOINT_PREFIX, settings=settings)
+    if resume is not None:
+        state = json.loads((resume / ckpt.STATE_FILE).read_text())
+        _load_trained(student, resume)
+        optimizer.load_state_dict(load_tree(resume, "optimizer"))
+        sched.load_state_dict(load_tree(resume, "scheduler"))
+        start, history = state["step"], state["progress"]["history"]
+        logger.info(f"resuming attention transfer from {resume} (step {start} of {steps})")
+
+    extra = {"use_cache": False} if model_type in ("gpt2", "llama") else {}
+
+    def evaluate_layers() -> list[float]:  # per-layer loss on the first batch (fixed), no grad
+        with torch.no_grad(), transfer_hooks(pairs) as (t_out, s_out):
+            batch = blocks[:batch_size]
+            teacher(input_ids=batch, **extra)
+            student(input_ids=batch, **extra)
+            return transfer_loss(t_out, s_out)[1]
+
+    before = evaluate_layers() if start == 0 else None
+    bar = logging.tqdm(total=steps, initial=start, desc="attention transfer", disable=not progress)
+    step = start
+    with bar:
+        while step < steps:
+            batch = batch_for_step(blocks, step, batch_size, seed)
+            with transfer_hooks(pairs) as (t_out, s_out):
+                with torch.no_grad():
+                    teacher(input_ids=batch, **extra)
+                student(input_ids=batch, **extra)
+                loss, _ = transfer_loss(t_out, s_out)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            sched.step()
+            step += 1
+            history.append([step, float(loss.detach())])
+            bar.update(1)
+            bar.set_postfix(loss=f"{float(loss.detach()):.4g}")
+            done_here = stop_after_steps is not None and step - start >= stop_after_steps
+            if step < steps and ((checkpointing_steps and step % checkpointing_steps == 0) or done_here):
+                _save_step(out, step, student, trained, optimizer, sched, fingerprint, settings, history,
+                           checkpoints_total_limit, save_tree)
+            if done_here and step < steps:
+                logger.info(f"stopped after {step - start} steps at step {step}; resume with resume_from_checkpoint='latest'")
+                return student
+    after = evaluate_layers()
+    student.linearize_report = {"recipe": settings, "trained_parameters": trained,
+                                "trainable_parameter_count": sum(p.numel() for p in params),
+                                "layer_loss_before": before, "layer_loss_after": after, "history": history}
+    _save_result(student, src, out, source, settings, before, after, sum(p.numel() for p in params))
+    return student
+
+
+def _trained_state(student: nn.Module, trained: Sequence[str]) -> dict[str, torch.Tensor]:
+    params = dict(student.named_parameters())
+    return {name: params[name].detach().contiguous().clone() for name in trained}
+
+
+def _load_trained(student: nn.Module, folder: Path) -> None:
+    import safetensors.torch
+
+    from ..training.serialization import named_read_errors
+
+    with named_read_errors(folder / "trained.safetensors"):
+        state = safetensors.torch.load_file(str(folder / "trained.safetensors"))
+    params = dict(student.named_parameters())
+    unknown = sorted(set(state) - set(params))
+    if unknown:
+        raise ValueError(f"the checkpoint {folder} holds weights the model does not have: {unknown}")
+    with torch.no_grad():
+        for name, value in state.items():
+            params[name].copy_(value)
+
+
+def _save_step(out, step, student, trained, optimizer, sched, fingerprint, settings, history, limit, save_tree) -> None:
+    """``out/step_N``, written in a temporary folder and renamed once complete (state file last)."""
+    import os
+
+    import safetensors.torch
+
+    from ..training import checkpoints as ckpt
+
+    final, tmp = out / f"{CHECKPOINT_PREFIX}{step}", out / f"{CHECKPOINT_PREFIX}{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    safetensors.torch.save_file(_trained_state(student, trained), str(tmp / "trained.safetensors"))
+    save_tree(tmp, "optimizer", optimizer.state_dict())
+    save_tree(tmp, "scheduler", sched.state_dict())
+    ckpt.write_state_file(tmp, fingerprint, settings, step=step, progress={"history": history})
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    ckpt.prune_checkpoints(out, limit, fingerprint, prefix=CHECKPOINT_PREFIX)
+
+
+def _save_result(student, src: Path, out: Path, source, settings, before, after, trainable: int) -> None:
+    from ..cards import save_model_card
+    from .common import TOKENIZER_FILES
+
+    student.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+    (out / "linearize_report.json").write_text(json.dumps(student.linearize_report, indent=1, default=str))
+
+    def fmt(xs):
+        return "n/a (resumed)" if xs is None else ", ".join(f"{x:.3g}" for x in xs)
+
+    save_model_card(student, out, base_model=str(source), training={
+        "method": "attention transfer (each layer's kernelized attention trained to reproduce the source's softmax "
+                  "attention output on the source's own layer inputs, mean squared error)",
+        "converted from": f"`{source}` ({settings['model_type']})",
+        "trained": f"{settings['train']} ({trainable} parameters; every other weight copied from the source)",
+        "feature map": f"`{settings['feature_map']}`",
+        "steps x batch x block": f"{settings['steps']} x {settings['batch_size']} x {settings['block_size']} tokens",
+        "learning rate": f"{settings['learning_rate']} ({settings['scheduler']}, {settings['warmup_steps']} warmup steps)",
+        "per-layer loss before": fmt(before),
+        "per-layer loss after": fmt(after),
+    })
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="a GPT-2, Llama, BERT or RoBERTa checkpoint: a folder written by save_pretrained "
+                                       "(with its tokenizer), or a Hub model id")
+    parser.add_argument("output_dir", help="where the linearized model (and the run's checkpoints) are saved")
+    parser.add_argument("--train_file", nargs="+", default=None, help="local plain-text training files")
+    parser.add_argument("--dataset", default=None, help="a datasets name to read the text from (instead of --train_file)")
+    parser.add_argument("--dataset_config", default=None, help="the dataset's configuration name")
+    parser.add_argument("--dataset_split", default="train", help="the split to read (default: train)")
+    parser.add_argument("--text_column", default="text", help="the dataset's text column (default: text)")
+    parser.add_argument("--feature_map", default=DEFAULT_FEATURE_MAP,
+                        help=f"the student's feature map (default: {DEFAULT_FEATURE_MAP}, a learned map)")
+    parser.add_argument("--train", choices=TRAINABLE, default="feature_maps",
+                        help="what trains: the feature maps only (default) or the whole attention (projections too)")
+    parser.add_argument("--steps", type=int, default=200, help="optimisation steps (default: 200)")
+    parser.add_argument("--batch_size", type=int, default=8, help="blocks per step (default: 8)")
+    parser.add_argument("--block_size", type=int, default=128, help="tokens per block (default: 128)")
+    parser.add_argument("--learning_rate", type=float, default=1e-2, help="AdamW learning rate (default: 1e-2)")
+    parser.add_argument("--warmup_steps", type=int, default=0, help="linear warm-up steps (default: 0)")
+    parser.add_argument("--lr_scheduler_type", default="cosine", help="a transformers scheduler name (default: cosine)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the batch order and the conversion (default: 0)")
+    parser.add_argument("--checkpointing_steps", type=int, default=None, help="write a checkpoint every this many steps")
+    parser.add_argument("--checkpoints_total_limit", type=int, default=None,
+                        help="keep at most this many checkpoints of this run, deleting the oldest")
+    parser.add_argument("--resume_from_checkpoint", default=None,
+                        help="'latest' (the newest checkpoint of this run in output_dir) or a checkpoint folder")
+    parser.add_argument("--stop_after_steps", type=int, default=None,
+                        help="stop this invocation after this many steps (a checkpoint is written; resume with "
+                             "--resume_from_checkpoint latest)")
+    parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id")
+    parser.add_argument("--allow-pickle", dest="allow_pickle", action="store_true",
+                        help="read pickled weights of a source without safetensors ones (only for sources you trust)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """``hf-kernattn linearize``: convert, train the feature maps by attention transfer, save."""
+    model = linearize(
+        args.source, args.output_dir, train_files=args.train_file, dataset=args.dataset,
+        dataset_config=args.dataset_config, dataset_split=args.dataset_split, text_column=args.text_column,
+        feature_map=args.feature_map, train=args.train, steps=args.steps, batch_size=args.batch_size,
+        block_size=args.block_size, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
+        scheduler=args.lr_scheduler_type, seed=args.seed, checkpointing_steps=args.checkpointing_steps,
+        checkpoints_total_limit=args.checkpoints_total_limit, resume_from_checkpoint=args.resume_from_checkpoint,
+        stop_after_steps=args.stop_after_steps, revision=args.revision, allow_pickle=args.allow_pickle,
+        progress=not getattr(args, "quiet", False),
+    )
+    report = getattr(model, "linearize_report", None)
+    if report is None:
+        print(f"stopped early; checkpoints in {args.output_dir}")
+        return 0
+    print(f"attention transfer: per-layer loss {report['layer_loss_before']} -> {report['layer_loss_after']}")
+    print(f"saved to {args.output_dir}")
+    return 0
