@@ -34,7 +34,13 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, LinearAttentionCacheLayerMixin, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from .kernels_common import AttentionState
 
@@ -165,7 +171,7 @@ def is_linear_gpt_cache(cache: object) -> bool:
     """Whether ``cache`` is a transformers ``Cache`` of Linear GPT layers (a :class:`LinearGPTCache`,
     or any cache built of :class:`LinearGPTCacheLayer`, also from another copy of this code)."""
     layers = getattr(cache, "layers", None)
-    return isinstance(cache, DynamicCache) and bool(layers) and all(
+    return isinstance(cache, Cache) and bool(layers) and all(
         isinstance(layer, LinearAttentionCacheLayerMixin) and hasattr(layer, "get_state") and hasattr(layer, "set_state")
         and hasattr(layer, "cumulative_length")
         for layer in layers

@@ -356,8 +356,12 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         """Args:
             input_ids: ``(B, N)`` token ids (or ``inputs_embeds`` ``(B, N, C)``, not both).
             attention_mask: ``(B, past + N)`` or ``(B, N)``, 1 keep, 0 padding (left padding).
-            position_ids: ``(B, N)``; by default counted over real tokens (padding skipped).
-            past_key_values: a :class:`LinearGPTCache` from an earlier call, or None.
+            position_ids: ``(B, N)``; by default counted over real tokens along the mask (padding
+                skipped; ``generate()`` passes them so); a mask of the N new tokens only, or none,
+                counts from ``past_key_values.get_seq_length()`` (padding of earlier calls
+                included): continue a left-padded batch with its ``(B, past + N)`` mask.
+            past_key_values: a :class:`LinearGPTCache` from an earlier call (or any transformers
+                ``Cache`` built of :class:`~cache.LinearGPTCacheLayer`), or None.
             use_cache: return the updated state (default ``config.use_cache``).
             output_hidden_states: also return every layer's input and the final output.
             output_attentions: must be False/None (there are no attention weights).
