@@ -49,7 +49,7 @@ UNSET = "unset"
 
 
 def _check_window(window: object) -> None:
-    if window is not UNSET and window is not None and (
+    if window != UNSET and window is not None and (
         not isinstance(window, int) or isinstance(window, bool) or window < 0
     ):
         raise ValueError(f"window must be None (no relative-position bias) or an int >= 0 (K - 1), got {window!r}")
@@ -120,7 +120,7 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         updated in place (``kernelized_attention(..., in_place=True)``, decoding); others are
         copied in place into the layer's tensors, except while autograd records through it (training across calls), where the tensors are
         replaced so that the graph of the earlier call keeps the values it saw."""
-        if self.window is UNSET:  # the first state decides: with a window (4 tensors) or not (2)
+        if self.window == UNSET:  # the first state decides: with a window (4 tensors) or not (2)
             self.window = None if len(state) < 3 or state[2] is None else int(state[2].shape[2])
             if self.window is not None:
                 LinearAttentionCacheLayerMixin.__init__(self, number_of_states=4)
@@ -193,7 +193,7 @@ class LinearGPTCache(DynamicCache):
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         _check_window(window)
-        if window is UNSET:
+        if window == UNSET:
             raise ValueError(f"window must be None (no relative-position bias) or an int >= 0 (K - 1), got {window!r}")
         super().__init__()
         self.layers = [LinearGPTCacheLayer(window) for _ in range(num_layers)]

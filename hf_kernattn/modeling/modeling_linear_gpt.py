@@ -237,7 +237,11 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         """``generate()`` builds no cache: ``forward`` builds the :class:`LinearGPTCache` (a
-        DynamicCache of recurrent-state layers), which generate then passes back."""
+        DynamicCache of recurrent-state layers), which generate then passes back. The cache
+        generate would build, ``DynamicCache(config=...)``, holds for a ``"linear_attention"``
+        layer type (the only recurrent one a config may declare) the stock
+        ``LinearAttentionLayer``, which counts no positions: ``get_seq_length()``, which
+        generate calls, refuses a cache of such layers only."""
         return False
 
 
@@ -293,7 +297,7 @@ def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> 
     if len(cache.layers) != cfg.num_hidden_layers:
         raise ValueError(f"past_key_values has {len(cache.layers)} layers, the model {cfg.num_hidden_layers}")
     window = cache.layers[0].window
-    if window is not UNSET and window != attn.window:
+    if window != UNSET and window != attn.window:
         def describe(w: Optional[int]) -> str:
             return (f"a relative-position window of {w} keys (rpe='learned', max_relative_position={w + 1})"
                     if w is not None else "no relative-position window (rpe='none')")
