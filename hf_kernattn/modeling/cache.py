@@ -13,9 +13,17 @@ Each layer's state lives in a :class:`LinearGPTCacheLayer`, a ``transformers``
 :class:`~transformers.cache_utils.LinearAttentionLayer` whose recurrent states are ``S``, ``z``
 and, with the bias, the window's keys and values: fixed shapes from the first token on (the
 window starts zero-filled: a zero key adds nothing), updated in place by ``copy_`` while
-decoding. What transformers' caches offer works on it: ``reset()``, ``reorder_cache(beam_idx)``
-(beam search), ``batch_repeat_interleave`` / ``batch_select_indices`` (expanding a returned
-state), ``offload()`` / ``prefetch()``, and the layer format ``cache.layers[i].recurrent_states``.
+decoding. The layers sit in a stock :class:`~transformers.DynamicCache` (what ``forward``
+returns is :class:`LinearGPTCache`, a ``DynamicCache`` that only builds them), so what
+transformers' caches offer works on it: ``reset()``, ``reorder_cache(beam_idx)`` (beam search),
+``batch_repeat_interleave`` / ``batch_select_indices`` (expanding a returned state),
+``get_seq_length()``, ``offload()`` / ``prefetch()``, and the layer format
+``cache.layers[i].recurrent_states``.
+
+Counters: each layer counts the positions folded into it, padding included
+(``get_seq_length()``, as transformers' key/value layers do); position ids come from the
+``(B, past + N)`` attention mask, as ``generate()`` passes it (and makes them), or follow
+``get_seq_length()`` without one.
 
 Left padding: padded positions have their keys and values zeroed before they enter ``S``, ``z``
 or the window, so they never count.
@@ -23,26 +31,56 @@ or the window, so they never count.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
-from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicCache,
+    LinearAttentionCacheLayerMixin,
+    LinearAttentionLayer,
+)
 
 from .kernels_common import AttentionState
 
+# the layer's window is not fixed yet: the first state stored decides it
+UNSET = "unset"
 
-class LinearGPTCacheLayer(LinearAttentionLayer):
+
+def _check_window(window: object) -> None:
+    if window != UNSET and window is not None and (
+        not isinstance(window, int) or isinstance(window, bool) or window < 0
+    ):
+        raise ValueError(f"window must be None (no relative-position bias) or an int >= 0 (K - 1), got {window!r}")
+
+
+class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
     """One layer's decoding state: recurrent states ``0`` = S ``(B, H, M, D)``, ``1`` = z
     ``(B, H, M)`` and, for a relative-position bias clipped at K (``window = K - 1``), ``2`` = the
     window's keys ``(B, H, K - 1, M)``, ``3`` = its values ``(B, H, K - 1, D)``.
 
+    A linear-attention layer that also counts the positions folded in (``get_seq_length()``,
+    padding included), so that the stock :class:`~transformers.cache_utils.Cache` answers
+    ``get_seq_length()`` / ``get_mask_sizes()`` from it as from a key/value layer. It holds no
+    keys and values (``update`` raises) and cannot be cropped: a recurrent state cannot forget
+    tokens.
+
     Args:
-        window: ``K - 1`` for a bias clipped at ``K``; None without a bias.
+        window: ``K - 1`` for a bias clipped at ``K``; None without a bias; left unset (the
+            default), the first state stored decides.
     """
 
-    def __init__(self, window: Optional[int] = None) -> None:
-        super().__init__(number_of_states=2 if window is None else 4)
+    # the recurrent states have static shapes, but Linear GPT's forward is not compiled as a
+    # whole graph (``_can_compile_fullgraph = False``): generate() must not compile it on its own
+    is_compileable = False
+
+    def __init__(self, window: Union[int, None, str] = UNSET, **kwargs) -> None:
+        _check_window(window)
+        super().__init__(number_of_states=4 if isinstance(window, int) else 2)
         self.window = window
+        # positions folded into the state, padding included (DynamicLayer's name for it)
+        self.cumulative_length = 0
         # the StateKind of the call that produced the state (kept with it, so that a call of
         # another kind, e.g. another model, refuses to continue it)
         self.state_kind = None
@@ -53,6 +91,23 @@ class LinearGPTCacheLayer(LinearAttentionLayer):
     @property
     def is_initialized(self) -> bool:
         return bool(self.has_previous_state[0])
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        """Rows of the state (None before the first tokens)."""
+        return int(self.recurrent_states[0].shape[0]) if self.is_recurrent_states_initialized[0] else None
+
+    def get_seq_length(self) -> int:
+        """Number of positions (padding included) already folded into the state."""
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise NotImplementedError(
+            f"{type(self).__name__} holds a recurrent state (get_state / set_state), not keys and values"
+        )
 
     def get_state(self) -> Optional[AttentionState]:
         """The state to continue from (None before the first tokens)."""
@@ -65,6 +120,10 @@ class LinearGPTCacheLayer(LinearAttentionLayer):
         updated in place (``kernelized_attention(..., in_place=True)``, decoding); others are
         copied in place into the layer's tensors, except while autograd records through it (training across calls), where the tensors are
         replaced so that the graph of the earlier call keeps the values it saw."""
+        if self.window == UNSET:  # the first state decides: with a window (4 tensors) or not (2)
+            self.window = None if len(state) < 3 or state[2] is None else int(state[2].shape[2])
+            if self.window is not None:
+                LinearAttentionCacheLayerMixin.__init__(self, number_of_states=4)
         tensors = state[: self.number_of_states]
         self.state_kind = getattr(state, "kind", None)
         self.device, self.dtype = tensors[0].device, tensors[0].dtype
@@ -96,10 +155,33 @@ class LinearGPTCacheLayer(LinearAttentionLayer):
         """Keep only the rows ``indices``."""
         self._apply_batch(lambda x: x[indices.to(x.device)])
 
+    def reset(self) -> None:
+        """Zero the states and the count (the tensors are kept for reuse)."""
+        super().reset()
+        self.cumulative_length = 0
 
-class LinearGPTCache(Cache):
-    """Per-layer recurrent states (:class:`LinearGPTCacheLayer`) plus the number of positions
-    seen (padding included) and, per row, of real tokens (the next position id).
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError(
+            "a Linear GPT decoding state cannot be cropped: a recurrent state cannot forget tokens "
+            "(assisted / speculative decoding is not supported)"
+        )
+
+
+def is_linear_gpt_cache(cache: object) -> bool:
+    """Whether ``cache`` is a transformers ``Cache`` of Linear GPT layers (a :class:`LinearGPTCache`,
+    or any cache built of :class:`LinearGPTCacheLayer`, also from another copy of this code)."""
+    layers = getattr(cache, "layers", None)
+    return isinstance(cache, Cache) and bool(layers) and all(
+        isinstance(layer, LinearAttentionCacheLayerMixin) and hasattr(layer, "get_state") and hasattr(layer, "set_state")
+        and hasattr(layer, "cumulative_length")
+        for layer in layers
+    )
+
+
+class LinearGPTCache(DynamicCache):
+    """The decoding state ``forward`` and ``generate()`` return: a stock
+    :class:`~transformers.DynamicCache` whose layers are :class:`LinearGPTCacheLayer`; everything
+    but building them is transformers' own.
 
     Args:
         num_layers: number of decoder layers.
@@ -110,99 +192,25 @@ class LinearGPTCache(Cache):
     def __init__(self, num_layers: int, window: Optional[int] = None) -> None:
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 0):
+        _check_window(window)
+        if window == UNSET:
             raise ValueError(f"window must be None (no relative-position bias) or an int >= 0 (K - 1), got {window!r}")
-        super().__init__(layers=[LinearGPTCacheLayer(window) for _ in range(num_layers)])
-        self.window = window
-        self.seen_tokens = 0
-        # per row: how many real (non-padded) tokens entered the state; gives the next position id.
-        self.real_tokens: Optional[torch.Tensor] = None
+        super().__init__()
+        self.layers = [LinearGPTCacheLayer(window) for _ in range(num_layers)]
+        self.layer_class_to_replicate = None
+
+    @property
+    def window(self) -> Union[int, None, str]:
+        return self.layers[0].window
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(layers={len(self.layers)}, seen_tokens={self.seen_tokens}, window={self.window})"
-
-    # ------------------------------------------------------------------ what generate() uses
-    @property
-    def is_compileable(self) -> bool:  # type: ignore[override]
-        return False
-
-    @property
-    def is_initialized(self) -> bool:  # type: ignore[override]
-        return self.seen_tokens > 0
-
-    @property
-    def is_croppable(self) -> bool:  # type: ignore[override]
-        return False
-
-    @property
-    def is_sliding(self) -> list[bool]:  # type: ignore[override]
-        return [False] * len(self.layers)
-
-    @property
-    def is_dummy(self) -> list[bool]:  # type: ignore[override]
-        return [False] * len(self.layers)
-
-    @property
-    def batch_size(self) -> Optional[int]:  # type: ignore[override]
-        return None if self.real_tokens is None else int(self.real_tokens.shape[0])
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Number of positions (padding included) already folded into the state."""
-        return self.seen_tokens
-
-    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
-        return -1
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:  # type: ignore[override]
-        return self.seen_tokens + query_length, 0
-
-    def advance(self, attention_mask_new: Optional[torch.Tensor], batch: int, num_tokens: int, device) -> None:
-        """Record ``num_tokens`` new positions; ``attention_mask_new`` ``(B, N)`` marks the real ones."""
-        if self.real_tokens is None:
-            self.real_tokens = torch.zeros(batch, dtype=torch.long, device=device)
-        if attention_mask_new is None:
-            self.real_tokens = self.real_tokens + num_tokens
-        else:
-            self.real_tokens = self.real_tokens + attention_mask_new.to(device=device, dtype=torch.long).sum(dim=-1)
-        self.seen_tokens += num_tokens
-
-    def _apply_to_counts(self, fn) -> None:
-        if self.real_tokens is not None:
-            self.real_tokens = fn(self.real_tokens)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: keep the rows ``beam_idx`` ``(B,)``."""
-        super().reorder_cache(beam_idx)
-        self._apply_to_counts(lambda x: x.index_select(0, beam_idx.to(x.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Repeat every row ``repeats`` times, as generate expands inputs."""
-        super().batch_repeat_interleave(repeats)
-        self._apply_to_counts(lambda x: x.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only the rows ``indices``."""
-        super().batch_select_indices(indices)
-        self._apply_to_counts(lambda x: x[indices.to(x.device)])
-
-    def reset(self) -> None:
-        """Forget everything (the object and its tensors can be reused for a new prompt)."""
-        super().reset()
-        self.seen_tokens = 0
-        self.real_tokens = None
-
-    def crop(self, max_length: int) -> None:  # type: ignore[override]
-        raise NotImplementedError(
-            "LinearGPTCache cannot be cropped: a recurrent state cannot forget tokens "
-            "(assisted / speculative decoding is not supported)"
-        )
+        return f"{type(self).__name__}(layers={len(self.layers)}, seen_tokens={self.get_seq_length()}, window={self.window})"
 
     def copy(self) -> "LinearGPTCache":
         """An independent copy (states are small: no context-length dimension)."""
         new = LinearGPTCache(len(self.layers), self.window)
-        new.seen_tokens = self.seen_tokens
-        new.real_tokens = None if self.real_tokens is None else self.real_tokens.clone()
         for src, dst in zip(self.layers, new.layers):
+            dst.cumulative_length = src.cumulative_length
             state = src.get_state()
             if state is not None:
                 dst.set_state(AttentionState(*(None if x is None else x.clone() for x in state), kind=state.kind))

@@ -38,7 +38,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from .attention import KernelizedSelfAttention
 from .dispatch import get_backend
-from .cache import LinearGPTCache, LinearGPTCacheLayer
+from .cache import UNSET, LinearGPTCache, LinearGPTCacheLayer, is_linear_gpt_cache
 from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin  # noqa: F401  (apply_rotary: public here)
@@ -236,7 +236,12 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        """The state is recurrent: ``forward`` builds a :class:`LinearGPTCache`, never a DynamicCache."""
+        """``generate()`` builds no cache: ``forward`` builds the :class:`LinearGPTCache` (a
+        DynamicCache of recurrent-state layers), which generate then passes back. The cache
+        generate would build, ``DynamicCache(config=...)``, holds for a ``"linear_attention"``
+        layer type (the only recurrent one a config may declare) the stock
+        ``LinearAttentionLayer``, which counts no positions: ``get_seq_length()``, which
+        generate calls, refuses a cache of such layers only."""
         return False
 
 
@@ -275,6 +280,15 @@ def _normalize_attention_mask(
     return (attention_mask != 0).long()
 
 
+def _refuse_foreign_cache(past_key_values: object) -> None:
+    """``TypeError`` unless ``past_key_values`` is None or a cache of Linear GPT layers."""
+    if past_key_values is not None and not is_linear_gpt_cache(past_key_values):
+        raise TypeError(
+            "past_key_values must be a LinearGPTCache (the state returned by this model) or None, got "
+            f"{type(past_key_values).__name__}; Linear GPT keeps a recurrent state, not keys and values"
+        )
+
+
 def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> None:
     """``ValueError`` unless ``cache`` was made by a model of this layout (layers, relative-position
     window, heads, feature size, head size) for this batch. Shape checks only: no host sync."""
@@ -282,16 +296,18 @@ def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> 
     attn = model.h[0].attn
     if len(cache.layers) != cfg.num_hidden_layers:
         raise ValueError(f"past_key_values has {len(cache.layers)} layers, the model {cfg.num_hidden_layers}")
-    if cache.window != attn.window:
+    window = cache.layers[0].window
+    if window != UNSET and window != attn.window:
         def describe(w: Optional[int]) -> str:
             return (f"a relative-position window of {w} keys (rpe='learned', max_relative_position={w + 1})"
                     if w is not None else "no relative-position window (rpe='none')")
         raise ValueError(
-            f"past_key_values was made by a model with {describe(cache.window)}; this model has "
+            f"past_key_values was made by a model with {describe(window)}; this model has "
             f"{describe(attn.window)}: a decoding state only continues in the model that made it"
         )
-    if cache.batch_size is not None and cache.batch_size != batch:
-        raise ValueError(f"past_key_values holds a batch of {cache.batch_size} rows, the inputs have {batch}")
+    rows = cache.layers[0].batch_size
+    if rows is not None and rows != batch:
+        raise ValueError(f"past_key_values holds a batch of {rows} rows, the inputs have {batch}")
     state = cache.layers[0].get_state()
     want = (attn.num_heads, attn.feature_map.num_features, attn.head_dim)
     if state is not None and tuple(state.kv.shape[1:]) != want:
@@ -344,8 +360,12 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         """Args:
             input_ids: ``(B, N)`` token ids (or ``inputs_embeds`` ``(B, N, C)``, not both).
             attention_mask: ``(B, past + N)`` or ``(B, N)``, 1 keep, 0 padding (left padding).
-            position_ids: ``(B, N)``; by default counted over real tokens (padding skipped).
-            past_key_values: a :class:`LinearGPTCache` from an earlier call, or None.
+            position_ids: ``(B, N)``; by default counted over real tokens along the mask (padding
+                skipped; ``generate()`` passes them so); a mask of the N new tokens only, or none,
+                counts from ``past_key_values.get_seq_length()`` (padding of earlier calls
+                included): continue a left-padded batch with its ``(B, past + N)`` mask.
+            past_key_values: a :class:`LinearGPTCache` from an earlier call (or any transformers
+                ``Cache`` built of :class:`~cache.LinearGPTCacheLayer`), or None.
             use_cache: return the updated state (default ``config.use_cache``).
             output_hidden_states: also return every layer's input and the final output.
             output_attentions: must be False/None (there are no attention weights).
@@ -378,15 +398,13 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             raise ValueError(
                 f"input_ids / inputs_embeds must have batch >= 1 and seq >= 1, got batch={batch}, seq={n}"
             )
-        if past_key_values is not None and not isinstance(past_key_values, LinearGPTCache):
-            raise TypeError(
-                "past_key_values must be a LinearGPTCache (the state returned by this model) or None, got "
-                f"{type(past_key_values).__name__}; Linear GPT keeps a recurrent state, not keys and values"
-            )
+        _refuse_foreign_cache(past_key_values)
         if past_key_values is not None:
             _check_cache(past_key_values, self, batch)
         # one-token steps from an existing state skip value checks (no host sync per decoded token)
-        check_values = eager_checks() and not (past_key_values is not None and past_key_values.is_initialized and n == 1)
+        check_values = eager_checks() and not (
+            past_key_values is not None and past_key_values.get_seq_length() > 0 and n == 1
+        )
         if input_ids is not None:
             if check_values and (int(input_ids.min()) < 0 or int(input_ids.max()) >= cfg.vocab_size):
                 raise ValueError(f"input_ids must lie in [0, vocab_size={cfg.vocab_size}), got values in "
@@ -405,11 +423,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         mask_new = None if mask is None else mask[:, -n:]
         given_positions = position_ids is not None
         if position_ids is None:
-            if mask is not None and mask.shape[1] == past + n and (cache is None or past == 0 or cache.real_tokens is None):
-                position_ids = (mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
-            elif cache is not None and cache.real_tokens is not None:
-                step = mask_new if mask_new is not None else torch.ones(batch, n, dtype=torch.long, device=inputs_embeds.device)
-                position_ids = (cache.real_tokens[:, None] + step.cumsum(-1) - 1).clamp(min=0)
+            # as generate() makes them: real tokens counted along the (past + N) mask; a mask of the
+            # N new tokens only counts from past (the earlier calls' padding included)
+            if mask is not None:
+                position_ids = ((past if mask.shape[1] == n else 0) + mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
             else:
                 position_ids = torch.arange(past, past + n, device=inputs_embeds.device)[None].expand(batch, n)
         elif not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != n:
@@ -456,7 +473,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if all_hidden is not None:
             all_hidden.append(hidden)
         if cache is not None:
-            cache.advance(mask_new, batch, n, hidden.device)
+            for layer in cache.layers:
+                layer.cumulative_length += n
         out_cache = cache if use_cache else None
         if not return_dict:
             return tuple(x for x in (hidden, out_cache, all_hidden) if x is not None)
@@ -491,11 +509,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         ``input_ids``, or cover ``past + input`` when continuing from a state)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         past = kwargs.get("past_key_values")
-        if past is not None and not isinstance(past, LinearGPTCache):
-            raise TypeError(
-                "past_key_values must be a LinearGPTCache (the state returned by this model) or None, got "
-                f"{type(past).__name__}; Linear GPT keeps a recurrent state, not keys and values"
-            )
+        _refuse_foreign_cache(past)
         mask = kwargs.get("attention_mask")
         if mask is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             if not isinstance(mask, torch.Tensor) or mask.dim() != 2:

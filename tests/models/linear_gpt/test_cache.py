@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.cache_utils import LinearAttentionLayer
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, LinearAttentionLayer
 
 from hf_kernattn import LinearGPTForCausalLM
 from hf_kernattn.modeling.cache import LinearGPTCache, LinearGPTCacheLayer
@@ -110,3 +111,35 @@ def test_a_copy_is_independent_and_bad_arguments_are_refused():
     with pytest.raises(NotImplementedError, match="cannot be cropped"):
         cache.crop(3)
     assert LinearGPTCacheLayer().get_state() is None
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_state_is_a_stock_dynamic_cache_whose_layers_count_the_positions(variant):
+    """What forward returns is a transformers DynamicCache: the stock get_seq_length /
+    get_mask_sizes answer from the layers' counts (padding included), and a plain stock Cache
+    built of Linear GPT layers (window left to the first state) serves the model as well."""
+    model = _model(variant)
+    ids = _ids()
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :2] = 0  # row 0 left-padded
+    with torch.no_grad():
+        cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).past_key_values
+        assert type(cache).__mro__[1] is DynamicCache and isinstance(cache, LinearGPTCache)
+        assert cache.get_seq_length() == 5 and cache.get_mask_sizes(2, 0) == (7, 0)
+        assert [layer.get_seq_length() for layer in cache.layers] == [5, 5]
+        stock = Cache(layers=[LinearGPTCacheLayer() for _ in cache.layers])
+        got = [model(ids[:, :5], attention_mask=mask[:, :5], past_key_values=stock).logits]
+        want = [model(ids[:, :5], attention_mask=mask[:, :5], use_cache=False).logits]
+        for t in range(5, 7):
+            got.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=stock).logits)
+            want.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
+        assert stock.get_seq_length() == cache.get_seq_length() == 7
+        window = 2 if variant == "rpe" else None  # K - 1, taken from the first state
+        assert [layer.window for layer in stock.layers] == [window, window]
+        assert stock.layers[0].number_of_states == (4 if variant == "rpe" else 2)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    with pytest.raises(NotImplementedError, match="recurrent state"):
+        cache.layers[0].update(torch.zeros(1), torch.zeros(1))
+    with pytest.raises(TypeError, match="past_key_values must be a LinearGPTCache"):
+        model(ids[:, :1], past_key_values=DynamicCache(config=model.config))
