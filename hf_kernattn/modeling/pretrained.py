@@ -33,7 +33,7 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
 from .attention_config import CONFIG_ATTENTIONS_IGNORED, NO_ATTENTION_WEIGHTS
-from .feature_maps import FeatureMap
+from .feature_maps import LEARNED_WEIGHTS, FeatureMap
 
 logger = logging.get_logger(__name__)
 
@@ -136,10 +136,11 @@ class KernelizedPreTrainedModel(PreTrainedModel):
     @torch.no_grad()
     def _init_feature_map(self, module: FeatureMap) -> None:
         """Set the random-feature state of ``module``: draw 0 of its seed and zero counters for
-        every buffer that was not loaded from a checkpoint (loaded ones are kept)."""
+        every buffer that was not loaded from a checkpoint, and the identity-like initial weights
+        of a learned map where they were not loaded (loaded ones are kept)."""
         loaded = {
             name: buf.clone()
-            for name in FEATURE_BUFFERS
+            for name in FEATURE_BUFFERS + LEARNED_WEIGHTS
             if (buf := getattr(module, name, None)) is not None and getattr(buf, "_is_hf_initialized", False)
         }
         module.init_features()
