@@ -127,11 +127,25 @@ class KernelizedPreTrainedModel(PreTrainedModel):
     checkpoints without random-feature buffers, and the refusal of ``output_attentions``."""
 
     supports_gradient_checkpointing = True
+    # The linear layers LoRA (PEFT's ``LoraConfig(target_modules=...)``) adapts, by part, as the
+    # last component of their module names: the attention's projections (every family's
+    # ``KernelizedSelfAttention``) and the family's MLP layers (``lora_mlp_modules``).
+    lora_attention_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_mlp_modules: tuple[str, ...] = ()
     # Kernelized attention is its own attention: no eager/SDPA/flash switch, no attention weights.
     _supports_attention_backend = False
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
+
+    def lora_target_modules(self, attention: bool = True, mlp: bool = True) -> list[str]:
+        """The names to pass as PEFT's ``LoraConfig(target_modules=...)``: the attention
+        projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) with ``attention`` and the
+        MLP's linear layers with ``mlp`` (those this model has), each the last component of the
+        module names (how PEFT matches a list). Heads, poolers and embeddings are not included."""
+        wanted = (self.lora_attention_modules if attention else ()) + (self.lora_mlp_modules if mlp else ())
+        present = {name.rsplit(".", 1)[-1] for name, module in self.named_modules() if isinstance(module, torch.nn.Linear)}
+        return [name for name in wanted if name in present]
 
     @torch.no_grad()
     def _init_feature_map(self, module: FeatureMap) -> None:
