@@ -127,9 +127,10 @@ def feature_size(feature_map: str, num_random_features: int, head_dim: int,
     return head_dim
 
 
-def identity_like(heads: int, head_dim: int, width: int) -> torch.Tensor:
-    """``(heads, d, m)``: ``I_{d x m}`` per head, the learned maps' initial weights."""
-    return torch.eye(head_dim, width, dtype=torch.float32).expand(heads, head_dim, width).clone()
+def identity_like(heads: int, head_dim: int, width: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``(heads, d, m)``: ``I_{d x m}`` per head, the learned maps' initial weights (``dtype``
+    None: torch's default dtype, as for the other parameters a model builds)."""
+    return torch.eye(head_dim, width, dtype=dtype or torch.get_default_dtype()).expand(heads, head_dim, width).clone()
 
 
 def learned_feature_map_reference(x: torch.Tensor, weight: torch.Tensor, kind: str, is_query: bool,
