@@ -53,8 +53,7 @@ def lora_config(model: Any, *, attention: bool = True, mlp: bool = True, **kwarg
     except ImportError as err:
         raise ImportError("LoRA needs PEFT: pip install 'hf-kernattn[peft]' (or pip install peft)") from err
     kwargs.setdefault("target_modules", lora_target_modules(model, attention=attention, mlp=mlp))
-    if "task_type" not in kwargs and callable(getattr(model, "prepare_inputs_for_generation", None)) \
-            and hasattr(model, "lm_head"):
+    if "task_type" not in kwargs and callable(getattr(model, "can_generate", None)) and model.can_generate():
         kwargs["task_type"] = "CAUSAL_LM"
     heads = [name for name in HEAD_MODULES if any(True for _ in getattr(getattr(model, name, None), "parameters", list)())]
     if heads and "modules_to_save" not in kwargs:

@@ -57,6 +57,10 @@ def test_target_modules_by_part_and_refusals():
     config = hf_kernattn.lora_config(model, r=4)
     assert set(config.target_modules) == {"q_proj", "k_proj", "v_proj", "o_proj", "c_fc", "c_proj"}
     assert config.task_type == "CAUSAL_LM" and config.r == 4
+    mlm = hf_kernattn.NPRFBertForMaskedLM(tiny_nprf_bert_config())
+    assert hf_kernattn.lora_config(mlm).task_type is None and hf_kernattn.lora_config(mlm).modules_to_save is None
+    classifier = NPRFBertForSequenceClassification(tiny_nprf_bert_config(num_labels=2))
+    assert hf_kernattn.lora_config(classifier, mlp=False).modules_to_save == ["classifier"]
 
 
 def _train_adapt_merge(family: str, folder) -> dict:
