@@ -13,9 +13,11 @@ layers: ``c_fc``/``c_proj`` (Linear GPT, ``mlp_type="standard"``), ``gate_proj``
     merged = model.merge_and_unload()   # the family's own class again, LoRA folded into the weights
     merged.save_pretrained(out_dir)     # loads with trust_remote_code=True without hf-kernattn
 
-The learned feature maps (``feature_map="hedgehog"``/``"hedgehog_exp"``) are no linear layers:
-train them with the adapters by listing their weights' modules in ``modules_to_save`` or, as
-attention transfer does, before LoRA.
+The learned feature maps (``feature_map="hedgehog"``/``"hedgehog_exp"``) are no linear layers
+and stay frozen under LoRA; to train them with the adapters, pass
+``modules_to_save=["feature_map"]`` (PEFT then trains and saves a copy of every layer's map, and
+``merge_and_unload`` puts the trained maps in the merged model), or train them before LoRA, as
+attention transfer does.
 """
 
 from __future__ import annotations

@@ -63,6 +63,10 @@ def test_target_modules_by_part_and_refusals():
     assert hf_kernattn.lora_config(classifier, mlp=False).modules_to_save == ["classifier"]
 
 
+# LoraConfig arguments beyond the defaults: the Llama-style model trains its learned feature maps too
+LORA_KWARGS = {"linear_gpt_llama_style": {"modules_to_save": ["feature_map"]}}
+
+
 def _train_adapt_merge(family: str, folder) -> dict:
     """LoRA-wrap the family's tiny model, train three steps (only adapters and new heads get
     gradients; the loss falls), save the adapter and reload it onto a fresh base (same logits),
@@ -73,7 +77,7 @@ def _train_adapt_merge(family: str, folder) -> dict:
     base = cls(make_config()).eval()
     assert hf_kernattn.lora_target_modules(base) == targets
     before = {k: v.clone() for k, v in base.state_dict().items()}
-    model = peft.get_peft_model(base, hf_kernattn.lora_config(base, r=4, lora_alpha=8))
+    model = peft.get_peft_model(base, hf_kernattn.lora_config(base, r=4, lora_alpha=8, **LORA_KWARGS.get(family, {})))
     adapted = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if hasattr(m, "lora_A")}
     assert adapted == set(targets)
     batch = make_inputs(torch.Generator().manual_seed(1))
@@ -107,6 +111,9 @@ def _train_adapt_merge(family: str, folder) -> dict:
     # merged: the family's own class again, saved Hub-ready
     merged = model.merge_and_unload().eval()
     assert type(merged) is cls and not any("lora_" in k for k in merged.state_dict())
+    maps = [k for k in merged.state_dict() if k.endswith("feature_map.query_weight")]
+    trained_maps = any(not torch.equal(merged.state_dict()[k], before[k]) for k in maps)
+    assert trained_maps == ("feature_map" in LORA_KWARGS.get(family, {}).get("modules_to_save", ())), family
     with torch.no_grad():
         got = merged(**eval_batch).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # folding B A into W rounds once per weight
