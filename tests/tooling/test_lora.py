@@ -7,10 +7,10 @@ the same outputs, and a LoRA-wrapped Linear GPT generates what its merged model 
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
-import transformers
 
 import hf_kernattn
 from hf_kernattn import LinearGPTForCausalLM, NPRFBertForSequenceClassification, RelativePerformerViTForImageClassification
@@ -61,6 +61,10 @@ def test_target_modules_by_part_and_refusals():
     assert hf_kernattn.lora_config(mlm).task_type is None and hf_kernattn.lora_config(mlm).modules_to_save is None
     classifier = NPRFBertForSequenceClassification(tiny_nprf_bert_config(num_labels=2))
     assert hf_kernattn.lora_config(classifier, mlp=False).modules_to_save == ["classifier"]
+    with pytest.MonkeyPatch.context() as patch:  # without PEFT: the error names the extra
+        patch.setitem(sys.modules, "peft", None)
+        with pytest.raises(ImportError, match=r"hf-kernattn\[peft\]"):
+            hf_kernattn.lora_config(model)
 
 
 # LoraConfig arguments beyond the defaults: the Llama-style model trains its learned feature maps too
