@@ -68,6 +68,9 @@ from . import drop_in as drop_in  # noqa: E402
 
 drop_in.register()
 
+# LoRA through PEFT (an optional dependency: imported only when a LoraConfig is built)
+from .lora import lora_config, lora_target_modules  # noqa: E402
+
 _NPRF_BERT_ALL = [
     "NPRFBertConfig",
     "NPRFBertForMaskedLM",
@@ -96,6 +99,8 @@ __all__ = [
     "feature_maps_step",
     "get_backend",
     "kernelized_attention",
+    "lora_config",
+    "lora_target_modules",
     "register_backend",
 ]
 __all__ += _NPRF_BERT_ALL  # NPRF-BERT

@@ -31,6 +31,7 @@ AUTO_CLASSES = {
 }
 ATTENTION_FIELDS = (
     ("feature map", "feature_map"), ("random features per head", "num_random_features"),
+    ("learned features per head", "num_learned_features"),
     ("l2-normalised q/k", "normalize_qk"), ("relative positions", "rpe"),
     ("clipping distance K", "max_relative_position"), ("attention backend", "attn_backend"),
 )
@@ -90,8 +91,10 @@ def render_model_card(
         eval_results=eval_results or None,
     )
     skip = set()
-    if getattr(config, "feature_map", None) in ("elu", "relu"):
-        skip.add("num_random_features")  # deterministic maps: no random features
+    if getattr(config, "feature_map", None) not in ("prf", "trf"):
+        skip.add("num_random_features")  # deterministic and learned maps: no random features
+    if getattr(config, "feature_map", None) not in ("hedgehog", "hedgehog_exp"):
+        skip.add("num_learned_features")
     if getattr(config, "rpe", "none") in ("none", "absolute"):
         skip.add("max_relative_position")
     settings = [(label, f"`{getattr(config, field)}`") for label, field in ATTENTION_FIELDS

@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from .modeling.dispatch import kernelized_attention
-from .modeling.feature_maps import FEATURE_MAPS, PROJECTIONS, FeatureMap
+from .modeling.feature_maps import FEATURE_MAPS, LEARNED_FEATURE_MAPS, PROJECTIONS, FeatureMap
 
 ATTENTION_NAME = "kernelized"
 
@@ -62,7 +62,13 @@ class DropInOptions:
     seed: int = 0
 
     def check(self) -> None:
-        maps = tuple(FEATURE_MAPS) + ("exact",)
+        maps = tuple(m for m in FEATURE_MAPS if m not in LEARNED_FEATURE_MAPS) + ("exact",)
+        if self.feature_map in LEARNED_FEATURE_MAPS:
+            raise ValueError(
+                f"feature_map={self.feature_map!r} is a learned map: its weights are parameters of a model's "
+                f"attention layers, which the drop-in does not add to a stock model; use one of {list(maps)}, or "
+                "convert the model to an hf-kernattn family (hf-kernattn convert) and set feature_map there"
+            )
         if self.feature_map not in maps:
             raise ValueError(f"feature_map must be one of {list(maps)}, got {self.feature_map!r}")
         if isinstance(self.num_random_features, bool) or not isinstance(self.num_random_features, int) \

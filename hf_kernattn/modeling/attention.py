@@ -7,7 +7,7 @@ Families differ only in what they pass in: NPRF-BERT a 1D bias and a padding mas
 ``causal=True`` (and its decoding state, built from :meth:`KernelizedSelfAttention.project`),
 the ViT a 2D bias on the patch grid. The module reads the shared attention fields of the config
 (``feature_map``, ``num_random_features``, ``feature_projection``, ``normalize_qk``,
-``feature_redraw_interval``, ``feature_seed``, ``attn_backend``, ``attention_eps``,
+``feature_redraw_interval``, ``feature_seed``, ``num_learned_features``, ``attn_backend``, ``attention_eps``,
 ``attention_bias``, ``recompute_attention``), documented and checked once in
 ``attention_config.py``, and ``num_key_value_heads`` where the family has it (grouped-query
 attention: ``G = H / H_kv`` query heads share one key/value head; the key features and values
@@ -78,6 +78,9 @@ class KernelizedSelfAttention(nn.Module):
             normalize_qk=config.normalize_qk,
             redraw_interval=config.feature_redraw_interval,
             seed=int(config.feature_seed) + 1000 * layer_idx,
+            num_learned_features=config.num_learned_features,
+            num_heads=heads,
+            num_key_value_heads=kv_heads,
         )
         # what a family configures: Llama's rotary positions before the feature map (``rope``) or
         # rotations of the features (``rotary``), a bias table of its own (``rpe``, a module with

@@ -154,7 +154,12 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
         "feature_map", "elu",
         "the feature map phi applied to queries and keys (``feature_maps.py``): ``\"elu\"`` "
         "(elu(x) + 1, Katharopoulos et al. 2020), ``\"relu\"``, ``\"prf\"`` (positive random "
-        "features, Choromanski et al. 2021) or ``\"trf\"`` (trigonometric random features).",
+        "features, Choromanski et al. 2021), ``\"trf\"`` (trigonometric random features), or a "
+        "learned map (Hedgehog, Zhang et al. 2024): per head a learned projection z = W x (queries "
+        "and keys each their own W of shape (d, m), initialised to the identity I_{d x m}), then "
+        "``\"hedgehog\"``: [softmax(z), softmax(-z)] or ``\"hedgehog_exp\"``: [exp(z - c), "
+        "exp(-z - c)] (c: the query's max |z_m|, 0 for keys), 2m features; their weights are "
+        "parameters, saved and trained with the model.",
         choice(FEATURE_MAPS),
     ),
     ConfigField(
@@ -162,6 +167,12 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
         "m, random features per head of ``\"prf\"`` (feature size m) and ``\"trf\"`` (2m); an int "
         ">= 1, unused by the deterministic maps.",
         int_at_least(1),
+    ),
+    ConfigField(
+        "num_learned_features", None,
+        "m, the width of the learned projection per head of ``\"hedgehog\"`` and "
+        "``\"hedgehog_exp\"`` (feature size 2m); None: the head size. Unused by the other maps.",
+        optional(int_at_least(1)),
     ),
     ConfigField(
         "feature_projection", "orthogonal",

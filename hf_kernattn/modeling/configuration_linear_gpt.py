@@ -120,7 +120,7 @@ def complete_and_check(values: dict) -> None:
     if positions == "rotary":
         if rpe != "none":
             raise ValueError("position_embedding_type='rotary' cannot be combined with rpe='learned'; pick one")
-        m = feature_size(values["feature_map"], values["num_random_features"], head_size)
+        m = feature_size(values["feature_map"], values["num_random_features"], head_size, values["num_learned_features"])
         if m % 2:
             raise ValueError(f"position_embedding_type='rotary' needs an even feature size, got {m}")
     if positions == "rope" and head_size % 2:

@@ -39,6 +39,30 @@ A key outside the range raises ``ValueError`` (checked in eager mode; not while 
 exporting, where no data-dependent check runs). ``normalize_qk=True`` puts every input on the
 unit sphere, always in range.
 
+Learned maps (Hedgehog, Zhang et al. 2024, "The Hedgehog & the Porcupine"; the form LoLCATs
+trains by attention transfer). Per head h a learned projection ``W_h`` of shape ``(d, m)``
+(queries and keys have their own: ``query_weight (H, d, m)``, ``key_weight (H_kv, d, m)``),
+``z = x W_h`` (after the l2 normalisation of ``normalize_qk``; no bias, no prescale: ``W`` absorbs
+any scale), then a positive map of ``z`` and ``-z``, so M = 2m:
+
+* ``hedgehog``     : ``phi(x) = [softmax(z), softmax(-z)]``, each softmax over the m features.
+  The same formula for queries and keys: every feature lies in (0, 1] and each half sums to 1,
+  so every input is in range. The per-row normalisation is part of the map (for keys it is no
+  stabiliser: a per-key factor does not cancel).
+* ``hedgehog_exp`` : ``phi(x) = [exp(z - c), exp(-z - c)]``, Hedgehog's exponential form with a
+  stabiliser ``c`` that cancels between numerator and denominator. Queries: ``c = max_m |z_m|``
+  of that query's row (a per-query factor; a constant for the gradient), so every query feature
+  is at most 1. Keys: ``c = 0``, one constant shared by every key of every call and decoding
+  step (a per-key max would not cancel, and a max over the keys would read future keys and
+  change between decoding steps); a key must then satisfy ``max_m |z_m| <= KEY_MAX_LOG_SCALE``
+  (60 in float32, 600 in float64), checked as for the random maps below.
+
+Both are initialised identity-like, as LoLCATs initialises its Hedgehog maps:
+``W_h = I_{d x m}`` (ones on the diagonal, zeros elsewhere), so a fresh ``hedgehog`` map with
+m = d is ``[softmax(x), softmax(-x)]``. m is ``num_learned_features`` (default: d). The weights
+are parameters (saved with the model, trained with it); :func:`learned_feature_map_reference`
+is the plain per-head form of the same formulas.
+
 Projections are persistent buffers (saved with the model), drawn from ``seed`` and redrawn
 only in training mode, every ``redraw_interval`` calls of :meth:`FeatureMap.step` (0: never).
 The draw number is a buffer too, so a reloaded model continues the same sequence of draws.
@@ -59,17 +83,25 @@ from torch import nn
 
 from .kernels_common import full_precision
 
-FEATURE_MAPS = ("elu", "relu", "prf", "trf")
-PROJECTIONS = ("gaussian", "orthogonal", "sphere")
 RANDOM_FEATURE_MAPS = ("prf", "trf")
+LEARNED_FEATURE_MAPS = ("hedgehog", "hedgehog_exp")
+FEATURE_MAPS = ("elu", "relu") + RANDOM_FEATURE_MAPS + LEARNED_FEATURE_MAPS
+PROJECTIONS = ("gaussian", "orthogonal", "sphere")
+# the parameters of a learned map (beside the random-feature buffers)
+LEARNED_WEIGHTS = ("query_weight", "key_weight")
 
 
 def check_feature_map_args(
-    feature_map: str, projection: str, num_random_features: int, head_dim: int, redraw_interval: int
+    feature_map: str, projection: str, num_random_features: int, head_dim: int, redraw_interval: int,
+    num_learned_features: Optional[int] = None,
 ) -> None:
     """Raise ``ValueError`` naming the bad argument and the allowed values."""
     if feature_map not in FEATURE_MAPS:
         raise ValueError(f"feature_map must be one of {list(FEATURE_MAPS)}, got {feature_map!r}")
+    if num_learned_features is not None and (
+        isinstance(num_learned_features, bool) or not isinstance(num_learned_features, int) or num_learned_features < 1
+    ):
+        raise ValueError(f"num_learned_features must be None (the head size) or an int >= 1, got {num_learned_features!r}")
     if projection not in PROJECTIONS:
         raise ValueError(f"feature_projection must be one of {list(PROJECTIONS)}, got {projection!r}")
     if not isinstance(head_dim, int) or head_dim < 1:
@@ -82,13 +114,45 @@ def check_feature_map_args(
         raise ValueError(f"feature_redraw_interval must be an int >= 0 (0 = never redraw), got {redraw_interval!r}")
 
 
-def feature_size(feature_map: str, num_random_features: int, head_dim: int) -> int:
-    """M, the feature dimension a map produces: m for prf, 2m for trf, d for elu and relu."""
+def feature_size(feature_map: str, num_random_features: int, head_dim: int,
+                 num_learned_features: Optional[int] = None) -> int:
+    """M, the feature dimension a map produces: m for prf, 2m for trf, 2m for the learned maps
+    (m = ``num_learned_features``, None: d), d for elu and relu."""
     if feature_map == "prf":
         return num_random_features
     if feature_map == "trf":
         return 2 * num_random_features
+    if feature_map in LEARNED_FEATURE_MAPS:
+        return 2 * (num_learned_features or head_dim)
     return head_dim
+
+
+def identity_like(heads: int, head_dim: int, width: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``(heads, d, m)``: ``I_{d x m}`` per head, the learned maps' initial weights (``dtype``
+    None: torch's default dtype, as for the other parameters a model builds)."""
+    return torch.eye(head_dim, width, dtype=dtype or torch.get_default_dtype()).expand(heads, head_dim, width).clone()
+
+
+def learned_feature_map_reference(x: torch.Tensor, weight: torch.Tensor, kind: str, is_query: bool,
+                                  normalize_qk: bool = False) -> torch.Tensor:
+    """The learned maps written plainly, one head at a time (the reference of
+    :class:`FeatureMap`'s batched form): ``x (B, H, N, d)``, ``weight (H or 1, d, m)`` ->
+    ``(B, H, N, 2m)``. ``hedgehog``: ``[softmax(z), softmax(-z)]``; ``hedgehog_exp``:
+    ``[exp(z - c), exp(-z - c)]`` with ``c = max_m |z_m|`` for queries (detached) and 0 for keys."""
+    if normalize_qk:
+        x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(_NORM_EPS)
+    heads = []
+    for h in range(x.shape[1]):
+        z = x[:, h] @ weight[h if weight.shape[0] > 1 else 0]
+        if kind == "hedgehog":
+            pos, neg = torch.exp(z - z.max(-1, keepdim=True).values), torch.exp(-z - (-z).max(-1, keepdim=True).values)
+            heads.append(torch.cat([pos / pos.sum(-1, keepdim=True), neg / neg.sum(-1, keepdim=True)], dim=-1))
+        elif kind == "hedgehog_exp":
+            c = z.detach().abs().max(-1, keepdim=True).values if is_query else torch.zeros_like(z[..., :1])
+            heads.append(torch.cat([torch.exp(z - c), torch.exp(-z - c)], dim=-1))
+        else:
+            raise ValueError(f"kind must be one of {list(LEARNED_FEATURE_MAPS)}, got {kind!r}")
+    return torch.stack(heads, dim=1)
 
 
 def draw_projection(
@@ -196,6 +260,10 @@ class FeatureMap(nn.Module):
         normalize_qk: l2-normalise inputs first (NPRF).
         redraw_interval: redraw the projection every this many training steps; 0 never.
         seed: seed of the first draw; draw ``t`` uses ``seed + t``.
+        num_learned_features: m of the learned maps (M = 2m); None: ``head_dim``.
+        num_heads: query heads H, each with its own learned weights (learned maps only; None:
+            one weight shared by every head).
+        num_key_value_heads: key heads (grouped-query attention); None: ``num_heads``.
     """
 
     def __init__(
@@ -207,9 +275,16 @@ class FeatureMap(nn.Module):
         normalize_qk: bool = False,
         redraw_interval: int = 0,
         seed: int = 0,
+        num_learned_features: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        num_key_value_heads: Optional[int] = None,
     ) -> None:
         super().__init__()
-        check_feature_map_args(feature_map, projection, num_random_features, head_dim, redraw_interval)
+        check_feature_map_args(feature_map, projection, num_random_features, head_dim, redraw_interval,
+                               num_learned_features)
+        for name, value in (("num_heads", num_heads), ("num_key_value_heads", num_key_value_heads)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {value!r}")
         self.head_dim = head_dim
         self.kind = feature_map
         self.num_random_features = num_random_features
@@ -217,6 +292,12 @@ class FeatureMap(nn.Module):
         self.normalize_qk = bool(normalize_qk)
         self.redraw_interval = redraw_interval
         self.seed = int(seed)
+        self.num_learned_features = num_learned_features or head_dim
+        if self.is_learned:
+            q_heads = num_heads or 1
+            k_heads = (num_key_value_heads or num_heads or 1) if num_heads else 1
+            self.query_weight = nn.Parameter(identity_like(q_heads, head_dim, self.num_learned_features))
+            self.key_weight = nn.Parameter(identity_like(k_heads, head_dim, self.num_learned_features))
         if self.is_random:
             self.register_buffer("projection", self._draw(0), persistent=True)
         else:
@@ -230,9 +311,13 @@ class FeatureMap(nn.Module):
         return self.kind in RANDOM_FEATURE_MAPS
 
     @property
+    def is_learned(self) -> bool:
+        return self.kind in LEARNED_FEATURE_MAPS
+
+    @property
     def num_features(self) -> int:
         """M, the size of the feature dimension."""
-        return feature_size(self.kind, self.num_random_features, self.head_dim)
+        return feature_size(self.kind, self.num_random_features, self.head_dim, self.num_learned_features)
 
     def _draw(self, index: int) -> torch.Tensor:
         gen = torch.Generator(device="cpu").manual_seed(self.seed + index)
@@ -246,9 +331,13 @@ class FeatureMap(nn.Module):
         Writes into the existing buffers in place (under ``torch.no_grad``), keeping their
         device and dtype, so it works after ``to_empty()`` on a model built on the meta device
         and on buffers left holding uninitialised memory. A projection buffer of another shape
-        (e.g. loaded with mismatched sizes) is replaced by one of the right shape. Deterministic
-        maps (``elu``, ``relu``) only reset the counters.
+        (e.g. loaded with mismatched sizes) is replaced by one of the right shape. Learned maps
+        set their weights to ``I_{d x m}`` per head (in place). Deterministic maps (``elu``,
+        ``relu``) only reset the counters.
         """
+        if self.is_learned:
+            for weight in (self.query_weight, self.key_weight):
+                weight.copy_(identity_like(weight.shape[0], weight.shape[1], weight.shape[2]).to(dtype=weight.dtype))
         if self.is_random:
             w = self._draw(0)
             p = self.projection
@@ -282,6 +371,9 @@ class FeatureMap(nn.Module):
             self.redraw()
 
     def extra_repr(self) -> str:
+        if self.is_learned:
+            return (f"kind={self.kind}, head_dim={self.head_dim}, num_features={self.num_features}, "
+                    f"heads={self.query_weight.shape[0]}/{self.key_weight.shape[0]}, normalize_qk={self.normalize_qk}")
         return (
             f"kind={self.kind}, head_dim={self.head_dim}, num_features={self.num_features}, "
             f"projection={self.projection_kind if self.is_random else None}, normalize_qk={self.normalize_qk}, "
@@ -332,6 +424,8 @@ class FeatureMap(nn.Module):
                     lambda: torch.log(phi.detach().amax(dim=-1) / scale), x, compute_dtype, True, key_mask, phi, sync_free
                 )
             return phi
+        if self.is_learned:
+            return self._learned(x, is_query, compute_dtype, key_mask, sync_free)
         if self.normalize_qk:
             x = F.normalize(x, p=2.0, dim=-1, eps=_NORM_EPS)
         if self.kind == "elu":
@@ -352,9 +446,32 @@ class FeatureMap(nn.Module):
         amp = torch.exp(log_amp) * self.num_random_features ** -0.5
         return torch.cat([torch.cos(proj), torch.sin(proj)], dim=-1) * amp
 
+    def _learned(self, x: torch.Tensor, is_query: bool, dtype: torch.dtype, key_mask: Optional[torch.Tensor],
+                 sync_free: bool) -> torch.Tensor:
+        """The learned maps (module docstring): ``x (B, H, N, d)`` -> ``(B, H, N, 2m)``."""
+        weight = self.query_weight if is_query else self.key_weight
+        if weight.shape[0] not in (1, x.shape[1]):
+            raise ValueError(
+                f"the learned {'query' if is_query else 'key'} weights of feature_map={self.kind!r} serve "
+                f"{weight.shape[0]} heads, the input has {x.shape[1]} (shape {tuple(x.shape)})"
+            )
+        keys = x
+        if self.normalize_qk:
+            x = F.normalize(x, p=2.0, dim=-1, eps=_NORM_EPS)
+        z = torch.matmul(x, weight.to(device=x.device, dtype=dtype))  # (B, H, N, d) @ (H, d, m)
+        if self.kind == "hedgehog":
+            return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
+        if is_query:  # a per-query factor cancels in attention: the largest feature becomes 1
+            z_pos = z - z.detach().abs().amax(dim=-1, keepdim=True)
+            z_neg = -z - z.detach().abs().amax(dim=-1, keepdim=True)
+            return torch.cat([torch.exp(z_pos), torch.exp(z_neg)], dim=-1)
+        phi = torch.cat([torch.exp(z), torch.exp(-z)], dim=-1)
+        return self._check_key_range(lambda: z.detach().abs().amax(dim=-1), keys, dtype, False, key_mask, phi,
+                                     sync_free, rule="max_m |(W x)_m| <= {limit:g}")
+
     def _check_key_range(
         self, log_scale, x: torch.Tensor, dtype: torch.dtype, low: bool, key_mask: Optional[torch.Tensor],
-        result: torch.Tensor, sync_free: bool = False,
+        result: torch.Tensor, sync_free: bool = False, rule: Optional[str] = None,
     ) -> torch.Tensor:
         """``result`` after checking the real keys' log feature scales (``log_scale()``,
         ``(B, H, N)``) against ``[-limit, +inf)`` (``low``, prf) or ``(-inf, limit]`` (trf):
@@ -375,6 +492,14 @@ class FeatureMap(nn.Module):
         worst = float(values.min() if low else values.max())
         norm = float(torch.linalg.vector_norm(x.detach(), dim=-1)[bad].max())
         d = self.head_dim
+        if rule is not None:  # a learned map: the range depends on the learned key weights
+            raise ValueError(
+                f"feature_map={self.kind!r} cannot represent a key of norm {norm:.3g} in "
+                f"{str(dtype).replace('torch.', '')}: its log feature scale max_m |(W x)_m| is {worst:.4g} (W: the "
+                f"learned key weights), the valid range is {rule.format(limit=limit)}. Use normalize_qk=True, "
+                "keep the keys or the learned key weights smaller, or use feature_map='hedgehog' (softmax-normalised "
+                "features: every key is in range)."
+            )
         rule = (
             f"max_m (w_m . u) - |u|^2/2 >= -{limit:g}" if low else f"|u|^2/2 <= {limit:g}"
         )

@@ -215,6 +215,7 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
     base_model_prefix = "transformer"
     _no_split_modules = ["LinearGPTBlock"]
     _is_stateful = True
+    lora_mlp_modules = ("c_fc", "c_proj", "gate_proj", "up_proj", "down_proj")  # LoRA targets of the MLP (see lora_target_modules)
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range

@@ -268,6 +268,7 @@ class NPRFBertPreTrainedModel(KernelizedPreTrainedModel):
     base_model_prefix = "nprf_bert"
     _no_split_modules = ["NPRFBertLayer"]
     _keys_to_ignore_on_load_unexpected = [r"position_ids"]
+    lora_mlp_modules = ("intermediate", "output")  # LoRA targets of the MLP (see lora_target_modules)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

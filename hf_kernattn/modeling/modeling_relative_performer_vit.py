@@ -209,6 +209,7 @@ class RelativePerformerViTPreTrainedModel(KernelizedPreTrainedModel):
     base_model_prefix = "vit"
     main_input_name = "pixel_values"
     _no_split_modules = ["RelativePerformerViTLayer"]
+    lora_mlp_modules = ("intermediate", "output")  # LoRA targets of the MLP (see lora_target_modules)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -33,7 +33,7 @@ from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
 from .attention_config import CONFIG_ATTENTIONS_IGNORED, NO_ATTENTION_WEIGHTS
-from .feature_maps import FeatureMap
+from .feature_maps import LEARNED_WEIGHTS, FeatureMap
 
 logger = logging.get_logger(__name__)
 
@@ -127,19 +127,34 @@ class KernelizedPreTrainedModel(PreTrainedModel):
     checkpoints without random-feature buffers, and the refusal of ``output_attentions``."""
 
     supports_gradient_checkpointing = True
+    # The linear layers LoRA (PEFT's ``LoraConfig(target_modules=...)``) adapts, by part, as the
+    # last component of their module names: the attention's projections (every family's
+    # ``KernelizedSelfAttention``) and the family's MLP layers (``lora_mlp_modules``).
+    lora_attention_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    lora_mlp_modules: tuple[str, ...] = ()
     # Kernelized attention is its own attention: no eager/SDPA/flash switch, no attention weights.
     _supports_attention_backend = False
     _supports_sdpa = False
     _supports_flash_attn = False
     _supports_flex_attn = False
 
+    def lora_target_modules(self, attention: bool = True, mlp: bool = True) -> list[str]:
+        """The names to pass as PEFT's ``LoraConfig(target_modules=...)``: the attention
+        projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) with ``attention`` and the
+        MLP's linear layers with ``mlp`` (those this model has), each the last component of the
+        module names (how PEFT matches a list). Heads, poolers and embeddings are not included."""
+        wanted = (self.lora_attention_modules if attention else ()) + (self.lora_mlp_modules if mlp else ())
+        present = {name.rsplit(".", 1)[-1] for name, module in self.named_modules() if isinstance(module, torch.nn.Linear)}
+        return [name for name in wanted if name in present]
+
     @torch.no_grad()
     def _init_feature_map(self, module: FeatureMap) -> None:
         """Set the random-feature state of ``module``: draw 0 of its seed and zero counters for
-        every buffer that was not loaded from a checkpoint (loaded ones are kept)."""
+        every buffer that was not loaded from a checkpoint, and the identity-like initial weights
+        of a learned map where they were not loaded (loaded ones are kept)."""
         loaded = {
             name: buf.clone()
-            for name in FEATURE_BUFFERS
+            for name in FEATURE_BUFFERS + LEARNED_WEIGHTS
             if (buf := getattr(module, name, None)) is not None and getattr(buf, "_is_hf_initialized", False)
         }
         module.init_features()

@@ -95,6 +95,9 @@ def _key_feature_rounding_bound(fm, x: torch.Tensor) -> torch.Tensor:
       the ulp of a number near 1: an *absolute* error of a few eps, however small phi = e^x is.
       For x >= 0, phi = x + 1 rounds relatively. Bound: a few eps times max(phi, 1).
       relu: exact.
+    * learned maps: z = x W has the dot-product error above, dz = d eps |x||W| + a few eps;
+      hedgehog_exp keys exp(+-z) have relative error dz + a few eps; hedgehog's softmax(+-z)
+      (exp(z_i - logsumexp z)) twice that, plus m eps for the sum.
     Everything is doubled for margin.
     """
     eps = torch.finfo(torch.float32).eps
@@ -104,6 +107,13 @@ def _key_feature_rounding_bound(fm, x: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
     if fm.kind == "elu":
         return 8 * eps * (torch.nn.functional.elu(x) + 1).clamp(min=1.0)
+    if fm.is_learned:
+        w = fm.key_weight.double()
+        dz = d * eps * torch.matmul(x.abs(), w.abs()) + 4 * eps
+        value = fm(x, is_query=False).double()
+        if fm.kind == "hedgehog":
+            return 2 * value * (2 * dz.amax(-1, keepdim=True) + w.shape[-1] * eps)
+        return 2 * value * torch.cat([dz, dz], dim=-1)
     u = x * d ** -0.25  # the random maps' prescale without normalize_qk
     w = fm.projection.double()
     dot_err = d * eps * (u.abs() @ w.abs().T + (u * u).sum(-1, keepdim=True)) + 4 * eps
