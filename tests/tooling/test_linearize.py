@@ -174,3 +174,21 @@ def test_command_line(source, tmp_path, capsys):
     assert "saved to" in capsys.readouterr().out
     assert main(["linearize", str(folder), str(tmp_path / "bad"), "--steps", "2"]) == 1
     assert "exactly one source of text" in capsys.readouterr().err
+
+
+def test_default_recipe_trains_only_the_learned_feature_maps(source, tmp_path):
+    folder, text = source
+    model = linearize(folder, tmp_path / "hh", train_files=[str(text)], steps=8, batch_size=4, block_size=16,
+                      progress=False)
+    report = model.linearize_report
+    assert model.config.feature_map == "hedgehog"
+    assert report["trained_parameters"] and all(n.endswith(("feature_map.query_weight", "feature_map.key_weight"))
+                                                for n in report["trained_parameters"])
+    assert sum(report["layer_loss_after"]) < sum(report["layer_loss_before"])
+    # everything else is the copied source weight
+    from hf_kernattn.convert import convert
+
+    fresh = convert(folder, None, feature_map="hedgehog")
+    trained = set(report["trained_parameters"])
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b) != (name in trained), name
