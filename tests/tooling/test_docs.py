@@ -36,6 +36,7 @@ TOY = {
         "hf_kernattn.NPRFBertConfig(num_labels=2, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)",
     "torch.randint(0, 256, (1, 4000))": "torch.randint(0, 256, (1, 300))",
     "torch.randint(0, 256, (1, 2000))": "torch.randint(0, 256, (1, 300))",
+    'train_files=["train.txt"], steps=200)': 'train_files=["train.txt"], steps=2, batch_size=2, block_size=8)',
 }
 
 NO_TEST = re.compile(r"<!--\s*no-test:\s*(.+?)\s*-->")
@@ -77,6 +78,10 @@ def _stand_ins(folder: Path) -> None:
                                intermediate_size=64, max_position_embeddings=64)).save_pretrained(bert)
     GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(
         folder / "path" / "or" / "id")
+    gpt2 = folder / "path" / "to" / "gpt2"  # with a word-level tokenizer, and a text to train on
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(words), n_embd=32, n_layer=1, n_head=2, n_positions=64)).save_pretrained(gpt2)
+    BertTokenizer(str(bert / "vocab.txt"), eos_token="[SEP]").save_pretrained(gpt2)
+    (folder / "train.txt").write_text(" ".join(words[5:] * 20))
     tok = BertTokenizer(str(bert / "vocab.txt"))
     for name in ("path/or/hub-id", "your-name/tiny-gpt"):
         LinearGPTForCausalLM(tiny_linear_gpt_config()).save_pretrained(folder / name)
