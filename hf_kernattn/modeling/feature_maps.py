@@ -230,6 +230,12 @@ class FeatureMap(nn.Module):
         return self.kind in RANDOM_FEATURE_MAPS
 
     @property
+    def same_for_queries_and_keys(self) -> bool:
+        """Whether queries and keys are mapped alike (``elu``, ``relu``: no query shift, no key
+        range), so one call can map them stacked."""
+        return self.kind in ("elu", "relu")
+
+    @property
     def num_features(self) -> int:
         """M, the size of the feature dimension."""
         return feature_size(self.kind, self.num_random_features, self.head_dim)
