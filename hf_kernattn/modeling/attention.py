@@ -104,14 +104,18 @@ class KernelizedSelfAttention(nn.Module):
         is compared). Costs one copy of the three weights. None when a projection is not a plain
         ``nn.Linear`` without hooks, e.g. one wrapped by an adapter such as LoRA or quantized, or
         when they differ in device, dtype or in having a bias: the modules then run as they are."""
-        mods = (self.q_proj, self.k_proj, self.v_proj)
+        modules = self._modules  # read directly: this runs once per layer and decoded token
+        mods = (modules["q_proj"], modules["k_proj"], modules["v_proj"])
+        key = []
         for m in mods:
             if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
                 return None
-        params = [m.weight for m in mods] + [m.bias for m in mods if m.bias is not None]
-        key = [(p.data_ptr(), p._version) for p in params]
+            for p in m._parameters.values():
+                if p is not None:
+                    key += (p.data_ptr(), p._version)
         cached = self._fused
         if cached is None or cached[0] != key:
+            params = [p for m in mods for p in m._parameters.values() if p is not None]
             first = params[0]
             weight = bias = None
             if len(params) in (3, 6) and all(p.dtype == first.dtype and p.device == first.device for p in params):
@@ -190,7 +194,9 @@ class KernelizedSelfAttention(nn.Module):
     def output(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(B, H, N, D)`` -> merged heads through ``o_proj``: ``(B, N, C)`` in ``dtype``."""
         b, h, n, d = attn.shape
-        merged = (attn.reshape(b, 1, h * d) if n == 1 else attn.transpose(1, 2).reshape(b, n, h * d)).to(dtype)
+        merged = attn.reshape(b, 1, h * d) if n == 1 else attn.transpose(1, 2).reshape(b, n, h * d)
+        if merged.dtype != dtype:
+            merged = merged.to(dtype)
         return self.o_proj(merged)
 
     def call_backend(self, continuing: bool) -> str:
@@ -328,7 +334,9 @@ class KernelizedSelfAttention(nn.Module):
         else:  # a key outside the map's range gives NaN here, as in every decoding step (no host read)
             q = fm(qk[:, :h], is_query=True, projection=projection)
             k = fm(qk[:, h:], is_query=False, projection=projection, key_mask=attention_mask, sync_free=True)
-        return self._kernel(q, self._repeat_kv(k), self._repeat_kv(v.to(q.dtype)), attention_mask, rpe_bias, grid,
+        if v.dtype != q.dtype:
+            v = v.to(q.dtype)
+        return self._kernel(q, self._repeat_kv(k), self._repeat_kv(v), attention_mask, rpe_bias, grid,
                             rpe_clip, rotary if self.rotary else None, initial_state, True)
 
     def _kernel(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state):

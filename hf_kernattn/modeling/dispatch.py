@@ -443,11 +443,14 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
     spec = _REGISTRY.get("recurrent")
     if spec is None or spec.fn is not recurrent_attention:  # a replaced recurrent backend runs as registered
         return None
-    if attention_mask is not None:
-        keep = attention_mask.to(device=q.device, dtype=torch.bool)
-        k, v = mask_keys(k, v, keep)
+    if attention_mask is not None:  # a padded token's key and value zeroed (where: whatever it holds stays out)
+        keep = attention_mask
+        if keep.dtype != torch.bool or keep.device != checked.device:
+            keep = keep.to(device=checked.device, dtype=torch.bool)
+        keep, zero = keep.view(-1, 1, 1, 1), checked.zero
+        k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
         if k_den is not None:
-            k_den = mask_keys(k_den, k_den[..., :1], keep)[0]
+            k_den = torch.where(keep, k_den, zero)
     out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True)[0]  # (B, H, 1, D)
     return out, AttentionState(kv, z, kind=checked.kind)
 
@@ -461,7 +464,8 @@ class _CheckedStep:
     ``k_den``) it accepted, ``eps``, the mask's shape, the state's :class:`StateKind`. Recorded
     on ``S`` by :meth:`check`; :meth:`covers` tells whether a later step is one of those."""
 
-    __slots__ = ("z", "q_shape", "v_shape", "den_shape", "dtype", "device", "eps", "mask_shape", "given_kind", "kind")
+    __slots__ = ("z", "q_shape", "v_shape", "den_shape", "dtype", "device", "eps", "mask_shape", "given_kind", "kind",
+                 "zero")
 
     @classmethod
     def check(cls, q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
@@ -484,6 +488,7 @@ class _CheckedStep:
         self.mask_shape = None if attention_mask is None else attention_mask.shape
         self.given_kind = getattr(state, "kind", None)
         self.kind = call.kind
+        self.zero = torch.zeros((), dtype=q.dtype, device=q.device)  # what a padded token's key and value become
         if not torch.compiler.is_compiling():
             setattr(kv, _CHECKED_STEP, self)
         return self

@@ -320,7 +320,8 @@ class FeatureMap(nn.Module):
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"feature map expects last dim head_dim={self.head_dim}, got shape {tuple(x.shape)}")
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        x = x.to(compute_dtype)
+        if x.dtype != compute_dtype:
+            x = x.to(compute_dtype)
         if projection is None:
             projection = self.projection
         elif self.is_random and tuple(projection.shape) != (self.num_random_features, self.head_dim):

@@ -277,17 +277,20 @@ def recurrent_step(
     if q_den_t is None:
         q_den_t, k_den_t = q_t, k_t
     if q_t.dim() == 4:  # (B, H, 1, .): rows already
-        q_row, q_den_row, k_col, v_row, k_den_t = q_t, q_den_t, k_t.transpose(-1, -2), v_t, k_den_t.squeeze(-2)
+        q_row, q_den_row, k_col, v_row, k_den_row = q_t, q_den_t, k_t.transpose(-1, -2), v_t, k_den_t
     else:
         q_row, q_den_row, k_col, v_row = q_t.unsqueeze(-2), q_den_t.unsqueeze(-2), k_t.unsqueeze(-1), v_t.unsqueeze(-2)
+        k_den_row = k_den_t.unsqueeze(-2)
+    z_row = normalizer.unsqueeze(-2)  # (B, H, 1, M'), a view of z
     if in_place:
         state = state.addcmul_(k_col, v_row)
-        normalizer = normalizer.add_(k_den_t)
+        z_row = z_row.add_(k_den_row)  # writes z
     else:
         state = state + k_col * v_row
-        normalizer = normalizer + k_den_t
+        z_row = z_row + k_den_row
+        normalizer = z_row.squeeze(-2)
     num = q_row @ state  # (B, H, 1, D)
-    den = (q_den_row * normalizer.unsqueeze(-2)).sum(dim=-1, keepdim=True)  # (B, H, 1, 1)
+    den = (q_den_row * z_row).sum(dim=-1, keepdim=True)  # (B, H, 1, 1)
     # in place nothing records gradients: the quotient is formed in the fresh buffers
     out = num.div_(den.add_(eps)) if in_place else num / (den + eps)
     return (out if q_t.dim() == 4 else out.squeeze(-2)), state, normalizer
