@@ -103,7 +103,10 @@ class KernelizedSelfAttention(nn.Module):
         (the copy keeps the parameters' memory it was made from, so no address is reused while it
         is compared). Costs one copy of the three weights. None when a projection is not a plain
         ``nn.Linear`` without hooks, e.g. one wrapped by an adapter such as LoRA or quantized, or
-        when they differ in device, dtype or in having a bias: the modules then run as they are."""
+        when they differ in device, dtype or in having a bias, and while ``torch.compile`` /
+        ``torch.export`` trace: the modules then run as they are."""
+        if torch.compiler.is_compiling():  # traced (compile, export): no addresses to compare; the graph has the products
+            return None
         modules = self._modules  # read directly: this runs once per layer and decoded token
         mods = (modules["q_proj"], modules["k_proj"], modules["v_proj"])
         key = []
