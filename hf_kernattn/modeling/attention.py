@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
@@ -89,6 +90,46 @@ class KernelizedSelfAttention(nn.Module):
         self.rotary = False
         self.rpe: Optional[nn.Module] = None
         self.dropout = nn.Dropout(0.0)
+        self._fused = None  # (key, weight, bias, sources) of fused_projection
+
+    def _apply(self, fn, recurse=True):
+        self._fused = None  # a device move or dtype cast: the fused projection is made again when next used
+        return super()._apply(fn, recurse)
+
+    def fused_projection(self) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The q, k and v projections as one weight ``(C + 2 C_kv, C)`` and bias, for one-token
+        steps where nothing is recorded for autograd (decoding): one matrix-vector product
+        instead of three. The checkpoint keeps the three modules as they are: the fused copy is
+        made from their parameters when first needed and made again when any of them changed
+        since (an optimizer step or ``load_state_dict`` writing into them, a parameter replaced,
+        a device move or dtype cast), as told by the parameters' version counters and addresses
+        (the copy keeps the parameters' memory it was made from, so no address is reused while it
+        is compared). Costs one copy of the three weights. None when a projection is not a plain
+        ``nn.Linear`` without hooks, e.g. one wrapped by an adapter such as LoRA or quantized, or
+        when they differ in device, dtype or in having a bias, and while ``torch.compile`` /
+        ``torch.export`` trace: the modules then run as they are."""
+        if torch.compiler.is_compiling():  # traced (compile, export): no addresses to compare; the graph has the products
+            return None
+        modules = self._modules  # read directly: this runs once per layer and decoded token
+        mods = (modules["q_proj"], modules["k_proj"], modules["v_proj"])
+        key = []
+        for m in mods:
+            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
+                return None
+            for p in m._parameters.values():
+                if p is not None:
+                    key += (p.data_ptr(), p._version)
+        cached = self._fused
+        if cached is None or cached[0] != key:
+            params = [p for m in mods for p in m._parameters.values() if p is not None]
+            first = params[0]
+            weight = bias = None
+            if len(params) in (3, 6) and all(p.dtype == first.dtype and p.device == first.device for p in params):
+                with torch.no_grad():
+                    weight = torch.cat([m.weight for m in mods])
+                    bias = torch.cat([m.bias for m in mods]) if len(params) == 6 else None
+            self._fused = cached = (key, weight, bias, [p.detach() for p in params])
+        return None if cached[1] is None else (cached[1], cached[2])
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
@@ -159,7 +200,9 @@ class KernelizedSelfAttention(nn.Module):
     def output(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(B, H, N, D)`` -> merged heads through ``o_proj``: ``(B, N, C)`` in ``dtype``."""
         b, h, n, d = attn.shape
-        merged = attn.transpose(1, 2).reshape(b, n, h * d).to(dtype)
+        merged = attn.reshape(b, 1, h * d) if n == 1 else attn.transpose(1, 2).reshape(b, n, h * d)
+        if merged.dtype != dtype:
+            merged = merged.to(dtype)
         return self.o_proj(merged)
 
     def call_backend(self, continuing: bool) -> str:
@@ -223,13 +266,18 @@ class KernelizedSelfAttention(nn.Module):
             # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed
             # backend; a state reaches K positions back, so the calls take the table itself
             rpe_bias, rpe_clip = self.rpe.weight, self.rpe.max_relative_position
-        q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
-        args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip if rpe_bias is not None else None, projection,
-                rotary if self.rotary else None, initial_state, layer is not None)
-        if recompute and torch.is_grad_enabled():
-            out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
+        rpe_clip = rpe_clip if rpe_bias is not None else None
+        if initial_state is not None and hidden_states.shape[1] == 1 and extra is None and not torch.is_grad_enabled():
+            out, state = self._step(hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary,
+                                    initial_state)
         else:
-            out, state = self._attend(*args)
+            q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
+            args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary if self.rotary else None,
+                    initial_state, layer is not None)
+            if recompute and torch.is_grad_enabled():
+                out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
+            else:
+                out, state = self._attend(*args)
         if state is not None:
             layer.set_state(state)
         if self.dropout.training and self.dropout.p > 0:
@@ -257,6 +305,49 @@ class KernelizedSelfAttention(nn.Module):
         # a decoding step reads nothing on the host: an unrepresentable key gives NaN, not an error
         q, k, v = self.features(q, k, v, projection, attention_mask,
                                 sync_free=initial_state is not None and q.shape[2] == 1)
+        return self._kernel(q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state)
+
+    def _step(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        rpe_bias: Optional[torch.Tensor],
+        grid: Optional[Sequence[int]],
+        rpe_clip: Optional[int],
+        projection: Optional[torch.Tensor],
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
+        initial_state,
+    ) -> tuple[torch.Tensor, object]:
+        """One new token from a state with nothing recorded for autograd (a decoding step), as
+        :meth:`_attend` computes it with fewer operations: the projections as one product
+        (:meth:`fused_projection`) and, for a map that treats queries and keys alike, one
+        feature-map call for both."""
+        fused = self.fused_projection()
+        if fused is None:
+            q, k, v = self.projections(hidden_states, rope=rotary if self.rope else None)
+            return self._attend(q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection,
+                                rotary if self.rotary else None, initial_state, True)
+        h, heads_qk = self.num_heads, self.num_heads + self.num_key_value_heads
+        # (B, 1, (H + 2 H_kv) D) -> (B, H + 2 H_kv, 1, D): with one token, heads first is a view
+        x = F.linear(hidden_states, *fused).view(hidden_states.shape[0], -1, 1, self.head_dim)
+        qk, v = x[:, :heads_qk], x[:, heads_qk:]
+        if self.rope:
+            qk = apply_rotary(qk, *rotary)
+        fm = self.feature_map
+        if fm.same_for_queries_and_keys:
+            qk = fm(qk, is_query=True, projection=projection)
+            q, k = qk[:, :h], qk[:, h:]
+        else:  # a key outside the map's range gives NaN here, as in every decoding step (no host read)
+            q = fm(qk[:, :h], is_query=True, projection=projection)
+            k = fm(qk[:, h:], is_query=False, projection=projection, key_mask=attention_mask, sync_free=True)
+        if v.dtype != q.dtype:
+            v = v.to(q.dtype)
+        return self._kernel(q, self._repeat_kv(k), self._repeat_kv(v), attention_mask, rpe_bias, grid,
+                            rpe_clip, rotary if self.rotary else None, initial_state, True)
+
+    def _kernel(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state):
+        """Feature-mapped queries and keys, values -> the rotations of ``rotary`` (positive
+        features kept for the denominator), the kernel: the output and the state (see :meth:`_attend`)."""
         den = {}
         if rotary is not None:
             den = dict(q_den=q, k_den=k)

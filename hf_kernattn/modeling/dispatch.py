@@ -413,53 +413,107 @@ def _full_bias(rpe_bias, rpe, n, grid, rpe_clip):
 def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
     """The one-token decoding step without a bias (:func:`recurrent_step` in place on the
     state's own tensors) when the general path would run exactly that with nothing to refuse;
-    None otherwise (the general path then runs, with its full checks and messages). Its guard
-    only tells whether the call is such a step (cheap comparisons, no message: running stage 1's
-    checks here measured slower per token). Per-token work of the general path it skips: dispatch, dtype conversions, value-free
+    None otherwise (the general path then runs, with its full checks and messages).
+
+    Its guard is stage 1 itself, run once per state: the first step from a state runs
+    :func:`_check` (every check and message of the general path) and records what it
+    established on the state (:class:`_CheckedStep`, kept with the state's ``S`` tensor, which
+    decoding updates in place and so keeps from step to step). Later steps compare only what can
+    change between calls (the new token's shapes, dtype and device, the mask's shape, ``eps``,
+    the state's kind, grad mode, autocast, a re-registered ``recurrent`` backend); a state that
+    is replaced (beam search reorders it into new tensors, a copy, a device move) is checked
+    again. Per-token work of the general path it skips: dispatch, dtype conversions, value-free
     bookkeeping."""
-    tensors = (q, k, v) if q_den is None else (q, k, v, q_den, k_den)
-    if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4)):
+    if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4)
+            and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return None
-    if not all(isinstance(x, torch.Tensor) and x.dim() == 4 for x in tensors):
-        return None
-    given_kind = getattr(state, "kind", None)
-    state = AttentionState(*state)
-    kv, z = state.kv, state.z
-    if state.window_k is not None or not (isinstance(kv, torch.Tensor) and isinstance(z, torch.Tensor)):
-        return None
-    b, h, n, m = q.shape
-    d = v.shape[-1]
-    m_den = m if q_den is None else q_den.shape[-1]
-    dt = kv.dtype
-    if (n != 1 or k.shape != q.shape or v.shape[:3] != q.shape[:3] or m == 0 or d == 0 or kv.shape != (b, h, m, d)
-            or z.shape != (b, h, m_den) or dt not in _STATE_DTYPES or z.dtype != dt
-            or any(x.dtype != dt or x.device != kv.device for x in tensors) or z.device != kv.device):
-        return None
-    if q_den is not None and (k_den.shape != q_den.shape or q_den.shape[:3] != q.shape[:3] or m_den == 0):
-        return None
-    if not valid_eps(eps):
-        return None
-    kind = StateKind(split=q_den is not None, features=m, den_features=m_den, values=d, window=None)
-    if given_kind is not None and given_kind != kind:
-        return None  # a state of another kind: the general path names the mismatch
-    if _shares_memory(kv) or _shares_memory(z):
-        return None  # an expanded state cannot be written in place: the general path says so
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (*tensors, kv, z)):
-        return None
+    kv, z = state[0], state[1]
+    if len(state) == 4 and (state[2] is not None or state[3] is not None):
+        return None  # a state with a window (a clipped bias) runs the general path
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
+                                       for x in (q, k, v, kv, z, q_den, k_den)):
+        return None  # autograd records: the general path refuses in_place with its message
+    checked = None if torch.compiler.is_compiling() else getattr(kv, _CHECKED_STEP, None)
+    if checked is None or not checked.covers(q, k, v, z, q_den, k_den, eps, state, attention_mask):
+        checked = _CheckedStep.check(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state)
+        if checked is None:
+            return None
     if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
         return None
-    if get_backend("recurrent").fn is not recurrent_attention:  # a replaced recurrent backend runs as registered
+    spec = _REGISTRY.get("recurrent")
+    if spec is None or spec.fn is not recurrent_attention:  # a replaced recurrent backend runs as registered
         return None
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != (b, 1):
-            return None
-        keep = attention_mask.to(device=q.device, dtype=torch.bool)
-        k, v = mask_keys(k, v, keep)
+    if attention_mask is not None:  # a padded token's key and value zeroed (where: whatever it holds stays out)
+        keep = attention_mask
+        if keep.dtype != torch.bool or keep.device != checked.device:
+            keep = keep.to(device=checked.device, dtype=torch.bool)
+        keep, zero = keep.view(-1, 1, 1, 1), checked.zero
+        k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
         if k_den is not None:
-            k_den = mask_keys(k_den, k_den[..., :1], keep)[0]
-    den_t = (None, None) if q_den is None else (q_den[:, :, 0], k_den[:, :, 0])
-    out = recurrent_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], kv, z, float(eps), *den_t, in_place=True)[0]
-    return out[:, :, None], AttentionState(kv, z, kind=kind)
+            k_den = torch.where(keep, k_den, zero)
+    out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True)[0]  # (B, H, 1, D)
+    return out, AttentionState(kv, z, kind=checked.kind)
+
+
+_CHECKED_STEP = "_kernattn_checked_step"  # the attribute of a state's S that records its checked step
+
+
+class _CheckedStep:
+    """What stage 1 established about one-token steps from a state (its ``S`` and ``z``
+    tensors): the shapes, dtype and device of the new token's ``q, k, v`` (and ``q_den``,
+    ``k_den``) it accepted, ``eps``, the mask's shape, the state's :class:`StateKind`. Recorded
+    on ``S`` by :meth:`check`; :meth:`covers` tells whether a later step is one of those."""
+
+    __slots__ = ("z", "q_shape", "v_shape", "den_shape", "dtype", "device", "eps", "mask_shape", "given_kind", "kind",
+                 "zero")
+
+    @classmethod
+    def check(cls, q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
+        """Stage 1 (:func:`_check`) on a decoding step; the record (stored on the state's ``S``
+        outside compilation) if the step can run in place, None otherwise (an error is left to
+        the general path, which raises it with its message)."""
+        try:
+            call = _check(q, k, v, None, causal, attention_mask, None, "recurrent", eps, None, q_den, k_den,
+                          state, output_final_state, True)
+        except (TypeError, ValueError):
+            return None
+        kv, z = call.initial_state.kv, call.initial_state.z
+        # in place in the state's dtype: the inputs must already be in it (the general path converts them)
+        if call.n != 1 or q.dtype not in _STATE_DTYPES or kv.dtype != q.dtype or z.dtype != q.dtype:
+            return None
+        self = cls()
+        self.z, self.q_shape, self.v_shape = z, q.shape, v.shape
+        self.den_shape = None if q_den is None else q_den.shape
+        self.dtype, self.device, self.eps = q.dtype, q.device, float(eps)
+        self.mask_shape = None if attention_mask is None else attention_mask.shape
+        self.given_kind = getattr(state, "kind", None)
+        self.kind = call.kind
+        self.zero = torch.zeros((), dtype=q.dtype, device=q.device)  # what a padded token's key and value become
+        if not torch.compiler.is_compiling():
+            setattr(kv, _CHECKED_STEP, self)
+        return self
+
+    def covers(self, q, k, v, z, q_den, k_den, eps, state, attention_mask) -> bool:
+        """Whether a step with these arguments is one :meth:`check` accepted (only what can
+        change between steps from the same state tensors is compared)."""
+        kind = getattr(state, "kind", None)
+        if not (z is self.z and (kind is self.kind or kind is self.given_kind) and eps == self.eps and eps is not True):
+            return False
+        dt, dev = self.dtype, self.device
+        if not (q.shape == self.q_shape and k.shape == self.q_shape and v.shape == self.v_shape
+                and q.dtype == dt and k.dtype == dt and v.dtype == dt
+                and q.device == dev and k.device == dev and v.device == dev):
+            return False
+        if q_den is None or self.den_shape is None:
+            if not (q_den is None and k_den is None and self.den_shape is None):
+                return False
+        elif not (isinstance(q_den, torch.Tensor) and isinstance(k_den, torch.Tensor)
+                  and q_den.shape == self.den_shape and k_den.shape == self.den_shape
+                  and q_den.dtype == dt and k_den.dtype == dt and q_den.device == dev and k_den.device == dev):
+            return False
+        if attention_mask is None:
+            return self.mask_shape is None
+        return isinstance(attention_mask, torch.Tensor) and attention_mask.shape == self.mask_shape
 
 
 _STATE_DTYPES = (torch.float32, torch.float64)  # compute dtypes: an input in one of them is computed in it

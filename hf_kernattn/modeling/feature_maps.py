@@ -315,6 +315,12 @@ class FeatureMap(nn.Module):
         return self.kind in LEARNED_FEATURE_MAPS
 
     @property
+    def same_for_queries_and_keys(self) -> bool:
+        """Whether queries and keys are mapped alike (``elu``, ``relu``: no query shift, no key
+        range, no separate weights), so one call can map them stacked."""
+        return self.kind in ("elu", "relu")
+
+    @property
     def num_features(self) -> int:
         """M, the size of the feature dimension."""
         return feature_size(self.kind, self.num_random_features, self.head_dim, self.num_learned_features)
@@ -406,7 +412,8 @@ class FeatureMap(nn.Module):
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"feature map expects last dim head_dim={self.head_dim}, got shape {tuple(x.shape)}")
         compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        x = x.to(compute_dtype)
+        if x.dtype != compute_dtype:
+            x = x.to(compute_dtype)
         if projection is None:
             projection = self.projection
         elif self.is_random and tuple(projection.shape) != (self.num_random_features, self.head_dim):

@@ -259,29 +259,41 @@ def recurrent_step(
     """One RNN step of causal linear attention.
 
     Args:
-        q_t, k_t: ``(B, H, M)`` features of the new token (k already masked if it is padding).
-        v_t: ``(B, H, D)``.
+        q_t, k_t: ``(B, H, M)`` features of the new token (k already masked if it is padding),
+            or ``(B, H, 1, M)`` with the token dimension kept (as the decoding step passes them).
+        v_t: ``(B, H, D)`` (``(B, H, 1, D)``).
         state: S ``(B, H, M, D)``; normalizer: z ``(B, H, M')`` (float32 at least).
-        q_den_t, k_den_t: ``(B, H, M')`` denominator features (default ``q_t, k_t``).
+        q_den_t, k_den_t: ``(B, H, M')`` (``(B, H, 1, M')``) denominator features (default
+            ``q_t, k_t``).
         in_place: write ``S + k_t v_t^T`` and ``z + k_den_t`` into ``state`` and ``normalizer``
             (one fused update each, no new state tensors: the decoding form at the memory
             bound; inputs in the state's dtype, nothing recording gradients).
     Runs as given (no autocast guard of its own, which would cost per token): its callers,
     :func:`recurrent_attention` and the decoding step, run it with autocast off.
     Returns:
-        ``(out_t (B, H, D), S + k_t v_t^T, z + k_den_t)`` (with ``in_place`` the given tensors).
+        ``(out_t (B, H, D) (or (B, H, 1, D)), S + k_t v_t^T, z + k_den_t)`` (with ``in_place``
+        the given tensors).
     """
     if q_den_t is None:
         q_den_t, k_den_t = q_t, k_t
-    if in_place:
-        state = state.addcmul_(k_t[..., :, None], v_t[..., None, :])
-        normalizer = normalizer.add_(k_den_t)
+    if q_t.dim() == 4:  # (B, H, 1, .): rows already
+        q_row, q_den_row, k_col, v_row, k_den_row = q_t, q_den_t, k_t.transpose(-1, -2), v_t, k_den_t
     else:
-        state = state + k_t[..., :, None] * v_t[..., None, :]
-        normalizer = normalizer + k_den_t
-    num = (q_t[..., None, :] @ state)[..., 0, :]
-    den = (q_den_t * normalizer).sum(dim=-1, keepdim=True)
-    return num / (den + eps), state, normalizer
+        q_row, q_den_row, k_col, v_row = q_t.unsqueeze(-2), q_den_t.unsqueeze(-2), k_t.unsqueeze(-1), v_t.unsqueeze(-2)
+        k_den_row = k_den_t.unsqueeze(-2)
+    z_row = normalizer.unsqueeze(-2)  # (B, H, 1, M'), a view of z
+    if in_place:
+        state = state.addcmul_(k_col, v_row)
+        z_row = z_row.add_(k_den_row)  # writes z
+    else:
+        state = state + k_col * v_row
+        z_row = z_row + k_den_row
+        normalizer = z_row.squeeze(-2)
+    num = q_row @ state  # (B, H, 1, D)
+    den = (q_den_row * z_row).sum(dim=-1, keepdim=True)  # (B, H, 1, 1)
+    # in place nothing records gradients: the quotient is formed in the fresh buffers
+    out = num.div_(den.add_(eps)) if in_place else num / (den + eps)
+    return (out if q_t.dim() == 4 else out.squeeze(-2)), state, normalizer
 
 
 @full_precision

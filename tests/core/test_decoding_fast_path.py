@@ -193,3 +193,50 @@ def test_a_decoding_step_reads_nothing_on_the_host(monkeypatch):
         assert torch.isnan(step.logits).all()
         with pytest.raises(ValueError, match="cannot represent a key"):
             model(ids, use_cache=False)
+
+
+def test_the_decoding_guard_runs_stage_1_once_per_state(monkeypatch):
+    """The first step from a state runs the general path's checks (``_check``) and records them on
+    the state; later steps from the same tensors compare only what can change, a new state (a
+    copy, as beam search makes) is checked again, and the steps equal the general path's."""
+    checks = []
+    real = dispatch._check
+    monkeypatch.setattr(dispatch, "_check", lambda *a: checks.append(1) or real(*a))
+    q, k, v, _, state = _step_inputs(7)
+    mask = torch.tensor([[1], [0]])
+    own = AttentionState(state.kv.clone(), state.z.clone())
+    general = state
+    for t in range(3):
+        q_t, k_t, v_t = q * (t + 1), k + t, v - t
+        out, own = kernelized_attention(q_t, k_t, v_t, causal=True, attention_mask=mask, initial_state=own,
+                                        output_final_state=True, in_place=True)
+        want, general = kernelized_attention(q_t, k_t, v_t, causal=True, attention_mask=mask, initial_state=general,
+                                             output_final_state=True)
+        torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    # the general path (3 calls) checks every call, the decoding steps once for the state
+    assert len(checks) == 3 + 1
+    torch.testing.assert_close(own.kv, general.kv, rtol=1e-12, atol=1e-12)
+    copy = AttentionState(own.kv.clone(), own.z.clone(), kind=own.kind)
+    kernelized_attention(q, k, v, causal=True, initial_state=copy, output_final_state=True, in_place=True)
+    assert len(checks) == 5
+
+
+def test_a_checked_state_still_refuses_what_the_general_path_refuses():
+    q, k, v, _, state = _step_inputs(8)
+    own = AttentionState(state.kv.clone(), state.z.clone())
+    _, own = kernelized_attention(q, k, v, causal=True, initial_state=own, output_final_state=True, in_place=True)
+    with pytest.raises(ValueError, match="q and k must have the same shape"):
+        kernelized_attention(q, k[..., :2], v, causal=True, initial_state=own, output_final_state=True, in_place=True)
+    with pytest.raises(ValueError, match="initial_state.kv must have shape"):
+        kernelized_attention(q[:1], k[:1], v[:1], causal=True, initial_state=own, output_final_state=True, in_place=True)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        kernelized_attention(q, k, v, causal=True, attention_mask=torch.ones(B, 2), initial_state=own,
+                             output_final_state=True, in_place=True)
+    with pytest.raises(ValueError, match="eps must be a number"):
+        kernelized_attention(q, k, v, causal=True, initial_state=own, output_final_state=True, in_place=True, eps=-1.0)
+    with pytest.raises(ValueError, match="in_place=True cannot be used while autograd records"):
+        kernelized_attention(q.clone().requires_grad_(), k, v, causal=True, initial_state=own, output_final_state=True,
+                             in_place=True)
+    with pytest.raises(ValueError, match="initial_state was produced by a call of another kind"):
+        kernelized_attention(q, k, v, causal=True, initial_state=own, output_final_state=True, in_place=True,
+                             q_den=q, k_den=k)
