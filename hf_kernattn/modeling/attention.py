@@ -100,11 +100,13 @@ class KernelizedSelfAttention(nn.Module):
         """The q, k and v projections as one weight ``(C + 2 C_kv, C)`` and bias, for one-token
         steps where nothing is recorded for autograd (decoding): one matrix-vector product
         instead of three. The checkpoint keeps the three modules as they are: the fused copy is
-        made from their parameters when first needed and made again when any of them changed
-        since (an optimizer step or ``load_state_dict`` writing into them, a parameter replaced,
-        a device move or dtype cast), as told by the parameters' version counters and addresses
-        (the copy keeps the parameters' memory it was made from, so no address is reused while it
-        is compared). Costs one copy of the three weights. None when a projection is not a plain
+        made from their parameters at the first step of each decoding session (every call that
+        is not a one-token step drops it: a prefill starts a new one) and made again when any of
+        them changed since (an optimizer step or ``load_state_dict`` writing into them, a parameter
+        replaced, a device move or dtype cast), as told by the parameters' version counters and
+        addresses (the copy keeps the parameters' memory it was made from, so no address is reused
+        while it is compared). A write through ``.data`` bumps no version counter: between the
+        steps of one session it goes unseen. Costs one copy of the three weights. None when a projection is not a plain
         ``nn.Linear`` without hooks, e.g. one wrapped by an adapter such as LoRA or quantized, or
         when they differ in device, dtype or in having a bias, and while ``torch.compile`` /
         ``torch.export`` trace: the modules then run as they are."""
@@ -271,6 +273,10 @@ class KernelizedSelfAttention(nn.Module):
             out, state = self._step(hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary,
                                     initial_state)
         else:
+            # a call that is not a decoding step (training, a prefill, a continuation) ends a decoding
+            # session: the next one fuses the projections afresh (weights written between generate()
+            # calls through ``.data``, e.g. merging an adapter, bump no version counter)
+            self._fused = None
             q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
             args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary if self.rotary else None,
                     initial_state, layer is not None)

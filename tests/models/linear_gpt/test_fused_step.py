@@ -162,3 +162,22 @@ def test_adapted_projections_are_not_fused_and_stay_exact(wrap, monkeypatch):
     calls = _fused_calls(monkeypatch)
     _assert_steps_follow_the_parameters(model, ids)
     assert calls and not all(calls) and any(calls)  # layer 0 still fused, layer 1 not
+
+
+def test_a_new_generation_fuses_afresh_after_writes_through_data():
+    """Merging an adapter writes ``weight.data += delta`` (no version bump): the next generate()
+    (its prefill ends the earlier decoding session) must decode with the new weights."""
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(tiny_linear_gpt_config()).double().eval()
+    ids = torch.randint(1, V_GPT, (2, 5), generator=torch.Generator().manual_seed(1))
+    model.generate(ids, max_new_tokens=4, do_sample=False)  # fuses the projections of the old weights
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for block in model.transformer.h:
+            for proj in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj):
+                proj.weight.data += 0.5 * torch.randn(proj.weight.shape, dtype=torch.float64, generator=g)
+    kw = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    got, want = model.generate(ids, **kw), model.generate(ids, use_cache=False, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):  # float64: the state and the parallel form agree to rounding
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
