@@ -10,13 +10,27 @@ and a near sum over the ``2K^2 - 2K + 1`` offsets closer than K::
 
     Y_i = c_K q_i [S, z] + sum_{|dy|+|dx| < K} (c_d - c_K) (q_i . k_{i+delta}) [v_{i+delta}, 1]
 
-with ``[S, z] = sum_j k_j^T [v_j, 1]``; ``out_i = Y_i[:D] / (Y_i[D] + eps)``. Keys outside the
-grid are zeros (they add nothing), so each offset is one shifted view of a zero-padded copy.
+with ``[S, z] = sum_j k_j^T [v_j, 1]``; ``out_i = Y_i[:D] / (Y_i[D] + eps)``.
 
-Cost: time O(N K^2 (M + D) + N M D), memory O(N (M + D)) (one offset at a time), against
-O(N^2 M) for the dense form. :func:`manhattan_table` turns a per-distance table into the 2D bias
-``(H, 2Hg-1, 2Wg-1)`` the other backends take; :func:`manhattan_distances` reads the per-distance
-values back from such a bias (the backend's input).
+The near sum is computed from matrix products (:class:`ManhattanNearProduct`). The grid is cut
+into tiles of ``Ty x Tx`` tokens and stored strip by strip: strips of ``Tx`` columns, each strip
+row-major, so that a tile is ``Ty Tx`` consecutive tokens and, in the strip ``s`` strips to
+its side, the rows its diamond reaches (``Ty + 2 h_s``, ``h_s = K - 1 - min |dx|``) are one
+consecutive run of ``(Ty + 2 h_s) Tx`` tokens. For each strip offset ``s`` one batched product
+over all tiles gives the ``(Ty Tx, (Ty + 2 h_s) Tx)`` score blocks; they are weighed by the
+``c_d - c_K`` of each (query, key) pair (0 beyond the diamond: a fixed block per head and
+offset), and one more product adds them times the values. The blocks cover about 1.3-2x the
+``2K^2`` keys of the diamond (the tiles' corners), against ``N`` for the dense form. Runs that
+leave the grid read neighbouring strips; those keys get weight 0.
+
+Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): the forward keeps only its inputs
+(the backward rebuilds the strips and recomputes each score block), and the score blocks exist
+one group of heads at a time. :func:`manhattan_table` turns a per-distance table into the 2D
+bias ``(H, 2Hg-1, 2Wg-1)`` the other backends take; :func:`manhattan_distances` reads the
+per-distance values back from such a bias (the backend's input). The plain reference is the
+dense form (``kernels_dense``) on :func:`manhattan_table`'s bias; :func:`manhattan_offsets_near`
+is the same near sum written offset by offset (the form traced by ``torch.export`` with a
+dynamic grid, whose sizes are symbolic).
 """
 
 from __future__ import annotations
@@ -48,6 +62,220 @@ def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: 
     d = torch.arange(clip + 1, device=rpe_bias.device).clamp(max=reach)
     dy = d.clamp(max=grid_h - 1)
     return rpe_bias[:, grid_h - 1 + dy, grid_w - 1 + (d - dy)]
+
+
+class TilePlan:
+    """The geometry of :class:`ManhattanNearProduct` for one call: tiles of ``ty x tx`` tokens
+    on a ``(hg, wg)`` grid (padded to ``(hq, wq)``), the strip offsets ``s`` with the half-height
+    ``h_s`` of their runs, the weight index of every (query, key) pair of a tile and a run, the
+    masks of runs that leave the grid, and the groups of rows (batch row x head) walked at once.
+
+    The strip layout of a ``(B, H, N, F)`` tensor is a flat ``(margin + L + margin, F)`` buffer,
+    ``L = B H ntx hq tx`` tokens ordered (batch row, head, strip, row, column in strip), zero
+    outside the grid and in the margins (which runs at the ends read)."""
+
+    def __init__(self, b: int, h: int, grid: tuple[int, int], clip: int, tile: tuple[int, int], device,
+                 group_tokens: int = 8192) -> None:
+        hg, wg = grid
+        ty, tx = tile
+        self.b, self.h, self.hg, self.wg, self.clip, self.ty, self.tx = b, h, hg, wg, clip, ty, tx
+        self.nty, self.ntx = -(-hg // ty), -(-wg // tx)
+        self.hq, self.wq = self.nty * ty, self.ntx * tx
+        self.t2 = ty * tx
+        self.tiles_per_row = self.ntx * self.nty  # tiles of one (batch row, head)
+        reach_y, reach_x = min(clip - 1, hg - 1), min(clip - 1, wg - 1)
+        offsets = []
+        for s in range(-(self.ntx - 1), self.ntx):
+            nearest = 0 if s == 0 else (abs(s) - 1) * tx + 1  # the smallest |dx| between a tile and strip s
+            if nearest <= reach_x:
+                offsets.append((s, min(clip - 1 - nearest, reach_y, (self.nty - 1) * ty)))
+        self.offsets = offsets
+        self.keys = [(ty + 2 * hs) * tx for _, hs in offsets]
+        self.max_keys = max(self.keys, default=0)
+        self.margin = max((abs(s) * self.hq * tx + hs * tx for s, hs in offsets), default=0)
+        self.length = b * h * self.ntx * self.hq * tx
+        rows = max(1, group_tokens // (self.tiles_per_row * self.t2))
+        self.groups = [(g, min(g + rows, b * h)) for g in range(0, b * h, rows)]
+        # distance index of every (tile position, run position) pair, per offset; clip = no near weight
+        iy = torch.arange(ty, device=device).repeat_interleave(tx)[:, None]
+        ix = torch.arange(tx, device=device).repeat(ty)[:, None]
+        index = torch.full((len(offsets), self.t2, self.max_keys), clip, dtype=torch.long, device=device)
+        self.masks = []
+        for i, (s, hs) in enumerate(offsets):
+            run = ty + 2 * hs
+            ry = torch.arange(run, device=device).repeat_interleave(tx)[None, :]
+            rx = torch.arange(tx, device=device).repeat(run)[None, :]
+            dist = (ry - hs - iy).abs() + (s * tx + rx - ix).abs()
+            index[i, :, : self.keys[i]] = dist.clamp(max=clip)
+            # rows of the run outside the grid (they read a neighbouring strip): weight 0
+            reach = -(-hs // ty)  # tile rows whose run starts above the grid (and as many at the bottom)
+            rows_of = torch.arange(self.nty, device=device)[:, None] * ty - hs + torch.arange(run, device=device)[None, :]
+            inside = ((rows_of >= 0) & (rows_of < self.hq)).repeat_interleave(tx, dim=1)[:, None, :]  # (nty, 1, keys)
+            if 2 * reach >= self.nty:
+                masks = [(0, self.nty, inside)] if reach else []
+            else:
+                masks = [(0, reach, inside[:reach]), (self.nty - reach, self.nty, inside[self.nty - reach :])] if reach else []
+            lo, hi = (self.ntx - s, self.ntx) if s > 0 else (0, -s)  # strips whose strip s away is off the grid
+            self.masks.append((lo, hi, masks))
+        self.index = index
+
+    def weights(self, c: torch.Tensor) -> torch.Tensor:
+        """Per-distance coefficients ``c (H, K+1)`` -> the near weights ``c_d - c_K`` (0 from
+        distance K on) of every (tile position, run position) pair: ``(H, offsets, ty tx, max keys)``."""
+        near = torch.cat([c[:, : self.clip] - c[:, self.clip :], torch.zeros_like(c[:, :1])], dim=1)
+        return near[:, self.index]
+
+    def to_strips(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, H, N, F)`` -> the zero-padded strip buffer ``(margin + L + margin, F)``."""
+        f = x.shape[-1]
+        buf = x.new_zeros(2 * self.margin + self.length, f)
+        region = buf[self.margin : self.margin + self.length].view(self.b, self.h, self.ntx, self.hq, self.tx, f)
+        xg = x.reshape(self.b, self.h, self.hg, self.wg, f)
+        full = self.wg // self.tx
+        if full:
+            region[:, :, :full, : self.hg].copy_(
+                xg[:, :, :, : full * self.tx].reshape(self.b, self.h, self.hg, full, self.tx, f).permute(0, 1, 3, 2, 4, 5))
+        if full < self.ntx:
+            region[:, :, full, : self.hg, : self.wg - full * self.tx].copy_(xg[:, :, :, full * self.tx :])
+        return buf
+
+    def from_tiles(self, y: torch.Tensor) -> torch.Tensor:
+        """Tiles ``(B H ntx nty, ty tx, F)`` -> ``(B, H, N, F)``."""
+        f = y.shape[-1]
+        y = y.view(self.b, self.h, self.ntx, self.hq, self.tx, f).permute(0, 1, 3, 2, 4, 5)
+        y = y.reshape(self.b, self.h, self.hq, self.wq, f)[:, :, : self.hg, : self.wg]
+        return y.reshape(self.b, self.h, self.hg * self.wg, f)
+
+    def tiles(self, buf: torch.Tensor) -> torch.Tensor:
+        """The tiles of a strip buffer: ``(B H ntx nty, ty tx, F)``, a view."""
+        return buf[self.margin : self.margin + self.length].view(-1, self.t2, buf.shape[-1])
+
+    def runs(self, buf: torch.Tensor, i: int) -> torch.Tensor:
+        """For every tile, the run of offset ``i`` in a strip buffer: ``(B H ntx nty, keys, F)``,
+        an overlapping view (consecutive tiles' runs share rows)."""
+        s, hs = self.offsets[i]
+        f = buf.shape[-1]
+        start = self.margin + s * self.hq * self.tx - hs * self.tx
+        return buf.as_strided((self.length // self.t2, self.keys[i], f), (self.t2 * f, f, 1),
+                              buf.storage_offset() + start * f)
+
+    def weigh(self, scores: torch.Tensor, i: int, g0: int, g1: int, w: torch.Tensor | None) -> None:
+        """In place: scores ``(tiles of rows g0..g1, ty tx, keys)`` of offset ``i`` times their
+        weights ``w (B H, offsets, ty tx, max keys)`` (None: masks only), 0 for keys off the grid."""
+        keys = self.keys[i]
+        view = scores.view(g1 - g0, self.ntx, self.nty, self.t2, keys)
+        if w is not None:
+            view.mul_(w[g0:g1, i, None, None, :, :keys])
+        lo, hi, masks = self.masks[i]
+        if hi > lo:
+            view[:, lo:hi].zero_()
+        for a, b, m in masks:
+            view[:, :, a:b].mul_(m)
+
+
+class ManhattanNearProduct(torch.autograd.Function):
+    """The near sum of :func:`manhattan_attention`:
+    ``Y_i = sum_{d_ij < K} (c_{d_ij} - c_K) (q_i . k_j) [v_j, 1]``, from matrix products over the
+    tiles of a :class:`TilePlan` (see the module docstring), with a hand-written backward.
+
+    ``q, k (B, H, N, M)``, ``v1 (B, H, N, E)`` (values with their ones column), ``weight``
+    ``(H, offsets, ty tx, max keys)`` (:meth:`TilePlan.weights`). Returns ``Y (B, H, N, E)``.
+    Saves only its inputs: the backward rebuilds the strips and recomputes every score block
+    (once for the gradients of q and the weights, once, transposed, for those of k and v: the
+    weights are symmetric, so a key's tile against its queries' runs uses the same blocks)."""
+
+    @staticmethod
+    @full_precision
+    def forward(ctx, q, k, v1, weight, plan):  # type: ignore[override]
+        w = weight.repeat(plan.b, 1, 1, 1)  # (B H, ...), row b H + h like the strips
+        qb, kb, vb = (plan.to_strips(x) for x in (q, k, v1))
+        qt = plan.tiles(qb)
+        y = qt.new_zeros(qt.shape[0], plan.t2, v1.shape[-1])
+        for g0, g1 in plan.groups:
+            t0, t1 = g0 * plan.tiles_per_row, g1 * plan.tiles_per_row
+            for i in range(len(plan.offsets)):
+                scores = torch.bmm(qt[t0:t1], plan.runs(kb, i)[t0:t1].transpose(1, 2))
+                plan.weigh(scores, i, g0, g1, w)
+                y[t0:t1].baddbmm_(scores, plan.runs(vb, i)[t0:t1])
+        ctx.save_for_backward(q, k, v1, weight)
+        ctx.plan = plan
+        return plan.from_tiles(y)
+
+    @staticmethod
+    @full_precision
+    def backward(ctx, dy):  # type: ignore[override]
+        q, k, v1, weight = ctx.saved_tensors
+        plan = ctx.plan
+        need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
+        w = weight.repeat(plan.b, 1, 1, 1)
+        qb, kb, vb, gb = (plan.to_strips(x) for x in (q, k, v1, dy))
+        qt, kt, vt, gt = (plan.tiles(x) for x in (qb, kb, vb, gb))
+        dq = torch.zeros_like(qt) if need_q else None
+        dk = torch.zeros_like(kt) if need_k else None
+        dv = torch.zeros_like(vt) if need_v else None
+        dw = torch.zeros_like(w) if need_w else None
+        t2 = plan.t2
+        for g0, g1 in plan.groups:
+            t0, t1 = g0 * plan.tiles_per_row, g1 * plan.tiles_per_row
+            for i in range(len(plan.offsets)):
+                keys = plan.keys[i]
+                if need_q or need_w:  # each query's tile against the runs of its keys
+                    kr = plan.runs(kb, i)[t0:t1]
+                    dp = torch.bmm(gt[t0:t1], plan.runs(vb, i)[t0:t1].transpose(1, 2))  # d(weighted scores)
+                    plan.weigh(dp, i, g0, g1, None)
+                    if need_w:
+                        scores = torch.bmm(qt[t0:t1], kr.transpose(1, 2))
+                        dw[g0:g1, i, :, :keys] += scores.mul_(dp).view(g1 - g0, -1, t2, keys).sum(1)
+                    if need_q:
+                        dp.view(g1 - g0, -1, t2, keys).mul_(w[g0:g1, i, None, :, :keys])
+                        dq[t0:t1].baddbmm_(dp, kr)
+                if need_k or need_v:  # each key's tile against the runs of its queries (same weights)
+                    qr, gr = plan.runs(qb, i)[t0:t1], plan.runs(gb, i)[t0:t1]
+                    if need_v:
+                        scores = torch.bmm(kt[t0:t1], qr.transpose(1, 2))
+                        plan.weigh(scores, i, g0, g1, w)
+                        dv[t0:t1].baddbmm_(scores, gr)
+                    if need_k:
+                        dp = torch.bmm(vt[t0:t1], gr.transpose(1, 2))
+                        plan.weigh(dp, i, g0, g1, w)
+                        dk[t0:t1].baddbmm_(dp, qr)
+        grads = [None if x is None else plan.from_tiles(x) for x in (dq, dk, dv)]
+        if dw is not None:
+            dw = dw.view(plan.b, -1, *dw.shape[1:]).sum(0)
+        return (*grads, dw, None)
+
+
+def tile_shape(grid: tuple[int, int], clip: int) -> tuple[int, int]:
+    """Tile ``(ty, tx)`` for a grid and clip: about 16 tokens a tile (products of that size run
+    near the machine's matrix rate while the tiles' corners add little beyond the diamond)."""
+    hg, wg = grid
+    ty = min(4, hg)
+    tx = min(max(16 // ty, 4), wg)
+    return ty, tx
+
+
+def manhattan_offsets_near(q, k, v1, c, grid, clip):
+    """The near sum ``sum_{d < K} (c_d - c_K) (q_i . k_{i+delta}) [v_{i+delta}, 1]``, offset by
+    offset: ``2K^2 - 2K + 1`` shifted views of zero-padded k and v1 (elementwise; no loop over
+    the grid's sizes, so ``torch.export`` keeps them symbolic). ``(B, H, N, E)``."""
+    b, h, _, m = q.shape
+    e = v1.shape[-1]
+    hg, wg = grid
+    qg = q.reshape(b, h, hg, wg, m)
+    kp = torch.nn.functional.pad(k.reshape(b, h, hg, wg, m), (0, 0, clip, clip, clip, clip))
+    vp = torch.nn.functional.pad(v1.reshape(b, h, hg, wg, e), (0, 0, clip, clip, clip, clip))
+    near = torch.zeros(b, h, hg, wg, e, dtype=q.dtype, device=q.device)
+    for dy in range(-(clip - 1), clip):
+        for dx in range(-(clip - 1 - abs(dy)), clip - abs(dy)):
+            w = (c[:, abs(dy) + abs(dx)] - c[:, clip])[None, :, None, None, None]  # (1, H, 1, 1, 1)
+            ks = kp[:, :, clip + dy : clip + dy + hg, clip + dx : clip + dx + wg]
+            vs = vp[:, :, clip + dy : clip + dy + hg, clip + dx : clip + dx + wg]
+            near = near + w * (qg * ks).sum(-1, keepdim=True) * vs
+    return near.reshape(b, h, hg * wg, e)
+
+
+def _symbolic(*sizes) -> bool:
+    return any(isinstance(x, torch.SymInt) for x in sizes) or torch.compiler.is_compiling()
 
 
 @full_precision
@@ -85,15 +313,9 @@ def manhattan_attention(
     # far term: every key with c_K
     y = c[None, :, clip, None, None] * (q @ (k.transpose(-1, -2) @ v1))  # (B, H, N, D+1)
     if clip > 0:
-        qg = q.reshape(b, h, hg, wg, m)
-        kp = torch.nn.functional.pad(k.reshape(b, h, hg, wg, m), (0, 0, clip, clip, clip, clip))
-        vp = torch.nn.functional.pad(v1.reshape(b, h, hg, wg, d + 1), (0, 0, clip, clip, clip, clip))
-        near = torch.zeros(b, h, hg, wg, d + 1, dtype=q.dtype, device=q.device)
-        for dy in range(-(clip - 1), clip):
-            for dx in range(-(clip - 1 - abs(dy)), clip - abs(dy)):
-                w = (c[:, abs(dy) + abs(dx)] - c[:, clip])[None, :, None, None, None]  # (1, H, 1, 1, 1)
-                ks = kp[:, :, clip + dy : clip + dy + hg, clip + dx : clip + dx + wg]
-                vs = vp[:, :, clip + dy : clip + dy + hg, clip + dx : clip + dx + wg]
-                near = near + w * (qg * ks).sum(-1, keepdim=True) * vs
-        y = y + near.reshape(b, h, n, d + 1)
+        if _symbolic(hg, wg, n):
+            y = y + manhattan_offsets_near(q, k, v1, c, (hg, wg), clip)
+        else:
+            plan = TilePlan(b, h, (hg, wg), clip, tile_shape((hg, wg), clip), q.device)
+            y = y + ManhattanNearProduct.apply(q, k, v1, plan.weights(c), plan)
     return y[..., :d] / (y[..., d:] + eps_h[..., None])
