@@ -67,12 +67,14 @@ def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: 
 class TilePlan:
     """The geometry of :class:`ManhattanNearProduct` for one call: tiles of ``ty x tx`` tokens
     on a ``(hg, wg)`` grid (padded to ``(hq, wq)``), the strip offsets ``s`` with the half-height
-    ``h_s`` of their runs, the weight index of every (query, key) pair of a tile and a run, the
-    masks of runs that leave the grid, and the groups of rows (batch row x head) walked at once.
+    ``h_s`` of their runs, the weight index of every (run position, tile position) pair, the
+    masks of runs that leave the grid, and the groups of strips walked at once.
 
     The strip layout of a ``(B, H, N, F)`` tensor is a flat ``(margin + L + margin, F)`` buffer,
-    ``L = B H ntx hq tx`` tokens ordered (batch row, head, strip, row, column in strip), zero
-    outside the grid and in the margins (which runs at the ends read)."""
+    ``L = ntx B H hq tx`` tokens ordered (strip, batch row, head, row, column in strip), zero
+    outside the grid and in the margins. Tile ``t`` is tokens ``[t ty tx, (t + 1) ty tx)``; its
+    run of offset ``s`` starts ``s B H hq tx - h_s tx`` tokens from there (strip ``s`` to the
+    side, ``h_s`` rows up), so all runs of an offset are one strided view."""
 
     def __init__(self, b: int, h: int, grid: tuple[int, int], clip: int, tile: tuple[int, int], device,
                  group_tokens: int = 8192) -> None:
@@ -82,7 +84,7 @@ class TilePlan:
         self.nty, self.ntx = -(-hg // ty), -(-wg // tx)
         self.hq, self.wq = self.nty * ty, self.ntx * tx
         self.t2 = ty * tx
-        self.tiles_per_row = self.ntx * self.nty  # tiles of one (batch row, head)
+        self.per_strip = b * h * self.nty  # tiles of one strip (every batch row and head)
         reach_y, reach_x = min(clip - 1, hg - 1), min(clip - 1, wg - 1)
         offsets = []
         for s in range(-(self.ntx - 1), self.ntx):
@@ -92,36 +94,36 @@ class TilePlan:
         self.offsets = offsets
         self.keys = [(ty + 2 * hs) * tx for _, hs in offsets]
         self.max_keys = max(self.keys, default=0)
-        self.margin = max((abs(s) * self.hq * tx + hs * tx for s, hs in offsets), default=0)
-        self.length = b * h * self.ntx * self.hq * tx
-        rows = max(1, group_tokens // (self.tiles_per_row * self.t2))
-        self.groups = [(g, min(g + rows, b * h)) for g in range(0, b * h, rows)]
-        # distance index of every (tile position, run position) pair, per offset; clip = no near weight
-        iy = torch.arange(ty, device=device).repeat_interleave(tx)[:, None]
-        ix = torch.arange(tx, device=device).repeat(ty)[:, None]
-        index = torch.full((len(offsets), self.t2, self.max_keys), clip, dtype=torch.long, device=device)
+        self.margin = max((hs * tx for _, hs in offsets), default=0)
+        self.length = self.ntx * self.per_strip * self.t2
+        step = max(1, group_tokens // (self.per_strip * self.t2))
+        self.groups = [(x, min(x + step, self.ntx)) for x in range(0, self.ntx, step)]
+        # distance index of every (run position, tile position) pair, per offset; clip = no near weight
+        iy = torch.arange(ty, device=device).repeat_interleave(tx)[None, :]
+        ix = torch.arange(tx, device=device).repeat(ty)[None, :]
+        index = torch.full((len(offsets), self.max_keys, self.t2), clip, dtype=torch.long, device=device)
         self.masks = []
         for i, (s, hs) in enumerate(offsets):
             run = ty + 2 * hs
-            ry = torch.arange(run, device=device).repeat_interleave(tx)[None, :]
-            rx = torch.arange(tx, device=device).repeat(run)[None, :]
-            dist = (ry - hs - iy).abs() + (s * tx + rx - ix).abs()
-            index[i, :, : self.keys[i]] = dist.clamp(max=clip)
-            # rows of the run outside the grid (they read a neighbouring strip): weight 0
-            reach = -(-hs // ty)  # tile rows whose run starts above the grid (and as many at the bottom)
-            rows_of = torch.arange(self.nty, device=device)[:, None] * ty - hs + torch.arange(run, device=device)[None, :]
-            inside = ((rows_of >= 0) & (rows_of < self.hq)).repeat_interleave(tx, dim=1)[:, None, :]  # (nty, 1, keys)
-            if 2 * reach >= self.nty:
-                masks = [(0, self.nty, inside)] if reach else []
+            ry = torch.arange(run, device=device).repeat_interleave(tx)[:, None]
+            rx = torch.arange(tx, device=device).repeat(run)[:, None]
+            index[i, : self.keys[i]] = ((ry - hs - iy).abs() + (s * tx + rx - ix).abs()).clamp(max=clip)
+            # rows of a run outside the grid read a neighbouring strip: weight 0
+            reach = min(-(-hs // ty), self.nty)  # tile rows whose run starts above the grid (as many end below it)
+            rows = torch.arange(self.nty, device=device)[:, None] * ty - hs + torch.arange(run, device=device)[None, :]
+            inside = ((rows >= 0) & (rows < self.hq)).repeat_interleave(tx, dim=1)[:, :, None]  # (nty, keys, 1)
+            if not reach:
+                masks = []
+            elif 2 * reach >= self.nty:
+                masks = [(0, self.nty, inside)]
             else:
-                masks = [(0, reach, inside[:reach]), (self.nty - reach, self.nty, inside[self.nty - reach :])] if reach else []
-            lo, hi = (self.ntx - s, self.ntx) if s > 0 else (0, -s)  # strips whose strip s away is off the grid
-            self.masks.append((lo, hi, masks))
+                masks = [(0, reach, inside[:reach]), (self.nty - reach, self.nty, inside[self.nty - reach :])]
+            self.masks.append(masks)
         self.index = index
 
     def weights(self, c: torch.Tensor) -> torch.Tensor:
         """Per-distance coefficients ``c (H, K+1)`` -> the near weights ``c_d - c_K`` (0 from
-        distance K on) of every (tile position, run position) pair: ``(H, offsets, ty tx, max keys)``."""
+        distance K on) of every (run position, tile position) pair: ``(H, offsets, max keys, ty tx)``."""
         near = torch.cat([c[:, : self.clip] - c[:, self.clip :], torch.zeros_like(c[:, :1])], dim=1)
         return near[:, self.index]
 
@@ -129,48 +131,50 @@ class TilePlan:
         """``(B, H, N, F)`` -> the zero-padded strip buffer ``(margin + L + margin, F)``."""
         f = x.shape[-1]
         buf = x.new_zeros(2 * self.margin + self.length, f)
-        region = buf[self.margin : self.margin + self.length].view(self.b, self.h, self.ntx, self.hq, self.tx, f)
+        region = buf[self.margin : self.margin + self.length].view(self.ntx, self.b, self.h, self.hq, self.tx, f)
         xg = x.reshape(self.b, self.h, self.hg, self.wg, f)
         full = self.wg // self.tx
         if full:
-            region[:, :, :full, : self.hg].copy_(
-                xg[:, :, :, : full * self.tx].reshape(self.b, self.h, self.hg, full, self.tx, f).permute(0, 1, 3, 2, 4, 5))
+            region[:full, :, :, : self.hg].copy_(
+                xg[:, :, :, : full * self.tx].reshape(self.b, self.h, self.hg, full, self.tx, f).permute(3, 0, 1, 2, 4, 5))
         if full < self.ntx:
-            region[:, :, full, : self.hg, : self.wg - full * self.tx].copy_(xg[:, :, :, full * self.tx :])
+            region[full, :, :, : self.hg, : self.wg - full * self.tx].copy_(xg[:, :, :, full * self.tx :])
         return buf
 
     def from_tiles(self, y: torch.Tensor) -> torch.Tensor:
-        """Tiles ``(B H ntx nty, ty tx, F)`` -> ``(B, H, N, F)``."""
+        """Tiles ``(ntx B H nty, ty tx, F)`` -> ``(B, H, N, F)``."""
         f = y.shape[-1]
-        y = y.view(self.b, self.h, self.ntx, self.hq, self.tx, f).permute(0, 1, 3, 2, 4, 5)
+        y = y.view(self.ntx, self.b, self.h, self.hq, self.tx, f).permute(1, 2, 3, 0, 4, 5)
         y = y.reshape(self.b, self.h, self.hq, self.wq, f)[:, :, : self.hg, : self.wg]
         return y.reshape(self.b, self.h, self.hg * self.wg, f)
 
     def tiles(self, buf: torch.Tensor) -> torch.Tensor:
-        """The tiles of a strip buffer: ``(B H ntx nty, ty tx, F)``, a view."""
+        """The tiles of a strip buffer: ``(ntx B H nty, ty tx, F)``, a view."""
         return buf[self.margin : self.margin + self.length].view(-1, self.t2, buf.shape[-1])
 
-    def runs(self, buf: torch.Tensor, i: int) -> torch.Tensor:
-        """For every tile, the run of offset ``i`` in a strip buffer: ``(B H ntx nty, keys, F)``,
-        an overlapping view (consecutive tiles' runs share rows)."""
+    def span(self, i: int, x0: int, x1: int) -> tuple[int, int]:
+        """The strips of group ``[x0, x1)`` whose strip at offset ``i`` lies on the grid."""
+        s = self.offsets[i][0]
+        return max(x0, -s), min(x1, self.ntx - s)
+
+    def runs(self, buf: torch.Tensor, i: int, a: int, z: int) -> torch.Tensor:
+        """The runs of offset ``i`` of the tiles of strips ``[a, z)`` in a strip buffer:
+        ``(tiles, keys, F)``, an overlapping view (consecutive tiles' runs share rows)."""
         s, hs = self.offsets[i]
         f = buf.shape[-1]
-        start = self.margin + s * self.hq * self.tx - hs * self.tx
-        return buf.as_strided((self.length // self.t2, self.keys[i], f), (self.t2 * f, f, 1),
+        start = self.margin + (a + s) * self.per_strip * self.t2 - hs * self.tx
+        return buf.as_strided(((z - a) * self.per_strip, self.keys[i], f), (self.t2 * f, f, 1),
                               buf.storage_offset() + start * f)
 
-    def weigh(self, scores: torch.Tensor, i: int, g0: int, g1: int, w: torch.Tensor | None) -> None:
-        """In place: scores ``(tiles of rows g0..g1, ty tx, keys)`` of offset ``i`` times their
-        weights ``w (B H, offsets, ty tx, max keys)`` (None: masks only), 0 for keys off the grid."""
-        keys = self.keys[i]
-        view = scores.view(g1 - g0, self.ntx, self.nty, self.t2, keys)
+    def weigh(self, scores: torch.Tensor, i: int, w: torch.Tensor | None) -> None:
+        """In place: transposed scores ``(tiles of whole strips, keys, ty tx)`` of offset ``i``
+        times their weights ``w (B H, offsets, max keys, ty tx)`` (None: masks only), 0 for keys
+        off the grid."""
+        view = scores.view(-1, self.b * self.h, self.nty, self.keys[i], self.t2)
         if w is not None:
-            view.mul_(w[g0:g1, i, None, None, :, :keys])
-        lo, hi, masks = self.masks[i]
-        if hi > lo:
-            view[:, lo:hi].zero_()
-        for a, b, m in masks:
-            view[:, :, a:b].mul_(m)
+            view.mul_(w[None, :, i, None, : self.keys[i]])
+        for a, z, m in self.masks[i]:
+            view[:, :, a:z].mul_(m)
 
 
 class ManhattanNearProduct(torch.autograd.Function):
@@ -179,10 +183,10 @@ class ManhattanNearProduct(torch.autograd.Function):
     tiles of a :class:`TilePlan` (see the module docstring), with a hand-written backward.
 
     ``q, k (B, H, N, M)``, ``v1 (B, H, N, E)`` (values with their ones column), ``weight``
-    ``(H, offsets, ty tx, max keys)`` (:meth:`TilePlan.weights`). Returns ``Y (B, H, N, E)``.
+    ``(H, offsets, max keys, ty tx)`` (:meth:`TilePlan.weights`). Returns ``Y (B, H, N, E)``.
     Saves only its inputs: the backward rebuilds the strips and recomputes every score block
-    (once for the gradients of q and the weights, once, transposed, for those of k and v: the
-    weights are symmetric, so a key's tile against its queries' runs uses the same blocks)."""
+    (once for the gradients of q and the weights, once for those of k and v, from each key's
+    tile against the runs of its queries: the weights are symmetric, so the blocks are the same)."""
 
     @staticmethod
     @full_precision
@@ -191,12 +195,15 @@ class ManhattanNearProduct(torch.autograd.Function):
         qb, kb, vb = (plan.to_strips(x) for x in (q, k, v1))
         qt = plan.tiles(qb)
         y = qt.new_zeros(qt.shape[0], plan.t2, v1.shape[-1])
-        for g0, g1 in plan.groups:
-            t0, t1 = g0 * plan.tiles_per_row, g1 * plan.tiles_per_row
+        for x0, x1 in plan.groups:
             for i in range(len(plan.offsets)):
-                scores = torch.bmm(qt[t0:t1], plan.runs(kb, i)[t0:t1].transpose(1, 2))
-                plan.weigh(scores, i, g0, g1, w)
-                y[t0:t1].baddbmm_(scores, plan.runs(vb, i)[t0:t1])
+                a, z = plan.span(i, x0, x1)
+                if a >= z:
+                    continue
+                t0, t1 = a * plan.per_strip, z * plan.per_strip
+                scores = torch.bmm(plan.runs(kb, i, a, z), qt[t0:t1].transpose(1, 2))  # (tiles, keys, ty tx)
+                plan.weigh(scores, i, w)
+                y[t0:t1].baddbmm_(scores.transpose(1, 2), plan.runs(vb, i, a, z))
         ctx.save_for_backward(q, k, v1, weight)
         ctx.plan = plan
         return plan.from_tiles(y)
@@ -214,31 +221,34 @@ class ManhattanNearProduct(torch.autograd.Function):
         dk = torch.zeros_like(kt) if need_k else None
         dv = torch.zeros_like(vt) if need_v else None
         dw = torch.zeros_like(w) if need_w else None
-        t2 = plan.t2
-        for g0, g1 in plan.groups:
-            t0, t1 = g0 * plan.tiles_per_row, g1 * plan.tiles_per_row
+        bh, t2 = plan.b * plan.h, plan.t2
+        for x0, x1 in plan.groups:
             for i in range(len(plan.offsets)):
+                a, z = plan.span(i, x0, x1)
+                if a >= z:
+                    continue
+                t0, t1 = a * plan.per_strip, z * plan.per_strip
                 keys = plan.keys[i]
                 if need_q or need_w:  # each query's tile against the runs of its keys
-                    kr = plan.runs(kb, i)[t0:t1]
-                    dp = torch.bmm(gt[t0:t1], plan.runs(vb, i)[t0:t1].transpose(1, 2))  # d(weighted scores)
-                    plan.weigh(dp, i, g0, g1, None)
+                    kr = plan.runs(kb, i, a, z)
+                    dp = torch.bmm(plan.runs(vb, i, a, z), gt[t0:t1].transpose(1, 2))  # d(weighted scores), transposed
+                    plan.weigh(dp, i, None)
                     if need_w:
-                        scores = torch.bmm(qt[t0:t1], kr.transpose(1, 2))
-                        dw[g0:g1, i, :, :keys] += scores.mul_(dp).view(g1 - g0, -1, t2, keys).sum(1)
+                        scores = torch.bmm(kr, qt[t0:t1].transpose(1, 2))
+                        dw[:, i, :keys] += scores.mul_(dp).view(-1, bh, plan.nty, keys, t2).sum((0, 2))
                     if need_q:
-                        dp.view(g1 - g0, -1, t2, keys).mul_(w[g0:g1, i, None, :, :keys])
-                        dq[t0:t1].baddbmm_(dp, kr)
-                if need_k or need_v:  # each key's tile against the runs of its queries (same weights)
-                    qr, gr = plan.runs(qb, i)[t0:t1], plan.runs(gb, i)[t0:t1]
+                        dp.view(-1, bh, plan.nty, keys, t2).mul_(w[None, :, i, None, :keys])
+                        dq[t0:t1].baddbmm_(dp.transpose(1, 2), kr)
+                if need_k or need_v:  # each key's tile against the runs of its queries (the same weights)
+                    qr, gr = plan.runs(qb, i, a, z), plan.runs(gb, i, a, z)
                     if need_v:
-                        scores = torch.bmm(kt[t0:t1], qr.transpose(1, 2))
-                        plan.weigh(scores, i, g0, g1, w)
-                        dv[t0:t1].baddbmm_(scores, gr)
+                        scores = torch.bmm(qr, kt[t0:t1].transpose(1, 2))
+                        plan.weigh(scores, i, w)
+                        dv[t0:t1].baddbmm_(scores.transpose(1, 2), gr)
                     if need_k:
-                        dp = torch.bmm(vt[t0:t1], gr.transpose(1, 2))
-                        plan.weigh(dp, i, g0, g1, w)
-                        dk[t0:t1].baddbmm_(dp, qr)
+                        dp = torch.bmm(gr, vt[t0:t1].transpose(1, 2))
+                        plan.weigh(dp, i, w)
+                        dk[t0:t1].baddbmm_(dp.transpose(1, 2), qr)
         grads = [None if x is None else plan.from_tiles(x) for x in (dq, dk, dv)]
         if dw is not None:
             dw = dw.view(plan.b, -1, *dw.shape[1:]).sum(0)
