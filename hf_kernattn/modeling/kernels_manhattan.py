@@ -64,6 +64,10 @@ def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: 
     return rpe_bias[:, grid_h - 1 + dy, grid_w - 1 + (d - dy)]
 
 
+# Tokens of the strips walked at once: their score blocks and accumulators stay in cache.
+GROUP_TOKENS = 8192
+
+
 class TilePlan:
     """The geometry of :class:`ManhattanNearProduct` for one call: tiles of ``ty x tx`` tokens
     on a ``(hg, wg)`` grid (padded to ``(hq, wq)``), the strip offsets ``s`` with the half-height
@@ -77,7 +81,7 @@ class TilePlan:
     side, ``h_s`` rows up), so all runs of an offset are one strided view."""
 
     def __init__(self, b: int, h: int, grid: tuple[int, int], clip: int, tile: tuple[int, int], device,
-                 group_tokens: int = 8192) -> None:
+                 group_tokens: int | None = None) -> None:
         hg, wg = grid
         ty, tx = tile
         self.b, self.h, self.hg, self.wg, self.clip, self.ty, self.tx = b, h, hg, wg, clip, ty, tx
@@ -91,12 +95,13 @@ class TilePlan:
             nearest = 0 if s == 0 else (abs(s) - 1) * tx + 1  # the smallest |dx| between a tile and strip s
             if nearest <= reach_x:
                 offsets.append((s, min(clip - 1 - nearest, reach_y, (self.nty - 1) * ty)))
-        self.offsets = offsets
+        self.offsets = sorted(offsets, key=lambda o: abs(o[0]))  # s = 0 first: it covers every strip
+        offsets = self.offsets
         self.keys = [(ty + 2 * hs) * tx for _, hs in offsets]
         self.max_keys = max(self.keys, default=0)
         self.margin = max((hs * tx for _, hs in offsets), default=0)
         self.length = self.ntx * self.per_strip * self.t2
-        step = max(1, group_tokens // (self.per_strip * self.t2))
+        step = max(1, (group_tokens or GROUP_TOKENS) // (self.per_strip * self.t2))
         self.groups = [(x, min(x + step, self.ntx)) for x in range(0, self.ntx, step)]
         # distance index of every (run position, tile position) pair, per offset; clip = no near weight
         iy = torch.arange(ty, device=device).repeat_interleave(tx)[None, :]
@@ -130,10 +135,16 @@ class TilePlan:
     def to_strips(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, H, N, F)`` -> the zero-padded strip buffer ``(margin + L + margin, F)``."""
         f = x.shape[-1]
-        buf = x.new_zeros(2 * self.margin + self.length, f)
+        buf = x.new_empty(2 * self.margin + self.length, f)
+        buf[: self.margin].zero_()
+        buf[self.margin + self.length :].zero_()
         region = buf[self.margin : self.margin + self.length].view(self.ntx, self.b, self.h, self.hq, self.tx, f)
         xg = x.reshape(self.b, self.h, self.hg, self.wg, f)
         full = self.wg // self.tx
+        if self.hq > self.hg:  # the padding rows and columns of the grid
+            region[:, :, :, self.hg :].zero_()
+        if full < self.ntx:
+            region[full].zero_()
         if full:
             region[:full, :, :, : self.hg].copy_(
                 xg[:, :, :, : full * self.tx].reshape(self.b, self.h, self.hg, full, self.tx, f).permute(3, 0, 1, 2, 4, 5))
@@ -177,6 +188,14 @@ class TilePlan:
             view[:, :, a:z].mul_(m)
 
 
+def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, i: int) -> None:
+    """``out = a @ b`` for the first offset (``i = 0``), ``out += a @ b`` after it."""
+    if i == 0:
+        torch.bmm(a, b, out=out)
+    else:
+        out.baddbmm_(a, b)
+
+
 class ManhattanNearProduct(torch.autograd.Function):
     """The near sum of :func:`manhattan_attention`:
     ``Y_i = sum_{d_ij < K} (c_{d_ij} - c_K) (q_i . k_j) [v_j, 1]``, from matrix products over the
@@ -194,7 +213,7 @@ class ManhattanNearProduct(torch.autograd.Function):
         w = weight.repeat(plan.b, 1, 1, 1)  # (B H, ...), row b H + h like the strips
         qb, kb, vb = (plan.to_strips(x) for x in (q, k, v1))
         qt = plan.tiles(qb)
-        y = qt.new_zeros(qt.shape[0], plan.t2, v1.shape[-1])
+        y = qt.new_empty(qt.shape[0], plan.t2, v1.shape[-1])  # offset 0 (first, every strip) writes it
         for x0, x1 in plan.groups:
             for i in range(len(plan.offsets)):
                 a, z = plan.span(i, x0, x1)
@@ -203,7 +222,7 @@ class ManhattanNearProduct(torch.autograd.Function):
                 t0, t1 = a * plan.per_strip, z * plan.per_strip
                 scores = torch.bmm(plan.runs(kb, i, a, z), qt[t0:t1].transpose(1, 2))  # (tiles, keys, ty tx)
                 plan.weigh(scores, i, w)
-                y[t0:t1].baddbmm_(scores.transpose(1, 2), plan.runs(vb, i, a, z))
+                _accumulate(y[t0:t1], scores.transpose(1, 2), plan.runs(vb, i, a, z), i)
         ctx.save_for_backward(q, k, v1, weight)
         ctx.plan = plan
         return plan.from_tiles(y)
@@ -217,9 +236,9 @@ class ManhattanNearProduct(torch.autograd.Function):
         w = weight.repeat(plan.b, 1, 1, 1)
         qb, kb, vb, gb = (plan.to_strips(x) for x in (q, k, v1, dy))
         qt, kt, vt, gt = (plan.tiles(x) for x in (qb, kb, vb, gb))
-        dq = torch.zeros_like(qt) if need_q else None
-        dk = torch.zeros_like(kt) if need_k else None
-        dv = torch.zeros_like(vt) if need_v else None
+        dq = torch.empty_like(qt) if need_q else None  # offset 0 (first, every strip) writes them
+        dk = torch.empty_like(kt) if need_k else None
+        dv = torch.empty_like(vt) if need_v else None
         dw = torch.zeros_like(w) if need_w else None
         bh, t2 = plan.b * plan.h, plan.t2
         for x0, x1 in plan.groups:
@@ -238,17 +257,17 @@ class ManhattanNearProduct(torch.autograd.Function):
                         dw[:, i, :keys] += scores.mul_(dp).view(-1, bh, plan.nty, keys, t2).sum((0, 2))
                     if need_q:
                         dp.view(-1, bh, plan.nty, keys, t2).mul_(w[None, :, i, None, :keys])
-                        dq[t0:t1].baddbmm_(dp.transpose(1, 2), kr)
+                        _accumulate(dq[t0:t1], dp.transpose(1, 2), kr, i)
                 if need_k or need_v:  # each key's tile against the runs of its queries (the same weights)
                     qr, gr = plan.runs(qb, i, a, z), plan.runs(gb, i, a, z)
                     if need_v:
                         scores = torch.bmm(qr, kt[t0:t1].transpose(1, 2))
                         plan.weigh(scores, i, w)
-                        dv[t0:t1].baddbmm_(scores.transpose(1, 2), gr)
+                        _accumulate(dv[t0:t1], scores.transpose(1, 2), gr, i)
                     if need_k:
                         dp = torch.bmm(gr, vt[t0:t1].transpose(1, 2))
                         plan.weigh(dp, i, w)
-                        dk[t0:t1].baddbmm_(dp.transpose(1, 2), qr)
+                        _accumulate(dk[t0:t1], dp.transpose(1, 2), qr, i)
         grads = [None if x is None else plan.from_tiles(x) for x in (dq, dk, dv)]
         if dw is not None:
             dw = dw.view(plan.b, -1, *dw.shape[1:]).sum(0)
