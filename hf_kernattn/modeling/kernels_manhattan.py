@@ -101,8 +101,13 @@ class TilePlan:
         self.max_keys = max(self.keys, default=0)
         self.margin = max((hs * tx for _, hs in offsets), default=0)
         self.length = self.ntx * self.per_strip * self.t2
-        step = max(1, (group_tokens or GROUP_TOKENS) // (self.per_strip * self.t2))
-        self.groups = [(x, min(x + step, self.ntx)) for x in range(0, self.ntx, step)]
+        group_tokens = group_tokens or GROUP_TOKENS
+        if self.per_strip * self.t2 <= group_tokens:  # whole strips (every row and head) at a time
+            step = group_tokens // (self.per_strip * self.t2)
+            self.groups = [(x, min(x + step, self.ntx), 0, b * h) for x in range(0, self.ntx, step)]
+        else:  # one strip, a few (batch row, head) pairs at a time
+            step = max(1, group_tokens // (self.nty * self.t2))
+            self.groups = [(x, x + 1, r, min(r + step, b * h)) for x in range(self.ntx) for r in range(0, b * h, step)]
         # distance index of every (run position, tile position) pair, per offset; clip = no near weight
         iy = torch.arange(ty, device=device).repeat_interleave(tx)[None, :]
         ix = torch.arange(tx, device=device).repeat(ty)[None, :]
@@ -163,27 +168,32 @@ class TilePlan:
         """The tiles of a strip buffer: ``(ntx B H nty, ty tx, F)``, a view."""
         return buf[self.margin : self.margin + self.length].view(-1, self.t2, buf.shape[-1])
 
-    def span(self, i: int, x0: int, x1: int) -> tuple[int, int]:
-        """The strips of group ``[x0, x1)`` whose strip at offset ``i`` lies on the grid."""
+    def span(self, i: int, group: tuple[int, int, int, int]) -> tuple[int, int]:
+        """The tiles ``[t0, t1)`` of a group (strips ``[x0, x1)``, rows ``[r0, r1)`` of
+        ``B H``) whose strip at offset ``i`` lies on the grid (``t0 >= t1``: none)."""
         s = self.offsets[i][0]
-        return max(x0, -s), min(x1, self.ntx - s)
+        x0, x1, r0, r1 = group
+        a, z = max(x0, -s), min(x1, self.ntx - s)
+        if r1 - r0 == self.b * self.h:
+            return a * self.per_strip, z * self.per_strip
+        return (a * self.per_strip + r0 * self.nty, a * self.per_strip + r1 * self.nty) if a < z else (0, 0)
 
-    def runs(self, buf: torch.Tensor, i: int, a: int, z: int) -> torch.Tensor:
-        """The runs of offset ``i`` of the tiles of strips ``[a, z)`` in a strip buffer:
-        ``(tiles, keys, F)``, an overlapping view (consecutive tiles' runs share rows)."""
+    def runs(self, buf: torch.Tensor, i: int, t0: int, t1: int) -> torch.Tensor:
+        """The runs of offset ``i`` of tiles ``[t0, t1)`` in a strip buffer: ``(tiles, keys, F)``,
+        an overlapping view (consecutive tiles' runs share rows)."""
         s, hs = self.offsets[i]
         f = buf.shape[-1]
-        start = self.margin + (a + s) * self.per_strip * self.t2 - hs * self.tx
-        return buf.as_strided(((z - a) * self.per_strip, self.keys[i], f), (self.t2 * f, f, 1),
-                              buf.storage_offset() + start * f)
+        start = self.margin + (t0 + s * self.per_strip) * self.t2 - hs * self.tx
+        return buf.as_strided((t1 - t0, self.keys[i], f), (self.t2 * f, f, 1), buf.storage_offset() + start * f)
 
-    def weigh(self, scores: torch.Tensor, i: int, w: torch.Tensor | None) -> None:
-        """In place: transposed scores ``(tiles of whole strips, keys, ty tx)`` of offset ``i``
+    def weigh(self, scores: torch.Tensor, i: int, group: tuple[int, int, int, int], w: torch.Tensor | None) -> None:
+        """In place: transposed scores ``(tiles, keys, ty tx)`` of offset ``i`` and a group
         times their weights ``w (B H, offsets, max keys, ty tx)`` (None: masks only), 0 for keys
         off the grid."""
-        view = scores.view(-1, self.b * self.h, self.nty, self.keys[i], self.t2)
+        r0, r1 = group[2:]
+        view = scores.view(-1, r1 - r0, self.nty, self.keys[i], self.t2)
         if w is not None:
-            view.mul_(w[None, :, i, None, : self.keys[i]])
+            view.mul_(w[None, r0:r1, i, None, : self.keys[i]])
         for a, z, m in self.masks[i]:
             view[:, :, a:z].mul_(m)
 
@@ -214,15 +224,14 @@ class ManhattanNearProduct(torch.autograd.Function):
         qb, kb, vb = (plan.to_strips(x) for x in (q, k, v1))
         qt = plan.tiles(qb)
         y = qt.new_empty(qt.shape[0], plan.t2, v1.shape[-1])  # offset 0 (first, every strip) writes it
-        for x0, x1 in plan.groups:
+        for group in plan.groups:
             for i in range(len(plan.offsets)):
-                a, z = plan.span(i, x0, x1)
-                if a >= z:
+                t0, t1 = plan.span(i, group)
+                if t0 >= t1:
                     continue
-                t0, t1 = a * plan.per_strip, z * plan.per_strip
-                scores = torch.bmm(plan.runs(kb, i, a, z), qt[t0:t1].transpose(1, 2))  # (tiles, keys, ty tx)
-                plan.weigh(scores, i, w)
-                _accumulate(y[t0:t1], scores.transpose(1, 2), plan.runs(vb, i, a, z), i)
+                scores = torch.bmm(plan.runs(kb, i, t0, t1), qt[t0:t1].transpose(1, 2))  # (tiles, keys, ty tx)
+                plan.weigh(scores, i, group, w)
+                _accumulate(y[t0:t1], scores.transpose(1, 2), plan.runs(vb, i, t0, t1), i)
         ctx.save_for_backward(q, k, v1, weight)
         ctx.plan = plan
         return plan.from_tiles(y)
@@ -240,33 +249,33 @@ class ManhattanNearProduct(torch.autograd.Function):
         dk = torch.empty_like(kt) if need_k else None
         dv = torch.empty_like(vt) if need_v else None
         dw = torch.zeros_like(w) if need_w else None
-        bh, t2 = plan.b * plan.h, plan.t2
-        for x0, x1 in plan.groups:
+        t2 = plan.t2
+        for group in plan.groups:
             for i in range(len(plan.offsets)):
-                a, z = plan.span(i, x0, x1)
-                if a >= z:
+                t0, t1 = plan.span(i, group)
+                if t0 >= t1:
                     continue
-                t0, t1 = a * plan.per_strip, z * plan.per_strip
                 keys = plan.keys[i]
                 if need_q or need_w:  # each query's tile against the runs of its keys
-                    kr = plan.runs(kb, i, a, z)
-                    dp = torch.bmm(plan.runs(vb, i, a, z), gt[t0:t1].transpose(1, 2))  # d(weighted scores), transposed
-                    plan.weigh(dp, i, None)
+                    kr = plan.runs(kb, i, t0, t1)
+                    dp = torch.bmm(plan.runs(vb, i, t0, t1), gt[t0:t1].transpose(1, 2))  # d(weighted scores), transposed
+                    plan.weigh(dp, i, group, None)
                     if need_w:
                         scores = torch.bmm(kr, qt[t0:t1].transpose(1, 2))
-                        dw[:, i, :keys] += scores.mul_(dp).view(-1, bh, plan.nty, keys, t2).sum((0, 2))
+                        r0, r1 = group[2:]
+                        dw[r0:r1, i, :keys] += scores.mul_(dp).view(-1, r1 - r0, plan.nty, keys, t2).sum((0, 2))
                     if need_q:
-                        dp.view(-1, bh, plan.nty, keys, t2).mul_(w[None, :, i, None, :keys])
+                        dp.view(-1, group[3] - group[2], plan.nty, keys, t2).mul_(w[None, group[2] : group[3], i, None, :keys])
                         _accumulate(dq[t0:t1], dp.transpose(1, 2), kr, i)
                 if need_k or need_v:  # each key's tile against the runs of its queries (the same weights)
-                    qr, gr = plan.runs(qb, i, a, z), plan.runs(gb, i, a, z)
+                    qr, gr = plan.runs(qb, i, t0, t1), plan.runs(gb, i, t0, t1)
                     if need_v:
                         scores = torch.bmm(qr, kt[t0:t1].transpose(1, 2))
-                        plan.weigh(scores, i, w)
+                        plan.weigh(scores, i, group, w)
                         _accumulate(dv[t0:t1], scores.transpose(1, 2), gr, i)
                     if need_k:
                         dp = torch.bmm(gr, vt[t0:t1].transpose(1, 2))
-                        plan.weigh(dp, i, w)
+                        plan.weigh(dp, i, group, w)
                         _accumulate(dk[t0:t1], dp.transpose(1, 2), qr, i)
         grads = [None if x is None else plan.from_tiles(x) for x in (dq, dk, dv)]
         if dw is not None:
