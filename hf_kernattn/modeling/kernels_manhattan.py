@@ -65,7 +65,7 @@ def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: 
 
 
 # Tokens of the strips walked at once: their score blocks and accumulators stay in cache.
-GROUP_TOKENS = 8192
+GROUP_TOKENS = 4096
 
 
 class TilePlan:
@@ -136,6 +136,13 @@ class TilePlan:
         distance K on) of every (run position, tile position) pair: ``(H, offsets, max keys, ty tx)``."""
         near = torch.cat([c[:, : self.clip] - c[:, self.clip :], torch.zeros_like(c[:, :1])], dim=1)
         return near[:, self.index]
+
+    def weights_backward(self, dw: torch.Tensor) -> torch.Tensor:
+        """The gradient of :meth:`weights`: ``dw (H, offsets, max keys, ty tx)`` -> ``dc (H, K+1)``."""
+        dnear = dw.new_zeros(dw.shape[0], self.clip + 1).index_add_(1, self.index.flatten(), dw.flatten(1))
+        dc = dnear.clone()
+        dc[:, self.clip] = -dnear[:, : self.clip].sum(1)
+        return dc
 
     def to_strips(self, x: torch.Tensor) -> torch.Tensor:
         """``(B, H, N, F)`` -> the zero-padded strip buffer ``(margin + L + margin, F)``."""
@@ -211,16 +218,17 @@ class ManhattanNearProduct(torch.autograd.Function):
     ``Y_i = sum_{d_ij < K} (c_{d_ij} - c_K) (q_i . k_j) [v_j, 1]``, from matrix products over the
     tiles of a :class:`TilePlan` (see the module docstring), with a hand-written backward.
 
-    ``q, k (B, H, N, M)``, ``v1 (B, H, N, E)`` (values with their ones column), ``weight``
-    ``(H, offsets, max keys, ty tx)`` (:meth:`TilePlan.weights`). Returns ``Y (B, H, N, E)``.
-    Saves only its inputs: the backward rebuilds the strips and recomputes every score block
-    (once for the gradients of q and the weights, once for those of k and v, from each key's
-    tile against the runs of its queries: the weights are symmetric, so the blocks are the same)."""
+    ``q, k (B, H, N, M)``, ``v1 (B, H, N, E)`` (values with their ones column), ``c (H, K+1)``
+    the per-distance coefficients ``exp(b_d)``. Returns ``Y (B, H, N, E)``.
+    Saves only its inputs: the backward rebuilds the strips and recomputes the products: the
+    gradient of q from each query's tile against its keys' runs, those of k, v and the weights
+    from each key's tile against its queries' runs (the weights are symmetric in the two, so the
+    blocks and their weights are the same)."""
 
     @staticmethod
     @full_precision
-    def forward(ctx, q, k, v1, weight, plan):  # type: ignore[override]
-        w = weight.repeat(plan.b, 1, 1, 1)  # (B H, ...), row b H + h like the strips
+    def forward(ctx, q, k, v1, c, plan):  # type: ignore[override]
+        w = plan.weights(c).repeat(plan.b, 1, 1, 1)  # (B H, ...), row b H + h like the strips
         qb, kb, vb = (plan.to_strips(x) for x in (q, k, v1))
         qt = plan.tiles(qb)
         y = qt.new_empty(qt.shape[0], plan.t2, v1.shape[-1])  # offset 0 (first, every strip) writes it
@@ -232,17 +240,17 @@ class ManhattanNearProduct(torch.autograd.Function):
                 scores = torch.bmm(plan.runs(kb, i, t0, t1), qt[t0:t1].transpose(1, 2))  # (tiles, keys, ty tx)
                 plan.weigh(scores, i, group, w)
                 _accumulate(y[t0:t1], scores.transpose(1, 2), plan.runs(vb, i, t0, t1), i)
-        ctx.save_for_backward(q, k, v1, weight)
+        ctx.save_for_backward(q, k, v1, c)
         ctx.plan = plan
         return plan.from_tiles(y)
 
     @staticmethod
     @full_precision
     def backward(ctx, dy):  # type: ignore[override]
-        q, k, v1, weight = ctx.saved_tensors
+        q, k, v1, c = ctx.saved_tensors
         plan = ctx.plan
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
-        w = weight.repeat(plan.b, 1, 1, 1)
+        w = plan.weights(c).repeat(plan.b, 1, 1, 1)
         qb, kb, vb, gb = (plan.to_strips(x) for x in (q, k, v1, dy))
         qt, kt, vt, gt = (plan.tiles(x) for x in (qb, kb, vb, gb))
         dq = torch.empty_like(qt) if need_q else None  # offset 0 (first, every strip) writes them
@@ -256,30 +264,29 @@ class ManhattanNearProduct(torch.autograd.Function):
                 if t0 >= t1:
                     continue
                 keys = plan.keys[i]
-                if need_q or need_w:  # each query's tile against the runs of its keys
+                r0, r1 = group[2:]
+                if need_q:  # each query's tile against the runs of its keys
                     kr = plan.runs(kb, i, t0, t1)
                     dp = torch.bmm(plan.runs(vb, i, t0, t1), gt[t0:t1].transpose(1, 2))  # d(weighted scores), transposed
-                    plan.weigh(dp, i, group, None)
-                    if need_w:
-                        scores = torch.bmm(kr, qt[t0:t1].transpose(1, 2))
-                        r0, r1 = group[2:]
-                        dw[r0:r1, i, :keys] += scores.mul_(dp).view(-1, r1 - r0, plan.nty, keys, t2).sum((0, 2))
-                    if need_q:
-                        dp.view(-1, group[3] - group[2], plan.nty, keys, t2).mul_(w[None, group[2] : group[3], i, None, :keys])
-                        _accumulate(dq[t0:t1], dp.transpose(1, 2), kr, i)
-                if need_k or need_v:  # each key's tile against the runs of its queries (the same weights)
+                    plan.weigh(dp, i, group, w)
+                    _accumulate(dq[t0:t1], dp.transpose(1, 2), kr, i)
+                if need_k or need_v or need_w:  # each key's tile against the runs of its queries (the same weights)
                     qr, gr = plan.runs(qb, i, t0, t1), plan.runs(gb, i, t0, t1)
+                    scores = torch.bmm(qr, kt[t0:t1].transpose(1, 2))
+                    if need_k or need_w:
+                        dp = torch.bmm(gr, vt[t0:t1].transpose(1, 2))
+                        plan.weigh(dp, i, group, None)
+                        if need_w:  # every (query, key) pair once, as in the forward
+                            dw[r0:r1, i, :keys] += (scores * dp).view(-1, r1 - r0, plan.nty, keys, t2).sum((0, 2))
+                        if need_k:
+                            dp.view(-1, r1 - r0, plan.nty, keys, t2).mul_(w[None, r0:r1, i, None, :keys])
+                            _accumulate(dk[t0:t1], dp.transpose(1, 2), qr, i)
                     if need_v:
-                        scores = torch.bmm(qr, kt[t0:t1].transpose(1, 2))
                         plan.weigh(scores, i, group, w)
                         _accumulate(dv[t0:t1], scores.transpose(1, 2), gr, i)
-                    if need_k:
-                        dp = torch.bmm(gr, vt[t0:t1].transpose(1, 2))
-                        plan.weigh(dp, i, group, w)
-                        _accumulate(dk[t0:t1], dp.transpose(1, 2), qr, i)
         grads = [None if x is None else plan.from_tiles(x) for x in (dq, dk, dv)]
         if dw is not None:
-            dw = dw.view(plan.b, -1, *dw.shape[1:]).sum(0)
+            dw = plan.weights_backward(dw.view(plan.b, -1, *dw.shape[1:]).sum(0))
         return (*grads, dw, None)
 
 
@@ -355,5 +362,5 @@ def manhattan_attention(
             y = y + manhattan_offsets_near(q, k, v1, c, (hg, wg), clip)
         else:
             plan = TilePlan(b, h, (hg, wg), clip, tile_shape((hg, wg), clip), q.device)
-            y = y + ManhattanNearProduct.apply(q, k, v1, plan.weights(c), plan)
+            y = y + ManhattanNearProduct.apply(q, k, v1, c, plan)
     return y[..., :d] / (y[..., d:] + eps_h[..., None])
