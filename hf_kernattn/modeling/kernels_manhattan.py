@@ -64,6 +64,8 @@ def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: 
     return rpe_bias[:, grid_h - 1 + dy, grid_w - 1 + (d - dy)]
 
 
+# Grids of at most this many tokens are one tile (see :func:`tile_shape`).
+WHOLE_GRID_MAX_N = 400
 # Tokens of the strips walked at once: their score blocks and accumulators stay in cache.
 GROUP_TOKENS = 4096
 
@@ -291,9 +293,13 @@ class ManhattanNearProduct(torch.autograd.Function):
 
 
 def tile_shape(grid: tuple[int, int], clip: int) -> tuple[int, int]:
-    """Tile ``(ty, tx)`` for a grid and clip: about 16 tokens a tile (products of that size run
-    near the machine's matrix rate while the tiles' corners add little beyond the diamond)."""
+    """Tile ``(ty, tx)`` for a grid and clip: the whole grid when it is small (one block per
+    head: the dense form, whose product beats many small ones), else about 16 tokens a tile
+    (products of that size run near the machine's matrix rate while the tiles' corners add
+    little beyond the diamond)."""
     hg, wg = grid
+    if hg * wg <= WHOLE_GRID_MAX_N:
+        return hg, wg
     ty = min(4, hg)
     tx = min(max(16 // ty, 4), wg)
     return ty, tx
