@@ -20,12 +20,14 @@ consecutive run of ``(Ty + 2 h_s) Tx`` tokens. For each strip offset ``s`` one b
 over all tiles gives the ``(Ty Tx, (Ty + 2 h_s) Tx)`` score blocks; they are weighed by the
 ``c_d - c_K`` of each (query, key) pair (0 beyond the diamond: a fixed block per head and
 offset), and one more product adds them times the values. The blocks cover about 1.3-2x the
-``2K^2`` keys of the diamond (the tiles' corners), against ``N`` for the dense form. Runs that
-leave the grid read neighbouring strips; those keys get weight 0.
+``2K^2`` keys of the diamond (the tiles' corners), against ``N`` for the dense form. Tiles
+whose strip ``s`` lies off the grid skip that product; rows of a run above or below the grid
+(they read a neighbouring strip) get weight 0. A small grid is one tile (the dense form).
 
-Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): the forward keeps only its inputs
-(the backward rebuilds the strips and recomputes each score block), and the score blocks exist
-one group of heads at a time. :func:`manhattan_table` turns a per-distance table into the 2D
+Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): for the backward the product keeps
+only its inputs q, k, [v, 1] and the coefficients (it rebuilds the strips and recomputes each
+score block), the far term and the division their O(N (M + D)) operands; score blocks exist
+for one group of strips (a few thousand tokens) at a time. :func:`manhattan_table` turns a per-distance table into the 2D
 bias ``(H, 2Hg-1, 2Wg-1)`` the other backends take; :func:`manhattan_distances` reads the
 per-distance values back from such a bias (the backend's input). The plain reference is the
 dense form (``kernels_dense``) on :func:`manhattan_table`'s bias; :func:`manhattan_offsets_near`
@@ -326,6 +328,8 @@ def manhattan_offsets_near(q, k, v1, c, grid, clip):
 
 
 def _symbolic(*sizes) -> bool:
+    """Sizes that ``torch.export`` / ``torch.compile`` trace symbolically: the tile plan's Python
+    loops would fix them, so the offset-by-offset form runs instead."""
     return any(isinstance(x, torch.SymInt) for x in sizes) or torch.compiler.is_compiling()
 
 
