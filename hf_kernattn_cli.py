@@ -39,6 +39,7 @@ BENCHMARKS = {
     "encoder": "encoder",
     "approx": "approx",
     "vision": "vision",
+    "manhattan": "manhattan",
 }
 # top-level command -> module under hf_kernattn
 COMMANDS = {"demo": "demo", "convert": "convert", "linearize": "convert.linearize", "push": "push"}

@@ -43,7 +43,7 @@ register_backend(
 register_backend(
     "manhattan", manhattan_attention, takes=("rpe_bias", "grid", "rpe_clip", "eps"), causal=False, noncausal=True,
     rpe_2d=True, needs_rpe_clip=True, complexity="O(N K^2 (M + D) + N M D)",
-    description="exact for a 2D bias of the clipped Manhattan distance: near offsets one by one, all keys beyond",
+    description="exact for a 2D bias of the clipped Manhattan distance: matrix products over tiles near the diagonal, all keys beyond",
 )
 register_backend(
     "recurrent", recurrent_attention, takes=("rpe_bias", "rpe_clip", "eps") + SPLIT_ARGUMENTS + STATE_ARGUMENTS,
