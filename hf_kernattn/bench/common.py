@@ -184,11 +184,14 @@ def measure(
     max_seconds: float = 60.0,
     threads: Optional[int] = None,
     extra_path: Sequence[str] = (),
+    max_memory_gb: Optional[float] = None,
 ) -> dict[str, Any]:
     """Measure one workload in a fresh process.
 
     ``extra_path`` entries go first on the subprocess's ``PYTHONPATH`` (a workload may import
-    a light module layout to keep process start-up short). Returns ``{"time_s", "cpu_s",
+    a light module layout to keep process start-up short). ``max_memory_gb`` caps the address
+    space of the process (``RLIMIT_AS``; where the platform has it), so a case that would take
+    more memory fails with an out-of-memory status instead of crowding the machine. Returns ``{"time_s", "cpu_s",
     "peak_mb", "runs", "status"}`` (wall and CPU time: :func:`time_runs`); ``status`` is ``"ok"``
     or why it failed (then times and memory are ``nan``).
     """
@@ -202,6 +205,7 @@ def measure(
         proc = subprocess.run(
             [sys.executable, "-c", _RUNNER, json.dumps(spec)],
             capture_output=True, text=True, timeout=timeout_s, env=env,
+            preexec_fn=_memory_cap(max_memory_gb),
         )
     except subprocess.TimeoutExpired:
         return {"time_s": NAN, "cpu_s": NAN, "peak_mb": NAN, "runs": 0, "status": f"timeout>{timeout_s:.0f}s"}
@@ -213,13 +217,34 @@ def measure(
     err = (proc.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1]
     if proc.returncode < 0:
         err = f"killed by signal {-proc.returncode} (out of memory?)"
+    elif max_memory_gb is not None and "allocate memory" in err:
+        err = f"out of memory (over the cap of {max_memory_gb:g} GB): {err}"
     return {"time_s": NAN, "cpu_s": NAN, "peak_mb": NAN, "runs": 0, "status": f"failed: {err[:200]}"}
+
+
+def _memory_cap(max_memory_gb: Optional[float]):
+    """A ``preexec_fn`` limiting the child's address space to ``max_memory_gb`` (None: no cap, or
+    no ``resource`` module on this platform)."""
+    if max_memory_gb is None:
+        return None
+    if not max_memory_gb > 0:
+        raise ValueError(f"max_memory_gb must be None or > 0, got {max_memory_gb!r}")
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    limit = int(max_memory_gb * 2**30)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return cap
 
 
 def alternate(
     cases: Sequence[tuple],
     *,
     rounds: int,
+    stop_failed: bool = False,
     **measure_kwargs: Any,
 ) -> dict[str, list[dict[str, Any]]]:
     """Measure every case once per round, each in a fresh process (:func:`measure`), the cases
@@ -227,12 +252,17 @@ def alternate(
     a while hits every case alike and a ratio taken within a round holds on a busy machine.
 
     ``cases``: ``(name, target, kwargs)`` or ``(name, target, kwargs, measure_overrides)``.
-    Returns ``{name: [one result per round]}``.
+    ``stop_failed``: a case that failed (timed out, out of memory) is not run again in later
+    rounds; its later results repeat the failure. Returns ``{name: [one result per round]}``.
     """
     results: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
     for rnd in range(rounds):
         for case in (cases if rnd % 2 == 0 else list(reversed(cases))):
             name, target, kwargs = case[:3]
+            failed = [r for r in results[name] if r["status"] != "ok"]
+            if stop_failed and failed:
+                results[name].append(dict(failed[0]))
+                continue
             options = {**measure_kwargs, **(case[3] if len(case) > 3 else {})}
             results[name].append(measure(target, kwargs, **options))
     return results

@@ -13,8 +13,9 @@ Two parts:
   ``--intermediate`` 3072) on a ``G x G`` patch grid (images of ``16 G`` pixels; ``G^2`` tokens),
   forward+backward through the mean square of the last hidden state (``--layer-modes``), for
   ``G`` in ``--grids`` (default 14 and 32; ``--large`` adds ``--large-grids``, 64 and 128, where
-  ViT's quadratic attention takes minutes per run: a case over ``--timeout`` is reported as timed
-  out, and these grids time one run per round).
+  ViT's quadratic attention takes minutes per run: these grids time one run per round; a case
+  over ``--timeout`` seconds or ``--max-memory-gb`` of address space is reported as timed out or
+  out of memory and not run again in later rounds).
 * **model**: whole models on 224 x 224 images (14 x 14 patches) with ``--depth`` 4 layers and a
   1000-class head (``RelativePerformerViTForImageClassification`` vs
   ``ViTForImageClassification``), forward without autograd and forward+backward through the
@@ -155,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case and round (median); one untimed run before")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (ratios: median [min-max])")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a case is reported as timed out")
+    parser.add_argument("--max-memory-gb", type=float, default=8.0,
+                        help="address-space cap of each measured process (default 8): a case needing more is "
+                             "reported as out of memory")
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -177,6 +181,8 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError("--rpe needs at least one option")
     if args.timeout <= 0:
         raise ValueError(f"--timeout must be > 0 seconds, got {args.timeout!r}")
+    if not args.max_memory_gb > 0:
+        raise ValueError(f"--max-memory-gb must be > 0, got {args.max_memory_gb!r}")
 
 
 def _groups(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -200,7 +206,8 @@ def measure_group(args: argparse.Namespace, group: dict[str, Any]) -> dict[str, 
     cases = [("vit", TARGET, dict(model="vit", **shape))]
     cases += [(f"rpvit_{rpe}", TARGET, dict(model="rpvit", rpe=rpe, features=args.features, **shape)) for rpe in args.rpe]
     return alternate(cases, rounds=args.rounds, repeats=group["repeats"], timeout_s=args.timeout,
-                     max_seconds=args.timeout / 2, threads=args.threads)
+                     max_seconds=args.timeout / 2, threads=args.threads, max_memory_gb=args.max_memory_gb,
+                     stop_failed=True)
 
 
 def summarize(group: dict[str, Any], results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:

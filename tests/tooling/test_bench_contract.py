@@ -340,3 +340,37 @@ def test_generate_bench_alternates_every_case_and_reports_spreads(tmp_path, monk
         assert all(float(r["cpu_ms_per_token"]) > 0 for r in csv.DictReader(f))
     for name in ("decode_latency.csv", "generate_short.csv", "generate_throughput.csv", "continuation.csv", "generate.png"):
         assert (tmp_path / name).exists(), name
+
+
+def test_alternate_does_not_rerun_a_failed_case_when_asked(monkeypatch):
+    from hf_kernattn.bench import common
+
+    calls = []
+
+    def fake(target, kwargs, **_):
+        calls.append(kwargs["name"])
+        ok = kwargs["name"] != "b"
+        return {"time_s": 1.0 if ok else float("nan"), "cpu_s": 1.0 if ok else float("nan"), "peak_mb": 0.0,
+                "runs": int(ok), "status": "ok" if ok else "timeout>1s"}
+
+    monkeypatch.setattr(common, "measure", fake)
+    cases = [(name, "x:y", {"name": name}) for name in "abc"]
+    res = common.alternate(cases, rounds=3, stop_failed=True)
+    assert calls == ["a", "b", "c", "c", "a", "a", "c"]  # b failed in the first round: not run again
+    assert [r["status"] for r in res["b"]] == ["timeout>1s"] * 3
+    calls.clear()
+    common.alternate(cases, rounds=2)
+    assert calls == ["a", "b", "c", "c", "b", "a"]  # by default every case runs every round
+
+
+def test_measure_caps_the_memory_of_the_measured_process():
+    from hf_kernattn.bench.attention import _flat_path
+    from hf_kernattn.bench.common import measure
+
+    # at N = 8192 the two int64 offset matrices (512 MB each) and the mask (256 MB) do not fit beside torch
+    res = measure("attention:workload", dict(case="softmax_rpe", n=8192), repeats=1, timeout_s=120,
+                  extra_path=_flat_path(), max_memory_gb=1.5)
+    assert res["status"].startswith("failed: out of memory"), res["status"]
+    assert res["time_s"] != res["time_s"] and res["cpu_s"] != res["cpu_s"]
+    with pytest.raises(ValueError, match="max_memory_gb"):
+        measure("attention:workload", {}, max_memory_gb=0)
