@@ -231,7 +231,7 @@ def summarize(group: dict[str, Any], results: dict[str, list[dict[str, Any]]]) -
             "vit_cpu_s": spread(r.get("cpu_s", float("nan")) for r in vit)[0],
             "rpvit_MB": spread(r["peak_mb"] for r in res)[0], "vit_MB": spread(r["peak_mb"] for r in vit)[0],
             "memory rpvit/vit": f"{med_mem[0]:.2f} [{med_mem[1]:.2f}-{med_mem[2]:.2f}]" if med_mem[0] == med_mem[0] else "nan",
-            "_time": spread(per_round_ratios(res, vit))[0], "status": bad[0] if bad else "ok",
+            "status": bad[0] if bad else "ok",
         })
     return rows
 
