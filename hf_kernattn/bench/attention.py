@@ -21,7 +21,8 @@ the inputs):
 
 Forward passes by default; ``--backward`` times forward+backward (gradients for q, k, v and the
 bias). The cases of one N alternate over ``--rounds`` rounds, each in a fresh process, and the
-speed-ups are also given per round as median [min-max].
+speed-ups are also given per round as median [min-max], of the wall time and of the process's
+CPU time (``cpu_s``; other processes on a shared machine hardly stretch it).
 
 Softmax cases whose ``N x N`` matrices would exceed ``--max-nn-gb`` are skipped; a case that
 fails or exceeds ``--timeout`` is reported with its status and its larger N are skipped. One run
@@ -42,8 +43,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -224,15 +223,18 @@ def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str
             row: dict[str, Any] = {"case": case, "n": n, "batch": args.batch, "heads": args.heads,
                                    "features": args.features, "head_dim": args.head_dim, "dtype": args.dtype}
             if case in skipped:
-                row.update(time_s=math.nan, time_min=math.nan, time_max=math.nan, peak_mb=math.nan, runs=0,
-                           status=skipped[case], round_times=[])
+                row.update(time_s=math.nan, time_min=math.nan, time_max=math.nan, cpu_s=math.nan, peak_mb=math.nan,
+                           runs=0, status=skipped[case], round_times=[], round_cpu_times=[])
             else:
                 results = measured[case]
                 bad = [r["status"] for r in results if r["status"] != "ok"]
                 med, lo, hi = spread(r["time_s"] for r in results)
-                row.update(time_s=med, time_min=lo, time_max=hi, peak_mb=spread(r["peak_mb"] for r in results)[0],
+                row.update(time_s=med, time_min=lo, time_max=hi,
+                           cpu_s=spread(r.get("cpu_s", math.nan) for r in results)[0],
+                           peak_mb=spread(r["peak_mb"] for r in results)[0],
                            runs=sum(r["runs"] for r in results), status=bad[0] if bad else "ok",
-                           round_times=[r["time_s"] for r in results])
+                           round_times=[r["time_s"] for r in results],
+                           round_cpu_times=[r.get("cpu_s", math.nan) for r in results])
                 if bad:
                     stopped[case] = f"N={n} {bad[0].split(':')[0]}"
             rows.append(row)
@@ -241,11 +243,14 @@ def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str
     return rows
 
 
-# per-round speed-ups reported as median [min-max]: slower case / faster case, same round
+# per-round speed-ups reported as median [min-max]: slower case / faster case, same round; each
+# of wall time and, in the column after it, of CPU time (``CPU_SPREADS``)
 SPREADS = {
     "fft vs softmax+RPE, per round": ("softmax_rpe", "fft_rpe"),
     "windowed vs softmax+RPE, per round": ("softmax_rpe", "windowed_rpe"),
 }
+CPU_SPREADS = {name.replace(", per round", ", CPU time, per round"): pair for name, pair in SPREADS.items()}
+SPREAD_COLUMNS = [c for pair in zip(SPREADS, CPU_SPREADS) for c in pair]
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -265,11 +270,12 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fft, soft = by.get(("fft_rpe", n)), by.get(("softmax_rpe", n))
         ok = bool(fft and soft and fft["status"] == "ok" and soft["status"] == "ok")
         s["speed-up fft vs softmax+RPE"] = soft["time_s"] / fft["time_s"] if ok else math.nan
-        for name, (slow, fast) in SPREADS.items():
-            a_row, b_row = by.get((slow, n)), by.get((fast, n))
-            good = bool(a_row and b_row and a_row["status"] == b_row["status"] == "ok")
-            s[name] = format_spread(per_round_ratios(
-                [{"t": t} for t in a_row["round_times"]], [{"t": t} for t in b_row["round_times"]], "t")) if good else "nan"
+        for spreads, key in ((SPREADS, "round_times"), (CPU_SPREADS, "round_cpu_times")):
+            for name, (slow, fast) in spreads.items():
+                a_row, b_row = by.get((slow, n)), by.get((fast, n))
+                good = bool(a_row and b_row and a_row["status"] == b_row["status"] == "ok")
+                s[name] = format_spread(per_round_ratios(
+                    [{"t": t} for t in a_row.get(key, [])], [{"t": t} for t in b_row.get(key, [])], "t")) if good else "nan"
         s["memory ratio softmax+RPE / fft"] = (soft["peak_mb"] / fft["peak_mb"]
                                                if ok and fft["peak_mb"] > 0 else math.nan)
         unf = by.get(("softmax_rpe_unfold", n))
@@ -315,16 +321,13 @@ def plot(rows: list[dict[str, Any]], path: Path, args: argparse.Namespace) -> No
 # ----------------------------------------------------------------------------- crossover
 
 
-def _time_inprocess(fn: Callable[[], None], min_time: float = 0.2, min_runs: int = 5) -> float:
-    """Median seconds of ``fn`` after a warm-up, over at least ``min_runs`` runs and ``min_time`` s."""
+def _time_inprocess(fn: Callable[[], None], min_time: float = 0.2, min_runs: int = 5) -> dict[str, Any]:
+    """Median wall and CPU seconds of ``fn`` (``{"time_s", "cpu_s", "runs"}``) after a warm-up, over at
+    least ``min_runs`` runs and ``min_time`` s (:func:`hf_kernattn.bench.common.time_runs`)."""
+    from .common import time_runs
+
     fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_runs or time.perf_counter() - start < min_time:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return time_runs(fn, repeats=min_runs, min_seconds=min_time)
 
 
 CROSSOVER_PAIRS = {  # AUTO_DENSE_MAX_N key: (dense case, O(N) case)
@@ -349,13 +352,18 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
     for key, (dense_case, fast_case) in CROSSOVER_PAIRS.items():
         dense_wins = []
         for n in args.crossover_ns:
-            t = {}
+            t: dict[str, float] = {}
+            cpu: dict[str, float] = {}
             for case in (dense_case, fast_case, dense_case, fast_case):  # interleaved, best of two
                 fn = workload(case, n, batch=args.batch, heads=args.heads, features=args.crossover_dim,
                               head_dim=args.crossover_dim, dtype=args.dtype, device=args.device)
-                t[case] = min(t.get(case, math.inf), _time_inprocess(fn))
+                timed = _time_inprocess(fn)
+                t[case] = min(t.get(case, math.inf), timed["time_s"])
+                cpu[case] = min(cpu.get(case, math.inf), timed["cpu_s"])
             rows.append({"pair": key, "n": n, "dense_s": t[dense_case], "linear_form_s": t[fast_case],
-                         "dense/linear_form": t[dense_case] / t[fast_case]})
+                         "dense/linear_form": t[dense_case] / t[fast_case],
+                         "dense_cpu_s": cpu[dense_case], "linear_form_cpu_s": cpu[fast_case],
+                         "dense/linear_form CPU time": cpu[dense_case] / cpu[fast_case] if cpu[fast_case] else math.nan})
             dense_wins.append(t[dense_case] < t[fast_case])
             _info(f"  {key:6s} N={n:5d} dense {t[dense_case] * 1e3:8.3f} ms  {fast_case:14s} {t[fast_case] * 1e3:8.3f} ms")
         # largest N at which dense wins such that the O(N) form wins at every larger measured N
@@ -409,7 +417,8 @@ def run(args: argparse.Namespace) -> int:
     if args.crossover:
         res = crossover(args)
         write_csv(res["rows"], out / "crossover.csv")
-        print("\n" + format_table(res["rows"], ["pair", "n", "dense_s", "linear_form_s", "dense/linear_form"]))
+        print("\n" + format_table(res["rows"], ["pair", "n", "dense_s", "linear_form_s", "dense/linear_form",
+                                                 "dense/linear_form CPU time"]))
         measured = {k: res[k] for k in CROSSOVER_PAIRS}
         print(f"\nAUTO_DENSE_MAX_N (largest N where dense is faster) = {measured}")
         print(f"wrote {out / 'crossover.csv'}")
@@ -428,7 +437,7 @@ def run(args: argparse.Namespace) -> int:
     png_path = out / "attention_bench.png"
     plot(rows, png_path, args)
     cols = ["N"] + [f"{c} {u}" for c in args.cases for u in ("s", "MB")] + [
-        "speed-up fft vs softmax+RPE", *SPREADS, "memory ratio softmax+RPE / fft", "speed-up windowed vs softmax+RPE",
+        "speed-up fft vs softmax+RPE", *SPREAD_COLUMNS, "memory ratio softmax+RPE / fft", "speed-up windowed vs softmax+RPE",
         "speed-up fft vs softmax+RPE (unfold mask)", "memory ratio softmax+RPE (unfold mask) / fft", "fft time(N)/time(N/2)"]
     if "softmax_rpe_unfold" not in args.cases:
         cols = [c for c in cols if "unfold" not in c]

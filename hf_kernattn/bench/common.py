@@ -3,8 +3,13 @@
 Peak memory on a CPU cannot be read from torch's allocator, so every measurement runs in a
 fresh subprocess: it builds its inputs, resets the kernel's peak-RSS mark
 (``/proc/self/clear_refs``), notes its resident memory, runs the workload once and reads the
-peak resident set (``VmHWM``) minus that baseline; then it times ``repeats`` runs and reports
-the median. (``ru_maxrss`` would not do: Linux carries it over ``exec`` from the parent, so it
+peak resident set (``VmHWM``) minus that baseline; then it times ``repeats`` runs
+(:func:`time_runs`, the one timing routine of every benchmark) and reports the median wall time
+(``time_s``) and the median CPU time of the process over the same runs (``cpu_s``,
+:func:`time.process_time`: every thread of the measured process, nothing of the others). On a
+shared machine other processes stretch the wall time but hardly the CPU time, so every
+benchmark reports a CPU-time ratio beside its wall-time ratio; the two agreeing says the machine
+did not distort the comparison. (``ru_maxrss`` would not do: Linux carries it over ``exec`` from the parent, so it
 never drops below the resident size of the process that launched the measurement.) On CUDA the allocator's own peak is used instead. A case that
 fails (out of memory, killed, over its time limit) comes back as a row with ``status`` set,
 so one run always produces a whole table.
@@ -21,7 +26,8 @@ benchmark it runs into ``bench_results/demo/NAME``.
 
 Comparisons alternate (:func:`alternate`): the compared cases run A B A B ... over several rounds,
 each in a fresh process, and a ratio is reported per round and as median [min-max]
-(:func:`format_spread`), the form the README quotes.
+(:func:`format_spread`), the form the README quotes; :func:`ratio_spreads` gives the wall-time
+and the CPU-time ratio side by side.
 """
 
 from __future__ import annotations
@@ -30,19 +36,26 @@ import argparse
 import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 _RUNNER = r"""
-import gc, importlib, json, resource, statistics, sys, time
+import gc, importlib, importlib.util, json, resource, sys
 spec = json.loads(sys.argv[1])
+# the timing helpers of this file, loaded by path (no package import: no transformers to import)
+loader = importlib.util.spec_from_file_location("_bench_common", spec["common"])
+common = importlib.util.module_from_spec(loader)
+loader.loader.exec_module(common)
 import torch
 torch.set_num_threads(spec["threads"]) if spec["threads"] else None
 mod_name, fn_name = spec["target"].split(":")
 fn = getattr(importlib.import_module(mod_name), fn_name)(**spec["kwargs"])
 cuda = spec["kwargs"].get("device", "cpu").startswith("cuda")
+sync = torch.cuda.synchronize if cuda else None
 
 def status_bytes(key):
     with open("/proc/self/status") as f:
@@ -71,21 +84,49 @@ elif use_hwm:
     peak = status_bytes("VmHWM") - base
 else:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-times = []
-deadline = time.perf_counter() + spec["max_seconds"]
-for _ in range(spec["repeats"]):
-    if cuda: torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    if cuda: torch.cuda.synchronize()
-    times.append(time.perf_counter() - t0)
-    if time.perf_counter() > deadline:
-        break
-print("RESULT " + json.dumps({"time_s": statistics.median(times), "peak_mb": max(peak, 0) / 2**20, "runs": len(times)}))
+timed = common.time_runs(fn, repeats=spec["repeats"], max_seconds=spec["max_seconds"], synchronize=sync)
+print("RESULT " + json.dumps({**timed, "peak_mb": max(peak, 0) / 2**20}))
 """
 
 
 RESULTS_DIR = "bench_results"
+NAN = float("nan")
+
+
+def time_runs(
+    fn,
+    *,
+    repeats: int = 3,
+    max_seconds: float = float("inf"),
+    min_seconds: float = 0.0,
+    synchronize=None,
+) -> dict[str, Any]:
+    """Time ``fn()`` (already warmed up) at least ``repeats`` times, and further until
+    ``min_seconds`` have passed; stop early once ``max_seconds`` have passed (at least one run).
+
+    Each run is timed on two clocks: the wall clock (:func:`time.perf_counter`) and the CPU time
+    of this process (:func:`time.process_time`, all its threads). ``synchronize`` (e.g.
+    ``torch.cuda.synchronize``) is called before and after each run. Returns ``{"time_s",
+    "cpu_s"}`` (medians of the runs) and ``"runs"``, their count.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    walls: list[float] = []
+    cpus: list[float] = []
+    start = time.perf_counter()
+    while True:
+        if synchronize is not None:
+            synchronize()
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        if synchronize is not None:
+            synchronize()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+        elapsed = time.perf_counter() - start
+        if elapsed > max_seconds or (len(walls) >= repeats and elapsed >= min_seconds):
+            break
+    return {"time_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "runs": len(walls)}
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, name: str, quick: str) -> None:
@@ -143,14 +184,19 @@ def measure(
     max_seconds: float = 60.0,
     threads: Optional[int] = None,
     extra_path: Sequence[str] = (),
+    max_memory_gb: Optional[float] = None,
 ) -> dict[str, Any]:
     """Measure one workload in a fresh process.
 
     ``extra_path`` entries go first on the subprocess's ``PYTHONPATH`` (a workload may import
-    a light module layout to keep process start-up short). Returns ``{"time_s", "peak_mb", "runs", "status"}``; ``status`` is ``"ok"`` or why it failed
-    (then time and memory are ``nan``).
+    a light module layout to keep process start-up short). ``max_memory_gb`` caps the address
+    space of the process (``RLIMIT_AS``; where the platform has it), so a case that would take
+    more memory fails with an out-of-memory status instead of crowding the machine. Returns ``{"time_s", "cpu_s",
+    "peak_mb", "runs", "status"}`` (wall and CPU time: :func:`time_runs`); ``status`` is ``"ok"``
+    or why it failed (then times and memory are ``nan``).
     """
-    spec = {"target": target, "kwargs": kwargs, "repeats": repeats, "max_seconds": max_seconds, "threads": threads}
+    spec = {"target": target, "kwargs": kwargs, "repeats": repeats, "max_seconds": max_seconds, "threads": threads,
+            "common": str(Path(__file__).resolve())}
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])
     paths = [*extra_path, root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
@@ -159,9 +205,10 @@ def measure(
         proc = subprocess.run(
             [sys.executable, "-c", _RUNNER, json.dumps(spec)],
             capture_output=True, text=True, timeout=timeout_s, env=env,
+            preexec_fn=_memory_cap(max_memory_gb),
         )
     except subprocess.TimeoutExpired:
-        return {"time_s": float("nan"), "peak_mb": float("nan"), "runs": 0, "status": f"timeout>{timeout_s:.0f}s"}
+        return {"time_s": NAN, "cpu_s": NAN, "peak_mb": NAN, "runs": 0, "status": f"timeout>{timeout_s:.0f}s"}
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             out = json.loads(line[len("RESULT "):])
@@ -170,13 +217,34 @@ def measure(
     err = (proc.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1]
     if proc.returncode < 0:
         err = f"killed by signal {-proc.returncode} (out of memory?)"
-    return {"time_s": float("nan"), "peak_mb": float("nan"), "runs": 0, "status": f"failed: {err[:200]}"}
+    elif max_memory_gb is not None and "allocate memory" in err:
+        err = f"out of memory (over the cap of {max_memory_gb:g} GB): {err}"
+    return {"time_s": NAN, "cpu_s": NAN, "peak_mb": NAN, "runs": 0, "status": f"failed: {err[:200]}"}
+
+
+def _memory_cap(max_memory_gb: Optional[float]):
+    """A ``preexec_fn`` limiting the child's address space to ``max_memory_gb`` (None: no cap, or
+    no ``resource`` module on this platform)."""
+    if max_memory_gb is None:
+        return None
+    if not max_memory_gb > 0:
+        raise ValueError(f"max_memory_gb must be None or > 0, got {max_memory_gb!r}")
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    limit = int(max_memory_gb * 2**30)
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return cap
 
 
 def alternate(
     cases: Sequence[tuple],
     *,
     rounds: int,
+    stop_failed: bool = False,
     **measure_kwargs: Any,
 ) -> dict[str, list[dict[str, Any]]]:
     """Measure every case once per round, each in a fresh process (:func:`measure`), the cases
@@ -184,20 +252,37 @@ def alternate(
     a while hits every case alike and a ratio taken within a round holds on a busy machine.
 
     ``cases``: ``(name, target, kwargs)`` or ``(name, target, kwargs, measure_overrides)``.
-    Returns ``{name: [one result per round]}``.
+    ``stop_failed``: a case that failed (timed out, out of memory) is not run again in later
+    rounds; its later results repeat the failure. Returns ``{name: [one result per round]}``.
     """
     results: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
     for rnd in range(rounds):
         for case in (cases if rnd % 2 == 0 else list(reversed(cases))):
             name, target, kwargs = case[:3]
+            failed = [r for r in results[name] if r["status"] != "ok"]
+            if stop_failed and failed:
+                results[name].append(dict(failed[0]))
+                continue
             options = {**measure_kwargs, **(case[3] if len(case) > 3 else {})}
             results[name].append(measure(target, kwargs, **options))
     return results
 
 
 def per_round_ratios(num: Sequence[dict[str, Any]], den: Sequence[dict[str, Any]], key: str = "time_s") -> list[float]:
-    """``num[r][key] / den[r][key]`` for every round ``r`` (two cases measured in the same rounds)."""
-    return [a[key] / b[key] if b[key] else float("nan") for a, b in zip(num, den)]
+    """``num[r][key] / den[r][key]`` for every round ``r`` (two cases measured in the same rounds;
+    ``nan`` where either lacks the value, e.g. ``cpu_s`` of a result measured without it)."""
+    out = []
+    for a, b in zip(num, den):
+        x, y = a.get(key, NAN), b.get(key, NAN)
+        out.append(x / y if y and x == x and y == y else NAN)
+    return out
+
+
+def ratio_spreads(num: Sequence[dict[str, Any]], den: Sequence[dict[str, Any]], digits: int = 2) -> tuple[str, str]:
+    """The per-round ratio ``num / den`` as median [min-max] (:func:`format_spread`), of the wall
+    time and of the CPU time: the two columns every benchmark's tables show side by side."""
+    return (format_spread(per_round_ratios(num, den, "time_s"), digits=digits),
+            format_spread(per_round_ratios(num, den, "cpu_s"), digits=digits))
 
 
 def spread(values: Iterable[float]) -> tuple[float, float, float]:

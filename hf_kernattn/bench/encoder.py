@@ -12,7 +12,8 @@ recomputing its attention blocks in the backward pass (``recompute_attention``;
 rounds (:func:`hf_kernattn.bench.common.alternate`): peak memory is the peak resident set over the
 process's baseline after the model and inputs exist; time is the median of ``--repeats`` runs
 after one warm-up, then the median over rounds; the speed-up is also given per round as median
-[min-max]. Cases that fail (out of memory, over the time limit) are reported as such.
+[min-max], of the wall time and of the process's CPU time (which other processes on a shared
+machine hardly stretch). Cases that fail (out of memory, over the time limit) are reported as such.
 Writes ``encoder.csv`` and ``encoder.png`` into ``--out``.
 """
 
@@ -29,11 +30,10 @@ from .common import (
     add_model_size_arguments,
     alternate,
     build_parser as common_parser,
-    format_spread,
     format_table,
     hidden_state_step,
-    per_round_ratios,
     plot_series,
+    ratio_spreads,
     spread,
     write_csv,
 )
@@ -155,14 +155,17 @@ def run(args: argparse.Namespace) -> int:
             for model, results in runs.items():
                 bad = [r["status"] for r in results if r["status"] != "ok"]
                 res[model] = {"time_s": spread(r["time_s"] for r in results)[0],
+                              "cpu_s": spread(r.get("cpu_s", float("nan")) for r in results)[0],
                               "peak_mb": spread(r["peak_mb"] for r in results)[0], "status": bad[0] if bad else "ok"}
                 logger.info(f"N={n:6d} {mode:7s} {model:5s} time={res[model]['time_s']:.4g}s "
                             f"peak={res[model]['peak_mb']:.4g}MB {res[model]['status']}")
+            wall_spread, cpu_spread = ratio_spreads(runs["bert"], runs["nprf"])
             rows.append({
                 "n": n, "mode": mode,
                 "bert_sdpa_time_s": res["bert"]["time_s"], "nprf_time_s": res["nprf"]["time_s"],
                 "speedup": _ratio(res["nprf"]["time_s"], res["bert"]["time_s"]),
-                "speedup_per_round": format_spread(per_round_ratios(runs["bert"], runs["nprf"])),
+                "speedup_per_round": wall_spread, "cpu_speedup_per_round": cpu_spread,
+                "bert_sdpa_cpu_s": res["bert"]["cpu_s"], "nprf_cpu_s": res["nprf"]["cpu_s"],
                 "bert_sdpa_peak_mb": res["bert"]["peak_mb"], "nprf_peak_mb": res["nprf"]["peak_mb"],
                 "memory_ratio": _ratio(res["nprf"]["peak_mb"], res["bert"]["peak_mb"]),
                 "bert_status": res["bert"]["status"], "nprf_status": res["nprf"]["status"],
@@ -170,7 +173,8 @@ def run(args: argparse.Namespace) -> int:
             })
     out = Path(args.out)
     write_csv(rows, out / "encoder.csv")
-    cols = ["n", "mode", "bert_sdpa_time_s", "nprf_time_s", "speedup", "speedup_per_round", "bert_sdpa_peak_mb", "nprf_peak_mb",
+    cols = ["n", "mode", "bert_sdpa_time_s", "nprf_time_s", "speedup", "speedup_per_round", "cpu_speedup_per_round",
+            "bert_sdpa_peak_mb", "nprf_peak_mb",
             "memory_ratio", "bert_status", "nprf_status"]
     print(format_table(rows, cols))
     import matplotlib

@@ -19,7 +19,9 @@ Models of one shape (hidden 512, 6 layers, 8 heads, MLP 2048, byte vocabulary of
 
 Every comparison alternates: the cases of one group run A B C ..., then ... C B A, over
 ``--rounds`` rounds, each in a fresh process (``bench.common.alternate``), 1 thread by default;
-ratios are taken within a round and reported as median [min-max].
+ratios are taken within a round and reported as median [min-max], of the wall time (``value``)
+and beside it of the process's CPU time (``cpu_value``; other processes on a shared machine
+hardly stretch it).
 
 Per-token latency: each case's setup builds the model and a context of ``L`` tokens (Linear GPT:
 a real prefill; GPT-2: a cache of the same shape filled with random keys/values, since a
@@ -51,7 +53,7 @@ from typing import Any, Callable
 
 from transformers.utils import logging
 
-from .common import alternate, format_spread, format_table, per_round_ratios, plot_series, spread, write_csv
+from .common import alternate, format_spread, format_table, per_round_ratios, plot_series, ratio_spreads, spread, write_csv
 
 logger = logging.get_logger(__name__)
 
@@ -265,13 +267,19 @@ def continuation(args: argparse.Namespace, shape: dict) -> list[dict[str, Any]]:
                        device=args.device, **shape)) for mode in CONTINUATION_MODES]
         res = alternate(cases, rounds=args.rounds, repeats=args.repeats, threads=args.threads, timeout_s=900, max_seconds=60)
         ratios = per_round_ratios(res["continuation"], res["stateless"])
+        cpu_ratios = per_round_ratios(res["continuation"], res["stateless"], "cpu_s")
         for rnd, ratio in enumerate(ratios):
             rows.append({"clip": clip, "round": rnd, "tokens": args.continuation_tokens,
                          "stateless_s": res["stateless"][rnd]["time_s"], "continuation_s": res["continuation"][rnd]["time_s"],
-                         "ratio": ratio})
+                         "ratio": ratio, "stateless_cpu_s": res["stateless"][rnd].get("cpu_s", float("nan")),
+                         "continuation_cpu_s": res["continuation"][rnd].get("cpu_s", float("nan")),
+                         "cpu_ratio": cpu_ratios[rnd]})
         rows.append({"clip": clip, "round": "median [min-max]", "tokens": args.continuation_tokens,
-                     "stateless_s": float("nan"), "continuation_s": float("nan"), "ratio": format_spread(ratios)})
-        logger.info(f"  continuation K={clip}: continuation / stateless {format_spread(ratios)}")
+                     "stateless_s": float("nan"), "continuation_s": float("nan"), "ratio": format_spread(ratios),
+                     "stateless_cpu_s": float("nan"), "continuation_cpu_s": float("nan"),
+                     "cpu_ratio": format_spread(cpu_ratios)})
+        logger.info(f"  continuation K={clip}: continuation / stateless {format_spread(ratios)}, "
+                    f"CPU time {format_spread(cpu_ratios)}")
     return rows
 
 
@@ -379,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     cont_rows = [] if args.quick else continuation(args, shape)
     if cont_rows:
         write_csv(cont_rows, out / "continuation.csv")
-        print(format_table(cont_rows, ["clip", "round", "tokens", "stateless_s", "continuation_s", "ratio"]))
+        print(format_table(cont_rows, ["clip", "round", "tokens", "stateless_s", "continuation_s", "ratio", "cpu_ratio"]))
     if args.continuation:
         print(f"wrote {out / 'continuation.csv'} in {time.perf_counter() - started:.0f}s")
         return 0
@@ -397,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
             med, lo, hi = spread(1000 * r["time_s"] / new for r in results)
             rows.append({
                 "model": model, "batch": batch, "context": ctx, "ms_per_token": med, "ms_min": lo, "ms_max": hi,
+                "cpu_ms_per_token": spread(1000 * r.get("cpu_s", float("nan")) / new for r in results)[0],
                 "decode_peak_mb": spread(r["peak_mb"] for r in results)[0],
                 "state_mb": state_mb(model, ctx, batch, shape["hidden"], shape["layers"], shape["heads"], new),
                 "status": ",".join(sorted({r["status"] for r in results})),
@@ -404,13 +413,14 @@ def run(args: argparse.Namespace) -> int:
             logger.info(f"  {model:17s} B={batch:3d} L={ctx:6d}  {med:9.2f} ms/token [{lo:.2f}-{hi:.2f}]")
         for other in ("gpt2_kv", "gpt2_static"):
             summary.append({"figure": f"GPT-2 {CACHES[other]} / Linear GPT, ms per token, L={ctx}, batch {batch}",
-                            "value": format_spread(per_round_ratios(res[other], res["linear_state"]))})
+                            **_ratio_entry(res[other], res["linear_state"])})
         if "weights" in res:
             for layout in WEIGHT_LAYOUTS:
                 summary.append({"figure": f"Linear GPT step / its weights as matrix products of {batch} row(s) ({layout}), L={ctx}, batch {batch}",
-                                "value": format_spread(per_round_ratios(res["linear_state"], res[layout]))})
+                                **_ratio_entry(res["linear_state"], res[layout])})
     write_csv(rows, out / "decode_latency.csv")
-    print(format_table(rows, ["model", "batch", "context", "ms_per_token", "ms_min", "ms_max", "decode_peak_mb", "state_mb", "status"]))
+    print(format_table(rows, ["model", "batch", "context", "ms_per_token", "ms_min", "ms_max", "cpu_ms_per_token",
+                              "decode_peak_mb", "state_mb", "status"]))
 
     # generate() at batch 1 and a short context, as a user calls it
     gen_models = ("linear_state", "gpt2_kv", "gpt2_static")
@@ -425,7 +435,7 @@ def run(args: argparse.Namespace) -> int:
                            "tokens_per_s": med, "min": lo, "max": hi})
     for other in ("gpt2_kv", "gpt2_static"):
         summary.append({"figure": f"generate() batch 1, prompt {args.short_prompt}: Linear GPT speed / GPT-2 {CACHES[other]}",
-                        "value": format_spread(per_round_ratios(res[other], res["linear_state"]))})
+                        **_ratio_entry(res[other], res["linear_state"])})
     write_csv(short_rows, out / "generate_short.csv")
     print(format_table(short_rows, ["model", "prompt", "new_tokens", "tokens_per_s", "min", "max"]))
 
@@ -441,20 +451,27 @@ def run(args: argparse.Namespace) -> int:
         tp_rows.append({"model": m, "batch": args.throughput_batch, "seq_len": args.throughput_len, "tokens_per_s": med,
                         "min": lo, "max": hi, "peak_mb": spread(r["peak_mb"] for r in res[m])[0]})
     summary.append({"figure": f"generate() throughput Linear GPT / GPT-2 (batch {args.throughput_batch} x {args.throughput_len})",
-                    "value": format_spread(per_round_ratios(res["gpt2_kv"], res["linear_state"]))})
+                    **_ratio_entry(res["gpt2_kv"], res["linear_state"])})
     write_csv(tp_rows, out / "generate_throughput.csv")
     print(format_table(tp_rows, ["model", "batch", "seq_len", "tokens_per_s", "min", "max", "peak_mb"]))
 
     for r in cont_rows:
         if r["round"] == "median [min-max]":
             summary.append({"figure": f"continuation / stateless forward, {r['tokens']} tokens, K={r['clip']}",
-                            "value": r["ratio"]})
+                            "value": r["ratio"], "cpu_value": r["cpu_ratio"]})
     write_csv(summary, out / "generate_summary.csv")
-    print(format_table(summary, ["figure", "value"]))
+    print(format_table(summary, ["figure", "value", "cpu_value"]))
     _plot(rows, args, out)
     print(f"wrote {out / 'decode_latency.csv'}, {out / 'generate_summary.csv'}, {out / 'generate.png'} "
           f"in {time.perf_counter() - started:.0f}s")
     return 0
+
+
+def _ratio_entry(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> dict[str, str]:
+    """A summary row's ratio ``num / den`` per round as median [min-max]: ``value`` (wall time)
+    and ``cpu_value`` (CPU time)."""
+    value, cpu_value = ratio_spreads(num, den)
+    return {"value": value, "cpu_value": cpu_value}
 
 
 def _plot(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:

@@ -80,6 +80,168 @@ def test_vision_case_runs_both_models_on_a_small_grid():
         vision.workload(model, grid=8, hidden=16, heads=2, intermediate=32, features=8)()
 
 
+TINY_VIT = dict(hidden=16, heads=2, intermediate=32, patch=4)
+
+
+@pytest.mark.parametrize("rpe", ["learned_2d", "rotary_features", "manhattan", "absolute", "none"])
+def test_vision_workload_runs_every_position_option_through_auto(rpe):
+    """Every ``rpe`` option of the config is measured, with the config's own attention defaults
+    (``attn_backend="auto"``, its feature count): the benchmark sets only widths, depth and rpe."""
+    from hf_kernattn.bench import vision
+    from hf_kernattn.modeling.configuration_relative_performer_vit import POSITION_OPTIONS
+
+    assert vision.RPE_OPTIONS == tuple(POSITION_OPTIONS)
+    assert vision.build_parser().parse_args([]).rpe == list(POSITION_OPTIONS)  # all of them by default
+    for classifier in (False, True):
+        for mode in vision.MODES:
+            vision.workload("rpvit", grid=3, rpe=rpe, mode=mode, classifier=classifier, **TINY_VIT)()
+    torch.manual_seed(0)
+
+
+def test_vision_workload_uses_the_config_defaults_and_patches(monkeypatch):
+    from hf_kernattn.bench import vision
+    from hf_kernattn.modeling import modeling_relative_performer_vit as rp
+    from hf_kernattn.modeling.configuration_relative_performer_vit import RelativePerformerViTConfig
+
+    built = []
+    real = rp.RelativePerformerViTModel
+
+    def spy(cfg):
+        built.append(cfg)
+        return real(cfg)
+
+    monkeypatch.setattr(rp, "RelativePerformerViTModel", spy)
+    vision.workload("rpvit", grid=3, rpe="manhattan", **TINY_VIT)()
+    (cfg,) = built
+    default = RelativePerformerViTConfig()
+    assert cfg.attn_backend == "auto" and cfg.attn_backend == default.attn_backend
+    assert (cfg.num_random_features, cfg.max_relative_position, cfg.feature_map) == (
+        default.num_random_features, default.max_relative_position, default.feature_map)
+    assert (cfg.image_size, cfg.patch_size, cfg.rpe) == (12, 4, "manhattan")  # a 3 x 3 grid of 4-pixel patches
+    with pytest.raises(ValueError, match="model must be one of"):
+        vision.workload("bert", grid=3)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        vision.workload("vit", grid=3, mode="backward")
+
+
+def _in_process(target, kwargs, **options) -> dict:
+    """A stand-in for ``common.measure``: builds the workload ``target`` names (``module:function``)
+    from ``kwargs``, runs it once untimed and times it once in this process with the benchmarks'
+    own timing routine (wall and CPU time; a process start-up would dominate a test this small)."""
+    from hf_kernattn.bench.common import time_runs
+
+    module, name = target.split(":")
+    fn = getattr(importlib.import_module(module), name)(**kwargs)
+    fn()
+    out = time_runs(fn, repeats=1)
+    torch.set_grad_enabled(True)
+    return {**out, "peak_mb": 1.0, "status": "ok"}
+
+
+def test_vision_run_alternates_every_option_and_reports_cpu_beside_wall_time(tmp_path, monkeypatch):
+    """The whole vision benchmark at toy size, its real workloads run in this process: per group
+    ViT and every option alternate (A B C, then C B A), every row carries wall and CPU time, the
+    summary gives RP-ViT / ViT of both (and of memory) per round as median [min-max], and the
+    JSON holds the same rows."""
+    import csv
+    import json
+    import re
+
+    from hf_kernattn.bench import common, vision
+
+    order = []
+
+    def recording(target, kwargs, **options):
+        order.append((kwargs["grid"], kwargs["mode"], kwargs["layers"], kwargs["model"], kwargs.get("rpe"),
+                      options["repeats"]))
+        return _in_process(target, kwargs, **options)
+
+    monkeypatch.setattr(common, "measure", recording)
+    args = vision.build_parser().parse_args([
+        "--out", str(tmp_path), "--grids", "2", "--large", "--large-grids", "3", "--rpe", "learned_2d", "manhattan",
+        "--hidden", "16", "--heads", "2", "--intermediate", "32", "--patch-size", "16", "--depth", "1",
+        "--rounds", "2", "--repeats", "2", "--model-modes", "fwd", "fwdbwd"])
+    assert vision.run(args) == 0
+    cases = [("vit", None), ("rpvit", "learned_2d"), ("rpvit", "manhattan")]
+    expected = []
+    for grid, mode, layers, repeats in ((2, "fwdbwd", 1, 2), (3, "fwdbwd", 1, 1), (14, "fwd", 1, 2), (14, "fwdbwd", 1, 2)):
+        for rnd in range(2):
+            expected += [(grid, mode, layers, m, r, repeats) for m, r in (cases if rnd == 0 else cases[::-1])]
+    assert order == expected  # the large grid times one run per round; the 224 px model: 14 x 14 patches
+    with open(tmp_path / "vision.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4 * 2 * 3
+    assert all(float(r["time_s"]) > 0 and float(r["cpu_s"]) > 0 and r["status"] == "ok" for r in rows)
+    with open(tmp_path / "vision_summary.csv") as f:
+        summary = list(csv.DictReader(f))
+    assert [(s["part"], s["grid"], s["mode"], s["rpe"]) for s in summary] == [
+        (part, grid, mode, rpe) for part, grid, mode in (("layer", "2x2", "fwdbwd"), ("layer", "3x3", "fwdbwd"),
+                                                         ("model", "14x14", "fwd"), ("model", "14x14", "fwdbwd"))
+        for rpe in ("learned_2d", "manhattan")]
+    spread_re = re.compile(r"^\d+\.\d\dx? \[\d+\.\d\d-\d+\.\d\d\]$")
+    for s in summary:
+        for column in ("time rpvit/vit", "CPU time rpvit/vit", "memory rpvit/vit"):
+            assert spread_re.match(s[column]), (column, s[column])
+        assert float(s["rpvit_cpu_s"]) > 0 and float(s["vit_cpu_s"]) > 0
+    with open(tmp_path / "vision.json") as f:
+        data = json.load(f)
+    assert data["settings"]["threads"] == 1 and len(data["rows"]) == len(rows) and len(data["summary"]) == len(summary)
+    assert {"time_s", "cpu_s", "peak_mb"} <= set(data["rows"][0])
+    assert (tmp_path / "vision.png").exists()
+
+
+def test_vision_run_rejects_bad_arguments(tmp_path):
+    from hf_kernattn.bench import vision
+
+    for argv, message in ((["--rounds", "0"], "--rounds"), (["--depth", "-1"], "--depth"),
+                          (["--hidden", "10", "--heads", "3"], "multiple of --heads"),
+                          (["--grids", "0"], "--grids"), (["--features", "0"], "--features")):
+        with pytest.raises(ValueError, match=message):
+            vision.run(vision.build_parser().parse_args(["--out", str(tmp_path), *argv]))
+
+
+def test_time_runs_reports_wall_and_cpu_time():
+    from hf_kernattn.bench.common import time_runs
+
+    calls = []
+    out = time_runs(lambda: calls.append(sum(range(1000))), repeats=3)
+    assert out["runs"] == len(calls) == 3 and out["time_s"] >= 0 and out["cpu_s"] >= 0
+    assert time_runs(lambda: calls.append(0), repeats=2, min_seconds=0.02)["runs"] >= 2
+    assert time_runs(lambda: calls.append(0), repeats=1000, max_seconds=0.0)["runs"] == 1  # stops early
+    with pytest.raises(ValueError, match="repeats"):
+        time_runs(lambda: None, repeats=0)
+
+
+def test_ratio_spreads_give_wall_and_cpu_ratios_per_round():
+    from hf_kernattn.bench.common import per_round_ratios, ratio_spreads
+
+    num = [{"time_s": 2.0, "cpu_s": 1.0}, {"time_s": 6.0, "cpu_s": 1.5}, {"time_s": 3.0, "cpu_s": 1.2}]
+    den = [{"time_s": 1.0, "cpu_s": 1.0}, {"time_s": 2.0, "cpu_s": 1.0}, {"time_s": 1.0, "cpu_s": 1.0}]
+    assert ratio_spreads(num, den) == ("3.00x [2.00-3.00]", "1.20x [1.00-1.50]")
+    # results measured without CPU time (an older stand-in) give nan, not an error
+    assert ratio_spreads([{"time_s": 1.0}], [{"time_s": 2.0}]) == ("0.50x [0.50-0.50]", "nan")
+    (ratio,) = per_round_ratios([{"time_s": 1.0}], [{"time_s": 0.0}])
+    assert ratio != ratio  # nan where the denominator is 0
+
+
+def test_encoder_run_reports_cpu_beside_wall_speedup(tmp_path, monkeypatch):
+    import csv
+
+    from hf_kernattn.bench import common, encoder
+
+    monkeypatch.setattr(common, "measure", _in_process)
+    args = encoder.build_parser().parse_args([
+        "--out", str(tmp_path), "--lengths", "16", "--layers", "1", "--hidden", "16", "--heads", "2",
+        "--intermediate", "32", "--features", "4", "--max-relative-position", "4", "--rounds", "2", "--repeats", "1"])
+    assert encoder.run(args) == 0
+    with open(tmp_path / "encoder.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["mode"] for r in rows] == ["fwd", "fwdbwd"]
+    for r in rows:
+        assert r["speedup_per_round"].endswith("]") and r["cpu_speedup_per_round"].endswith("]")
+        assert float(r["bert_sdpa_cpu_s"]) > 0 and float(r["nprf_cpu_s"]) > 0
+
+
 def test_attention_run_writes_the_windowed_case_to_its_csv(tmp_path):
     # a real (tiny) run: each case measured in its own process, as the full benchmark does
     import csv
@@ -92,23 +254,23 @@ def test_attention_run_writes_the_windowed_case_to_its_csv(tmp_path):
     assert attention.run(args) == 0
     with open(tmp_path / "attention_bench.csv") as f:
         rows = list(csv.DictReader(f))
-    assert {"case", "n", "time_s", "peak_mb", "status"} <= set(rows[0])
+    assert {"case", "n", "time_s", "cpu_s", "peak_mb", "status"} <= set(rows[0])
     assert [(r["case"], r["n"], r["status"]) for r in rows] == [("fft_rpe", "64", "ok"), ("windowed_rpe", "64", "ok")]
+    assert all(float(r["cpu_s"]) > 0 for r in rows)  # the measured process's CPU time, beside the wall time
     assert (tmp_path / "attention_bench.png").exists()
 
 
 def _run_workload_in_process(target, kwargs) -> dict:
     """A stand-in for ``common.measure``: builds the generate benchmark's workload that ``target``
-    names (``module:function``) from ``kwargs``, runs it once in this process and reports its time."""
-    import time
-
+    names (``module:function``) from ``kwargs``, runs it once in this process and reports its wall
+    and CPU time (``common.time_runs``)."""
     from hf_kernattn.bench import generate
+    from hf_kernattn.bench.common import time_runs
 
     fn = getattr(generate, target.split(":")[1])(**kwargs)
-    t0 = time.perf_counter()
-    fn()
+    out = time_runs(fn, repeats=1)
     torch.set_grad_enabled(True)
-    return {"time_s": time.perf_counter() - t0, "peak_mb": 0.0, "runs": 1, "status": "ok"}
+    return {**out, "peak_mb": 0.0, "status": "ok"}
 
 
 def test_generate_continuation_only_writes_its_csv(tmp_path, monkeypatch):
@@ -130,10 +292,11 @@ def test_generate_continuation_only_writes_its_csv(tmp_path, monkeypatch):
     assert generate.run(args) == 0
     with open(tmp_path / "continuation.csv") as f:
         rows = list(csv.DictReader(f))
-    assert list(rows[0]) == ["clip", "round", "tokens", "stateless_s", "continuation_s", "ratio"]
+    assert list(rows[0]) == ["clip", "round", "tokens", "stateless_s", "continuation_s", "ratio", "stateless_cpu_s",
+                             "continuation_cpu_s", "cpu_ratio"]
     assert [(r["clip"], r["round"]) for r in rows] == [
         ("3", "0"), ("3", "1"), ("3", "median [min-max]"), ("8", "0"), ("8", "1"), ("8", "median [min-max]")]
-    assert all(float(r["ratio"]) > 0 for r in rows if r["round"] != "median [min-max]")
+    assert all(float(r["ratio"]) > 0 and float(r["cpu_ratio"]) > 0 for r in rows if r["round"] != "median [min-max]")
     assert not (tmp_path / "decode_latency.csv").exists()  # --continuation runs only this case
 
 
@@ -166,10 +329,48 @@ def test_generate_bench_alternates_every_case_and_reports_spreads(tmp_path, monk
     bound = first + ["weights", "weights_row_major"]
     assert decode[8:] == bound + bound[::-1]  # the bound context also times the weights
     with open(tmp_path / "generate_summary.csv") as f:
-        summary = {r["figure"]: r["value"] for r in csv.DictReader(f)}
+        summary_rows = list(csv.DictReader(f))
+    summary = {r["figure"]: r["value"] for r in summary_rows}
     spread_re = re.compile(r"^\d+\.\d\dx \[\d+\.\d\d-\d+\.\d\d\]$")
     # per context 2 cache ratios, the bound's 2, generate() 2, throughput 1, continuation 1
     assert len(summary) == 10 and all(spread_re.match(v) for v in summary.values()), summary
     assert sum("StaticCache" in figure for figure in summary) == 3
+    assert all(spread_re.match(r["cpu_value"]) for r in summary_rows), summary_rows  # CPU time beside wall time
+    with open(tmp_path / "decode_latency.csv") as f:
+        assert all(float(r["cpu_ms_per_token"]) > 0 for r in csv.DictReader(f))
     for name in ("decode_latency.csv", "generate_short.csv", "generate_throughput.csv", "continuation.csv", "generate.png"):
         assert (tmp_path / name).exists(), name
+
+
+def test_alternate_does_not_rerun_a_failed_case_when_asked(monkeypatch):
+    from hf_kernattn.bench import common
+
+    calls = []
+
+    def fake(target, kwargs, **_):
+        calls.append(kwargs["name"])
+        ok = kwargs["name"] != "b"
+        return {"time_s": 1.0 if ok else float("nan"), "cpu_s": 1.0 if ok else float("nan"), "peak_mb": 0.0,
+                "runs": int(ok), "status": "ok" if ok else "timeout>1s"}
+
+    monkeypatch.setattr(common, "measure", fake)
+    cases = [(name, "x:y", {"name": name}) for name in "abc"]
+    res = common.alternate(cases, rounds=3, stop_failed=True)
+    assert calls == ["a", "b", "c", "c", "a", "a", "c"]  # b failed in the first round: not run again
+    assert [r["status"] for r in res["b"]] == ["timeout>1s"] * 3
+    calls.clear()
+    common.alternate(cases, rounds=2)
+    assert calls == ["a", "b", "c", "c", "b", "a"]  # by default every case runs every round
+
+
+def test_measure_caps_the_memory_of_the_measured_process():
+    from hf_kernattn.bench.attention import _flat_path
+    from hf_kernattn.bench.common import measure
+
+    # at N = 8192 the two int64 offset matrices (512 MB each) and the mask (256 MB) do not fit beside torch
+    res = measure("attention:workload", dict(case="softmax_rpe", n=8192), repeats=1, timeout_s=120,
+                  extra_path=_flat_path(), max_memory_gb=1.5)
+    assert res["status"].startswith("failed: out of memory"), res["status"]
+    assert res["time_s"] != res["time_s"] and res["cpu_s"] != res["cpu_s"]
+    with pytest.raises(ValueError, match="max_memory_gb"):
+        measure("attention:workload", {}, max_memory_gb=0)
