@@ -37,6 +37,7 @@ BENCHMARKS = {
     "encoder": "encoder",
     "approx": "approx",
     "vision": "vision",
+    "calibrate": "calibrate",
 }
 # top-level command -> module under hf_kernattn
 COMMANDS = {"demo": "demo", "convert": "convert", "push": "push"}
