@@ -40,6 +40,7 @@ BENCHMARKS = {
     "approx": "approx",
     "vision": "vision",
     "manhattan": "manhattan",
+    "calibrate": "calibrate",
 }
 # top-level command -> module under hf_kernattn
 COMMANDS = {"demo": "demo", "convert": "convert", "linearize": "convert.linearize", "push": "push"}

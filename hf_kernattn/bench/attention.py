@@ -32,7 +32,8 @@ ratios and the slope ``time(N) / time(N/2)``.
 
 ``--crossover`` instead times, for N in 32 ... 1024 at M = D = 64, the dense (quadratic)
 backend against ``linear`` (non-causal), ``causal_chunked`` and ``fft`` (with a bias), and prints
-the largest N at which dense is still faster: the values of ``registry.AUTO_DENSE_MAX_N``.
+the largest N at which dense is still faster (``hf-kernattn bench calibrate`` measures every
+crossover ``backend="auto"`` reads).
 
 Workloads run in subprocesses that import this file as a top-level module together with the
 flat ``modeling`` folder (the layout a remote-code checkpoint uses), so each measurement pays for
@@ -330,7 +331,7 @@ def _time_inprocess(fn: Callable[[], None], min_time: float = 0.2, min_runs: int
     return time_runs(fn, repeats=min_runs, min_seconds=min_time)
 
 
-CROSSOVER_PAIRS = {  # AUTO_DENSE_MAX_N key: (dense case, O(N) case)
+CROSSOVER_PAIRS = {  # kind of call: (dense case, O(N) case)
     "plain": ("dense", "linear"),
     "causal": ("dense_causal", "causal_chunked"),
     "rpe": ("dense_rpe", "fft_rpe"),
@@ -404,7 +405,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-seconds", type=float, default=40.0, help="stop repeating a case after this long")
     parser.add_argument("--max-nn-gb", type=float, default=6.0, help="skip softmax cases whose N x N matrices exceed this")
     parser.add_argument("--crossover", action="store_true",
-                        help="measure dense vs linear/causal_chunked/fft for small N (AUTO_DENSE_MAX_N)")
+                        help="measure dense vs linear/causal_chunked/fft for small N")
     parser.add_argument("--crossover-ns", type=int, nargs="+", default=list(CROSSOVER_NS))
     parser.add_argument("--crossover-dim", type=int, default=64, help="M = D for the crossover")
 
@@ -420,7 +421,7 @@ def run(args: argparse.Namespace) -> int:
         print("\n" + format_table(res["rows"], ["pair", "n", "dense_s", "linear_form_s", "dense/linear_form",
                                                  "dense/linear_form CPU time"]))
         measured = {k: res[k] for k in CROSSOVER_PAIRS}
-        print(f"\nAUTO_DENSE_MAX_N (largest N where dense is faster) = {measured}")
+        print(f"\nlargest N where dense is faster = {measured}")
         print(f"wrote {out / 'crossover.csv'}")
         return 0
     ns = tuple(args.ns) if args.ns else (QUICK_NS if args.quick else FULL_NS)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 from transformers.activations import ACT2FN
 
 from .dispatch import get_backend  # the entry point: the built-in backends are registered
-from .registry import AUTO_DENSE_MAX_N, AUTO_FFT_MAX_ERROR, AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO
+from .registry import AUTO_MAX_ERROR
 from .feature_maps import FEATURE_MAPS, PROJECTIONS
 from .positional import RPE_KINDS
 
@@ -139,14 +139,11 @@ class ConfigField:
 
 
 _AUTO_RULE = (
-    "``\"auto\"`` picks the fastest backend valid for the call: with a relative-position bias "
-    f"clipped at K (``rpe=\"learned\"``), the exact O(N K) ``windowed`` backend once "
-    f"N >= max({AUTO_WINDOWED_MIN_N}, {AUTO_WINDOWED_MIN_RATIO} K); otherwise, with a bias, "
-    f"``dense`` up to N = {AUTO_DENSE_MAX_N['rpe']} and ``fft`` beyond it (``windowed``, or the FFT "
-    "in float64, where the FFT's error bound in the input's precision exceeds "
-    f"{AUTO_FFT_MAX_ERROR:g}); without a bias, ``dense`` for short inputs (N <= "
-    f"{AUTO_DENSE_MAX_N['causal']} causal, {AUTO_DENSE_MAX_N['plain']} otherwise), then "
-    "``causal_chunked`` (causal) or ``linear``."
+    "``\"auto\"`` picks, among the backends that can run the call, the fastest for its length "
+    "according to a calibration table of measured times (forward or forward+backward, 1D / 2D "
+    "bias, clipped or not, causal or not; ``hf-kernattn bench calibrate`` measures one for your "
+    "machine, ``hf_kernattn.load_auto_table`` loads it), taking the FFT only where its error "
+    f"bound meets {AUTO_MAX_ERROR:g} (else the next ranked: an exact backend, or the FFT in float64)."
 )
 
 SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (

@@ -19,18 +19,17 @@ from .builtin_backends import (  # noqa: F401
 from .dispatch import kernelized_attention  # noqa: F401
 from .registry import (  # noqa: F401
     _REGISTRY,
-    AUTO_DENSE_MAX_N,
     AUTO_FFT_MAX_ERROR,
-    AUTO_MANHATTAN_MIN_N,
-    AUTO_WINDOWED_MIN_N,
-    AUTO_WINDOWED_MIN_RATIO,
+    AUTO_MAX_ERROR,
     BACKEND_ARGUMENTS,
     DEFAULT_TAKES,
     DEVICE_TYPES,
     BackendSpec,
+    auto_candidates,
     available_backends,
     backends_for,
     choose_backend,
+    load_auto_table,
     get_backend,
     register_backend,
 )

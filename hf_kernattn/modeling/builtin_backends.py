@@ -8,7 +8,7 @@ runs a backend is ``dispatch.kernelized_attention``.
 from __future__ import annotations
 
 from .kernels_dense import dense_attention
-from .kernels_fft import fft_attention
+from .kernels_fft import fft_attention, fft_error_bound
 from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
 from .kernels_manhattan import manhattan_attention
 from .kernels_windowed import windowed_attention
@@ -18,12 +18,12 @@ STATE_ARGUMENTS = ("initial_state", "output_final_state")
 SPLIT_ARGUMENTS = ("q_den", "k_den")
 register_backend(
     "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps") + SPLIT_ARGUMENTS, causal=True, noncausal=True,
-    rpe_1d=True, rpe_2d=True, split_denominator=True,
+    rpe_1d=True, rpe_2d=True, split_denominator=True, symbolic_n=True,
     complexity="O(N^2 M)", description="exact quadratic reference (materialises the N x N matrix)",
 )
 register_backend(
     "linear", linear_attention, takes=("eps",) + SPLIT_ARGUMENTS, causal=False, noncausal=True, split_denominator=True,
-    complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
+    symbolic_n=True, complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
 )
 register_backend(
     "causal_chunked", causal_chunked_attention, takes=("eps",) + SPLIT_ARGUMENTS + STATE_ARGUMENTS, causal=True,
@@ -32,7 +32,7 @@ register_backend(
 )
 register_backend(
     "fft", fft_attention, takes=("rpe_bias", "causal", "grid", "eps"), causal=True, noncausal=True, rpe_1d=True, rpe_2d=True,
-    complexity="O(N M D log N)", description="Toeplitz / block-Toeplitz RPE by FFT (Luo et al. 2021), 1D and 2D",
+    error_bound=fft_error_bound, complexity="O(N M D log N)", description="Toeplitz / block-Toeplitz RPE by FFT (Luo et al. 2021), 1D and 2D",
 )
 register_backend(
     "windowed", windowed_attention, takes=("rpe_bias", "rpe_clip", "causal", "eps") + STATE_ARGUMENTS,
@@ -42,7 +42,7 @@ register_backend(
 )
 register_backend(
     "manhattan", manhattan_attention, takes=("rpe_bias", "grid", "rpe_clip", "eps"), causal=False, noncausal=True,
-    rpe_2d=True, needs_rpe_clip=True, complexity="O(N K^2 (M + D) + N M D)",
+    rpe_2d=True, needs_rpe_clip=True, symbolic_n=True, complexity="O(N K^2 (M + D) + N M D)",
     description="exact for a 2D bias of the clipped Manhattan distance: matrix products over tiles near the diagonal, all keys beyond",
 )
 register_backend(

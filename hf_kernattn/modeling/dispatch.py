@@ -7,12 +7,13 @@ Each backend declares what it can do when it is registered (causal / non-causal,
 relative-position bias, key padding masks, step-wise decoding, devices). A call asks for a
 combination; :func:`kernelized_attention` validates the inputs, then either runs the named
 backend (raising ``ValueError`` with the backends that *can* do it if it cannot) or, with
-``backend="auto"``, the fastest valid one according to crossovers measured by
-``hf-kernattn bench attention`` (see :data:`AUTO_DENSE_MAX_N`) that is also accurate: every
-backend but ``fft`` is exact up to ordinary float32 summation; ``fft`` is kept only where its
-error bound (``kernels_fft.fft_error_bound``) in the input's dtype is at most
-:data:`AUTO_FFT_MAX_ERROR` = 1e-4, otherwise ``auto`` takes ``windowed`` (clipped bias) or the
-FFT computed in float64.
+``backend="auto"``, the fastest valid one according to the calibration table
+(``registry.auto_candidates``: measured crossovers per mode, bias kind, causality and dtype)
+that is also accurate: a backend declared exact always is; an approximate one (declared
+``error_bound``, e.g. ``fft``) is kept only where its bound for the data, in the dtype it would
+compute in, is at most :data:`AUTO_MAX_ERROR` = 1e-4, otherwise ``auto`` takes the next
+candidate the table ranks (an exact backend, or the FFT computed in float64, whichever was
+measured faster).
 
 The work common to every backend happens here, once, in stages of one job each: check
 (:func:`_check`, with the checks of ``attention_inputs.py``), prepare (isolation of non-finite
@@ -50,7 +51,7 @@ from .attention_inputs import (
     check_tensor,
     normalize_mask,
 )
-from .builtin_backends import fft_attention, recurrent_attention
+from .builtin_backends import recurrent_attention
 from .kernels_common import (
     AttentionState,
     StateKind,
@@ -62,32 +63,36 @@ from .kernels_common import (
     isolate_non_finite,
     mask_keys,
 )
-from .kernels_fft import fft_error_bound
 from .kernels_linear import recurrent_step
 from .kernels_manhattan import manhattan_distances, manhattan_table
-from .registry import _REGISTRY, AUTO_FFT_MAX_ERROR, available_backends, choose_backend, get_backend
+from .registry import _REGISTRY, AUTO_MAX_ERROR, auto_candidates, available_backends, get_backend
 
 
-def _auto_fft_precision(
-    q: torch.Tensor, k: torch.Tensor, rpe_bias, causal: bool, key_mask, request: dict
-) -> tuple[str, torch.dtype]:
-    """``auto`` chose ``fft``: keep it where its error bound in the input's compute dtype meets
-    :data:`AUTO_FFT_MAX_ERROR`, else the exact ``windowed`` backend (clipped bias) or the FFT in
-    float64. Returns the backend and the dtype to compute in. While compiling, data are not
-    inspected (no host sync): float32 is then assumed not to meet the target."""
+def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, causal: bool, key_mask):
+    """``auto``'s accuracy rule over its ranked candidates (``registry.auto_candidates``): the
+    first exact one, or the first approximate one (declared ``error_bound``) whose bound for these
+    data, in the dtype it would compute in (the input's compute dtype, or float64 where the table
+    ranks its float64 variant), meets :data:`AUTO_MAX_ERROR`. So an exact float32 backend is
+    preferred to an FFT in float64 wherever the table measured it faster. ``full_bias()`` gives
+    the bias in full form for a bound. While compiling, data are not inspected (no host sync):
+    only float64 is assumed to meet the target. When no candidate qualifies, the first
+    approximate one runs in float64 (in its dtype on MPS, which has no float64). Returns the
+    backend's name and the dtype to compute in."""
     dt = compute_dtype_for(q)
-    if torch.compiler.is_compiling():
-        bound = 0.0 if dt == torch.float64 else math.inf
-    else:
-        bound = fft_error_bound(q, k, rpe_bias=rpe_bias, causal=causal, key_mask=key_mask, dtype=dt)
-    if bound <= AUTO_FFT_MAX_ERROR:
-        return "fft", dt
-    windowed = _REGISTRY.get("windowed")
-    if windowed is not None and not windowed.missing(**request):
-        return "windowed", dt
-    if dt != torch.float64 and q.device.type != "mps":  # MPS has no float64
-        return "fft", torch.float64
-    return "fft", dt
+    approximate = None
+    for name, want in candidates:
+        spec = get_backend(name)
+        run_dt = want if want is not None else dt
+        if spec.error_bound is None:
+            return name, run_dt
+        approximate = approximate or name
+        if torch.compiler.is_compiling():
+            bound = 0.0 if run_dt == torch.float64 else math.inf
+        else:
+            bound = spec.error_bound(q, k, rpe_bias=full_bias(), causal=causal, key_mask=key_mask, dtype=run_dt)
+        if bound <= AUTO_MAX_ERROR:
+            return name, run_dt
+    return approximate, (torch.float64 if q.device.type != "mps" else dt)
 
 
 def kernelized_attention(
@@ -126,7 +131,7 @@ def kernelized_attention(
         grid: ``(Hg, Wg)`` with ``Hg * Wg == N`` for a 2D bias on a row-major token grid.
         backend: ``"auto"`` or a registered name (:func:`available_backends`). ``auto`` picks
             the fastest valid backend whose error meets 1e-4 relative to the values (see
-            :data:`AUTO_FFT_MAX_ERROR`); a named ``fft`` runs in the input's dtype with the error
+            :data:`AUTO_MAX_ERROR`); a named ``fft`` runs in the input's dtype with the error
             stated in ``kernels_fft.fft_attention``.
         eps: added to the denominator.
         rpe_clip: optional ``K``: declares the 1D bias constant for offsets beyond ``+-K`` (a
@@ -316,12 +321,23 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     backends that can when it cannot), the compute dtype, whether the final state is folded
     (a backend without a state) and the full bias when ``auto``'s FFT check made it."""
     request = dict(call.request)
-    name = choose_backend(n=call.n, **request) if backend == "auto" else backend
     dt = compute_dtype_for(q)  # the dtype rule
     full = None
-    if backend == "auto" and name == "fft" and get_backend("fft").fn is fft_attention:
-        full = _full_bias(rpe_bias, call.rpe, call.n, call.grid, call.rpe_clip) if call.rpe else None
-        name, dt = _auto_fft_precision(q, k, full, request["causal"], call.key_mask, request)
+    if backend == "auto":
+        # forward+backward when autograd records through the inputs: the table ranks each mode
+        backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, rpe_bias))
+        candidates = auto_candidates(n=call.n, **request, backward=backward, dtype=dt)
+        made = []
+
+        def full_bias():  # made at most once, and only for an approximate backend's bound
+            if not made:
+                made.append(_full_bias(rpe_bias, call.rpe, call.n, call.grid, call.rpe_clip) if call.rpe else None)
+            return made[0]
+
+        name, dt = _auto_precision(candidates, q, k, full_bias, request["causal"], call.key_mask)
+        full = made[0] if made else None
+    else:
+        name = backend
     spec = get_backend(name)
     # A backend that carries no state still runs a call that starts without one: the final state is then folded
     # from this call's keys and values (O(N M D)), so a named backend also serves training and prefill with a state.

@@ -2,13 +2,22 @@
 
 Each backend declares at registration what it can do (causal / non-causal, 1D or 2D
 relative-position bias, key padding masks, carrying a state, separate denominator features,
-step-wise decoding, devices) and which keyword arguments it takes; :func:`choose_backend` is the
-``backend="auto"`` rule, from crossovers measured by ``hf-kernattn bench attention``. The single
-entry point that validates a call and dispatches it is ``dispatch.kernelized_attention``.
+step-wise decoding, a symbolic length, devices), whether it is exact or approximate (an
+``error_bound``), and which keyword arguments it takes.
+
+``backend="auto"`` (:func:`auto_candidates`, :func:`choose_backend`) reads only those
+declarations and data: the declared capabilities filter the backends that can run a call, and a
+calibration table of measured crossovers ranks them by N for the kind of call (forward or
+forward+backward, no / 1D / 2D bias, clipped at K or not, causal or not, compute dtype). The
+table is data beside the registry (``auto_table.py``, so that a checkpoint carries it), measured by
+``hf-kernattn bench calibrate``, which also writes a JSON table for the machine it runs on:
+load it with :func:`load_auto_table` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable. The
+single entry point that validates a call and dispatches it is ``dispatch.kernelized_attention``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -49,6 +58,12 @@ class BackendSpec:
             beyond ``+-K``, or a 2D bias of the clipped Manhattan distance. A backend that takes
             ``rpe_clip`` receives a clipped 1D bias as its table ``(H, 2K+1)`` and a clipped 2D
             bias as its per-distance table ``(H, K+1)``.
+        symbolic_n: runs a symbolic N (``torch.export`` with a dynamic sequence or grid: one
+            program serves every length): its work does not depend on N through Python loops.
+        error_bound: None for a backend exact up to ordinary floating-point summation; for an
+            approximate one, ``error_bound(q, k, *, rpe_bias, causal, key_mask, dtype) -> float``,
+            a bound on its error relative to the values when computed in ``dtype`` (``inf`` when
+            none is known). ``auto`` runs it only where that bound meets :data:`AUTO_MAX_ERROR`.
         devices: device types it runs on.
         complexity: a short note for docs and error messages, e.g. ``"O(N)"``.
         description: one line for ``hf-kernattn backends``.
@@ -66,9 +81,16 @@ class BackendSpec:
     state: bool = False
     split_denominator: bool = False
     needs_rpe_clip: bool = False
+    symbolic_n: bool = False
+    error_bound: Optional[Callable[..., float]] = None
     devices: tuple[str, ...] = DEVICE_TYPES
     complexity: str = ""
     description: str = ""
+
+    @property
+    def exact(self) -> bool:
+        """Exact up to ordinary floating-point summation (no :attr:`error_bound` declared)."""
+        return self.error_bound is None
 
     def missing(
         self, *, causal: bool, rpe: Optional[str], key_mask: bool, device: Optional[str], rpe_clip: Optional[int] = None,
@@ -115,6 +137,8 @@ def register_backend(
     state: bool = False,
     split_denominator: bool = False,
     needs_rpe_clip: bool = False,
+    symbolic_n: bool = False,
+    error_bound: Optional[Callable[..., float]] = None,
     devices: Sequence[str] = DEVICE_TYPES,
     complexity: str = "",
     description: str = "",
@@ -135,12 +159,19 @@ def register_backend(
     capability needs (``causal`` for a backend that runs both causal and non-causal calls,
     ``rpe_bias`` for a bias, ``grid`` for a 2D bias, ``rpe_clip`` with ``needs_rpe_clip``,
     ``initial_state`` and ``output_final_state`` with ``state``, ``q_den`` and ``k_den`` with
-    ``split_denominator``); ``TypeError`` if ``fn`` is not callable.
+    ``split_denominator``); ``TypeError`` if ``fn`` or a given ``error_bound`` is not callable.
+
+    ``backend="auto"`` considers a backend only where the calibration table ranks it (see
+    :func:`choose_backend`; a table measured on your machine with ``hf-kernattn bench calibrate``
+    ranks every registered backend that can run each measured kind of call), or where no ranked
+    backend can run the call; by name it is always usable.
     """
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if error_bound is not None and not callable(error_bound):
+        raise TypeError(f"error_bound must be None or callable, got {type(error_bound).__name__}")
     if name in _REGISTRY and not overwrite:
         raise ValueError(f"backend {name!r} is already registered; pass overwrite=True to replace it")
     unknown = [d for d in devices if d not in DEVICE_TYPES]
@@ -172,6 +203,8 @@ def register_backend(
         state=state,
         split_denominator=split_denominator,
         needs_rpe_clip=needs_rpe_clip,
+        symbolic_n=bool(symbolic_n),
+        error_bound=error_bound,
         devices=tuple(devices),
         complexity=complexity,
         description=description,
@@ -201,69 +234,268 @@ def get_backend(name: str) -> BackendSpec:
     return _REGISTRY[name]
 
 
-# Crossovers measured with `hf-kernattn bench attention --crossover` on a 2-core CPU
-# (M = D = 64, batch 1, one head, float32, N in 32..1024): up to these N the quadratic dense
-# form was faster than the O(N) / O(N log N) forms. Measured: linear beats dense from N = 48
-# (1.01x; 12x at N = 1024); causal_chunked from N = 256 (1.08x; 6x at 1024); fft with a bias
-# was still 4.7x slower than dense at N = 1024 (its crossover lies above the measured range),
-# so "rpe" is capped at 1024, where dense's N x N matrices are still small.
-AUTO_DENSE_MAX_N = {"plain": 32, "causal": 192, "rpe": 1024}
-# With a bias clipped at K (rpe_clip) the windowed backend, O(N (2K + C)), is chosen once
-# N >= AUTO_WINDOWED_MIN_N and N >= AUTO_WINDOWED_MIN_RATIO * K. Forward+backward, 12 heads,
-# M = D = 64, float32, 2 CPU threads: at K = 512 windowed/dense took 0.030/0.040 s at N = 512,
-# 0.075/0.256 at 1024, 0.165/1.108 at 2048; below N = 512 dense was faster (0.39-0.89x at
-# N = 128-256 for K = 16 and 512). Against fft it was 2.5-10x faster for N = 1k-16k, K = 128-512.
-AUTO_WINDOWED_MIN_N = 512
-AUTO_WINDOWED_MIN_RATIO = 2
-# ``auto`` runs the fft backend in the input's compute dtype only where its error bound
-# (:func:`fft_error_bound`, relative to the values) is at most this; otherwise it takes the exact
-# ``windowed`` backend for a clipped bias, or the FFT computed in float64.
-AUTO_FFT_MAX_ERROR = 1e-4
-# With a 2D bias of the clipped Manhattan distance (rpe_clip with a grid) the manhattan backend,
-# O(N K^2), is chosen once the grid has at least this many tokens (below, dense is cheap).
-AUTO_MANHATTAN_MIN_N = 256
+# ----------------------------------------------------------------------------- the automatic choice
+
+# ``auto`` runs an approximate backend (one declaring ``error_bound``) only where its bound,
+# relative to the values, is at most this in the dtype it would compute in.
+AUTO_MAX_ERROR = 1e-4
+AUTO_FFT_MAX_ERROR = AUTO_MAX_ERROR  # the former name
+# The kinds of call a calibration table distinguishes.
+TABLE_MODES = ("fwd", "fwdbwd")  # forward only; forward and backward (autograd records through q, k or the bias)
+TABLE_BIASES = ("none", "1d", "2d")
+TABLE_DTYPES = ("float32", "float64")  # the compute dtype
+TABLE_FORMAT = 1
+# An entry measured with a bias clipped at K serves calls clipped at K' <= CLIP_REACH * K (the
+# entry of the nearest measured K, on a log scale); beyond it the unclipped entry serves them.
+CLIP_REACH = 2
+# The environment variable naming a user's table (JSON), loaded on the first automatic choice.
+AUTO_TABLE_ENV = "HF_KERNATTN_AUTO_TABLE"
+_ENTRY_KEYS = ("mode", "bias", "causal", "clip", "dtype", "ranking")
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def _table_error(where: str, problem: str) -> ValueError:
+    return ValueError(f"auto table: {where}: {problem}")
+
+
+def _check_ranked_name(where: str, item: object) -> tuple[str, Optional[str]]:
+    """``"name"`` or ``"name@float64"`` -> ``(name, dtype or None)``."""
+    if not isinstance(item, str) or not item:
+        raise _table_error(where, f"a ranked backend must be a non-empty string, got {item!r}")
+    name, _, dtype = item.partition("@")
+    if not name or set(name) - _NAME_CHARS:
+        raise _table_error(where, f"{item!r} is not a backend name (letters, digits, '_', '-', '.')")
+    if "@" in item and dtype not in TABLE_DTYPES:
+        raise _table_error(where, f"{item!r}: after '@' comes the dtype to compute in, one of {list(TABLE_DTYPES)}")
+    return name, (dtype or None)
+
+
+def _check_entry(i: int, entry: object) -> tuple[tuple, tuple]:
+    """One entry -> ``(key, ranking)``; ``ValueError`` naming the entry and the problem."""
+    where = f"entries[{i}]"
+    if not isinstance(entry, dict):
+        raise _table_error(where, f"must be an object with keys {list(_ENTRY_KEYS)}, got {type(entry).__name__}")
+    if set(entry) != set(_ENTRY_KEYS):
+        raise _table_error(where, f"must have exactly the keys {list(_ENTRY_KEYS)}; missing "
+                                  f"{sorted(set(_ENTRY_KEYS) - set(entry))}, unknown {sorted(set(entry) - set(_ENTRY_KEYS))}")
+    mode, bias, causal, clip, dtype = (entry[k] for k in _ENTRY_KEYS[:5])
+    where = f"{where} ({mode}, bias {bias}, causal {causal}, clip {clip}, {dtype})"
+    if mode not in TABLE_MODES:
+        raise _table_error(where, f"mode must be one of {list(TABLE_MODES)}, got {mode!r}")
+    if bias not in TABLE_BIASES:
+        raise _table_error(where, f"bias must be one of {list(TABLE_BIASES)}, got {bias!r}")
+    if type(causal) is not bool:
+        raise _table_error(where, f"causal must be true or false, got {causal!r}")
+    if causal and bias == "2d":
+        raise _table_error(where, "causal attention has no 2D bias")
+    if clip is not None and (type(clip) is not int or clip < 0 or bias == "none"):
+        raise _table_error(where, f"clip must be null or, with a bias, the K it was measured at (an int >= 0), got {clip!r}")
+    if dtype not in TABLE_DTYPES:
+        raise _table_error(where, f"dtype must be one of {list(TABLE_DTYPES)}, got {dtype!r}")
+    ranking = entry["ranking"]
+    if not isinstance(ranking, list) or not ranking:
+        raise _table_error(where, "ranking must be a non-empty list of [n_max, [backend, ...]] (n_max null for the last)")
+    segments, previous = [], 0
+    for j, segment in enumerate(ranking):
+        at = f"{where}: ranking[{j}]"
+        if not isinstance(segment, (list, tuple)) or len(segment) != 2:
+            raise _table_error(at, f"must be a pair [n_max, [backend, ...]], got {segment!r}")
+        n_max, names = segment
+        last = j == len(ranking) - 1
+        if last and n_max is not None:
+            raise _table_error(at, f"the last segment must have n_max null (every longer input), got {n_max!r}")
+        if not last and (type(n_max) is not int or n_max <= previous):
+            raise _table_error(at, f"n_max must be an int greater than the previous segment's ({previous}), got {n_max!r}")
+        if not isinstance(names, (list, tuple)) or not names:
+            raise _table_error(at, f"must rank at least one backend, got {names!r}")
+        ranked = tuple(_check_ranked_name(at, item) for item in names)
+        if len(set(ranked)) != len(ranked):
+            raise _table_error(at, f"ranks a backend twice: {list(names)}")
+        segments.append((n_max, ranked))
+        previous = n_max if n_max is not None else previous
+    return (mode, bias, causal, clip, dtype), tuple(segments)
+
+
+def check_auto_table(table: object) -> dict[tuple, tuple]:
+    """Validate a calibration table (the dict a JSON table file holds) and return it in the form
+    :func:`choose_backend` reads, ``{(mode, bias, causal, clip, dtype): ((n_max, ((name, dtype
+    or None), ...)), ...)}``. ``ValueError`` naming the entry and what is wrong.
+
+    A table is ``{"format": 1, "entries": [...], ...}`` (other top-level keys, e.g. ``"source"``,
+    are kept as a record and not read). Each entry is ``{"mode": "fwd" | "fwdbwd", "bias": "none"
+    | "1d" | "2d", "causal": bool, "clip": null | K, "dtype": "float32" | "float64", "ranking":
+    [[n_max, [backend, ...]], ..., [null, [backend, ...]]]}``: for inputs of at most ``n_max``
+    tokens (the first segment that holds them) the backends in order of measured time, fastest
+    first; ``"name@float64"`` ranks backend ``name`` computed in float64. Backend names are not
+    looked up here (a table may rank a backend registered later)."""
+    if not isinstance(table, dict):
+        raise _table_error("the table", f"must be an object {{'format': {TABLE_FORMAT}, 'entries': [...]}}, "
+                                        f"got {type(table).__name__}")
+    if table.get("format") != TABLE_FORMAT:
+        raise _table_error("format", f"must be {TABLE_FORMAT}, got {table.get('format')!r}")
+    entries = table.get("entries")
+    if not isinstance(entries, list):
+        raise _table_error("entries", f"must be a list of entries, got {type(entries).__name__}")
+    checked: dict[tuple, tuple] = {}
+    for i, entry in enumerate(entries):
+        key, ranking = _check_entry(i, entry)
+        if key in checked:
+            raise _table_error(f"entries[{i}]", f"a second entry for mode {key[0]}, bias {key[1]}, causal {key[2]}, "
+                                                f"clip {key[3]}, dtype {key[4]}")
+        checked[key] = ranking
+    return checked
+
+
+_ACTIVE_TABLE: Optional[dict[tuple, tuple]] = None
+
+
+def _shipped_table() -> dict[tuple, tuple]:
+    from .auto_table import AUTO_TABLE
+
+    return check_auto_table(AUTO_TABLE)
+
+
+def _read_table_file(path) -> object:
+    import json
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except OSError as err:
+        raise ValueError(f"auto table: cannot read {str(path)!r}: {err.strerror or err}") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"auto table: {str(path)!r} is not valid JSON: {err}") from None
+
+
+def load_auto_table(source=None, *, replace: bool = False) -> dict:
+    """Load a calibration table for ``backend="auto"`` (e.g. the ``auto_table.json`` that
+    ``hf-kernattn bench calibrate`` wrote on this machine): a path to a JSON file or the table as
+    a dict (see :func:`check_auto_table` for its form). Its entries replace the shipped table's
+    entries of the same kind of call; the shipped table keeps serving the others (``replace=True``:
+    only the given table is used). ``source=None`` restores the shipped table. ``ValueError``
+    naming the problem for a table that cannot be read or is malformed (the active table is then
+    unchanged). Returns the active table in the checked form. The environment variable
+    ``HF_KERNATTN_AUTO_TABLE`` names a file loaded the same way on the first automatic choice."""
+    global _ACTIVE_TABLE
+    shipped = _shipped_table()
+    if source is None:
+        _ACTIVE_TABLE = shipped
+        return dict(shipped)
+    if isinstance(source, dict):
+        table = source
+    elif isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        table = _read_table_file(source)
+    else:
+        raise TypeError(f"source must be a path to a JSON table, a dict or None, got {type(source).__name__}")
+    checked = check_auto_table(table)
+    _ACTIVE_TABLE = checked if replace else {**shipped, **checked}
+    return dict(_ACTIVE_TABLE)
+
+
+def active_auto_table() -> dict[tuple, tuple]:
+    """The table ``auto`` reads (the shipped one, overlaid by ``HF_KERNATTN_AUTO_TABLE`` or
+    :func:`load_auto_table`)."""
+    if _ACTIVE_TABLE is None:
+        import os
+
+        path = os.environ.get(AUTO_TABLE_ENV)
+        if path:
+            try:
+                load_auto_table(path)
+            except ValueError as err:
+                raise ValueError(f"{AUTO_TABLE_ENV}={path!r}: {err}") from None
+        else:
+            load_auto_table(None)
+    return _ACTIVE_TABLE
+
+
+def _table_ranking(table: dict, mode: str, bias: str, causal: bool, clip: Optional[int], dtype: str):
+    """The ranking segments for a kind of call: the entry of its mode and compute dtype (else
+    float32, else the other mode); a clipped bias takes the entry of the nearest measured K
+    (log scale) while ``K <= CLIP_REACH *`` the largest one, the unclipped entry otherwise."""
+    modes = (mode,) + tuple(m for m in TABLE_MODES if m != mode)
+    for dt in dict.fromkeys((dtype, "float32")):
+        for md in modes:
+            if clip is not None:
+                measured = [key[3] for key in table if key[:3] == (md, bias, causal) and key[4] == dt and key[3] is not None]
+                if measured and clip <= CLIP_REACH * max(measured):
+                    nearest = min(measured, key=lambda c: (abs(math.log((clip + 1) / (c + 1))), c))
+                    return table[(md, bias, causal, nearest, dt)]
+            if (md, bias, causal, None, dt) in table:
+                return table[(md, bias, causal, None, dt)]
+    return ()
+
+
+def _segment(ranking, n) -> tuple:
+    """The backends ranked for ``n`` tokens; a symbolic ``n``: the first segment its declared
+    range proves, else the last (long inputs)."""
+    for n_max, ranked in ranking:
+        if n_max is None or known_true(n <= n_max):
+            return ranked
+    return ()
+
+
+def auto_candidates(
+    *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
+    state: bool = False, split: bool = False, backward: bool = False, dtype: torch.dtype = torch.float32,
+) -> list[tuple[str, Optional[torch.dtype]]]:
+    """``auto``'s candidates for a call, best first: ``(name, dtype to compute in, or None for
+    the compute dtype)``. Every candidate can run the call (its declared capabilities).
+
+    1. One new token from a state (decoding): the backends declared ``decoding`` first.
+    2. The calibration table's ranking (:func:`active_auto_table`) for the kind of call: mode
+       (``backward``: forward+backward), bias (none / 1D / 2D, clipped at ``rpe_clip`` or not),
+       causality and compute dtype, at ``n`` tokens; backends declared ``decoding`` never for a
+       sequence, float64 variants not on ``mps``. A backend the table does not rank is not
+       considered, unless no ranked one can run the call: then every able backend, in the order
+       of registration (those declared ``decoding`` last).
+    3. A symbolic ``n`` (``torch.export`` with a dynamic sequence or grid: one program serves
+       every length) reads the segment for long inputs unless the declared range of lengths
+       proves a shorter one, among backends declared ``symbolic_n`` (no Python loops whose count
+       depends on N: ``fft``, ``windowed`` and ``causal_chunked`` walk blocks).
+
+    An approximate backend (declared ``error_bound``) is a candidate here whatever its error:
+    ``kernelized_attention`` runs the first candidate whose bound for the data meets
+    :data:`AUTO_MAX_ERROR` (an exact one always does)."""
+    symbolic = isinstance(n, torch.SymInt)
+    request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split)
+
+    def able(spec: Optional[BackendSpec]) -> bool:
+        return spec is not None and not spec.missing(**request)
+
+    out: list[tuple[str, Optional[torch.dtype]]] = []
+    if state and known_true(n == 1):
+        out += [(name, None) for name, spec in _REGISTRY.items() if spec.decoding and able(spec)]
+    clip = rpe_clip
+    if clip is not None and rpe == "1d" and not symbolic:
+        clip = min(clip, n - 1)  # offsets beyond N - 1 never occur
+    mode = TABLE_MODES[1] if backward else TABLE_MODES[0]
+    kind_dtype = "float64" if dtype == torch.float64 else "float32"
+    ranking = _table_ranking(active_auto_table(), mode, rpe or "none", causal, clip if rpe else None, kind_dtype)
+    for name, want in _segment(ranking, n):
+        spec = _REGISTRY.get(name)
+        want_dt = None if want is None else getattr(torch, want)
+        if not able(spec) or spec.decoding or (symbolic and not spec.symbolic_n):
+            continue
+        if want_dt == torch.float64 and device == "mps":  # MPS has no float64
+            continue
+        if (name, want_dt) not in out:
+            out.append((name, want_dt))
+    if not out:  # nothing ranked can run it: every able backend, whole-sequence forms first
+        specs = sorted(_REGISTRY.values(), key=lambda s: s.decoding)
+        out = [(spec.name, None) for spec in specs if able(spec)]
+    if not out:
+        raise ValueError("no registered backend can run this call")
+    return out
 
 
 def choose_backend(
     *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
-    state: bool = False, split: bool = False,
+    state: bool = False, split: bool = False, backward: bool = False, dtype: torch.dtype = torch.float32,
 ) -> str:
-    """The fastest backend valid for the request (see :data:`AUTO_DENSE_MAX_N`; a call with a
-    state: see the module docstring).
-
-    A symbolic ``n`` (``torch.export`` with a dynamic sequence or grid: one program serves every
-    length) takes the choice for long inputs unless the declared range of lengths proves a short
-    one, among the backends whose work does not depend on N through Python loops (``fft``,
-    ``windowed`` and ``causal_chunked`` walk blocks whose number depends on N): ``linear`` (no
-    bias), ``manhattan`` (a clipped 2D bias), ``dense`` otherwise (exact, O(N^2))."""
-    symbolic = isinstance(n, torch.SymInt)
-
-    def at_least(bound: int) -> bool:  # n >= bound; a symbolic n: unless its range proves n < bound
-        return not known_true(n < bound) if symbolic else n >= bound
-
-    request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split)
-    decoders = [name for name, spec in _REGISTRY.items() if spec.decoding]
-    if state:
-        preferred = "windowed" if rpe is not None else "causal_chunked"
-        order = decoders + [preferred] if known_true(n == 1) else [preferred]
-    elif rpe == "1d" and rpe_clip is not None and not symbolic and n >= max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * rpe_clip):
-        order = ["windowed"]
-    elif rpe == "2d" and rpe_clip is not None and at_least(AUTO_MANHATTAN_MIN_N):
-        order = ["manhattan"]
-    else:
-        if rpe is not None:
-            preferred, limit = "fft", AUTO_DENSE_MAX_N["rpe"]
-        elif causal:
-            preferred, limit = "causal_chunked", AUTO_DENSE_MAX_N["causal"]
-        else:
-            preferred, limit = "linear", AUTO_DENSE_MAX_N["plain"]
-        order = ["dense", preferred] if not at_least(limit + 1) or (symbolic and preferred != "linear") else [preferred, "dense"]
-    order += [name for name in _REGISTRY if name not in order and name not in decoders]
-    for name in order:
-        spec = _REGISTRY.get(name)
-        if spec is not None and not spec.missing(**request):
-            return name
-    able = [name for name, spec in _REGISTRY.items() if not spec.missing(**request)]
-    if able:  # only step-by-step forms can do it
-        return able[0]
-    raise ValueError("no registered backend can run this call")
+    """The backend ``auto`` ranks first for the request (:func:`auto_candidates`; a forward call
+    in float32 unless ``backward`` / ``dtype`` say otherwise), before the accuracy check of an
+    approximate backend, which reads the data (``kernelized_attention`` then may take the next
+    candidate)."""
+    return auto_candidates(n=n, causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip,
+                           state=state, split=split, backward=backward, dtype=dtype)[0][0]

@@ -33,7 +33,7 @@ from hf_kernattn.modeling.attention_config import (
     SHARED_FIELD_NAMES,
     AttentionSchema,
 )
-from hf_kernattn.modeling.backends import AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO, choose_backend
+from hf_kernattn.modeling.backends import AUTO_MAX_ERROR
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs_v0"
@@ -122,16 +122,11 @@ def test_both_configs_document_every_shared_field_with_the_schemas_one_text():
             assert text + "\n" + default_line in doc
 
 
-def test_the_documented_auto_rule_for_windowed_is_the_one_choose_backend_applies():
+def test_the_documented_auto_rule_names_the_calibration_table_and_the_accuracy_target():
     doc = BASE_ATTENTION_SCHEMA.field_doc("attn_backend").replace("\n", " ")
     doc = " ".join(doc.split())
-    assert f"once N >= max({AUTO_WINDOWED_MIN_N}, {AUTO_WINDOWED_MIN_RATIO} K)" in doc
-    for k in (8, 400):
-        start = max(AUTO_WINDOWED_MIN_N, AUTO_WINDOWED_MIN_RATIO * k)
-        for causal in (False, True):
-            kw = dict(causal=causal, rpe="1d", key_mask=False, device="cpu", rpe_clip=k)
-            assert choose_backend(n=start, **kw) == "windowed"
-            assert choose_backend(n=start - 1, **kw) != "windowed"
+    assert "calibration table" in doc and "hf-kernattn bench calibrate" in doc and "load_auto_table" in doc
+    assert f"error bound meets {AUTO_MAX_ERROR:g}" in doc
 
 
 # ----------------------------------------------------------------------------- the module reads the config

@@ -313,9 +313,15 @@ def test_auto_meets_1e4_where_float32_fft_cannot():
     ref = literal_reference(q, k, v, clipped, causal=True)
     auto = hf_kernattn.kernelized_attention(q, k, v, clipped, True, rpe_clip=1500)
     assert (auto.double() - ref).abs().max().item() / scale <= 1e-4
-    # non-causal, small span: the float32 FFT meets the target and is kept (identical result)
+    # non-causal, small span, where the table ranks the FFT first: the float32 FFT meets the target and is kept
+    # (identical result)
     small = (torch.rand(1, 2 * n - 1, generator=torch.Generator().manual_seed(14)) - 0.5)
-    auto = hf_kernattn.kernelized_attention(q, k, v, small, False)
+    fft_first = dict(mode="fwd", bias="1d", causal=False, clip=None, dtype="float32", ranking=[[None, ["fft", "dense"]]])
+    try:
+        hf_kernattn.load_auto_table({"format": 1, "entries": [fft_first]})
+        auto = hf_kernattn.kernelized_attention(q, k, v, small, False)
+    finally:
+        hf_kernattn.load_auto_table(None)
     assert torch.equal(auto, hf_kernattn.kernelized_attention(q, k, v, small, False, backend="fft"))
     assert (auto.double() - literal_reference(q, k, v, small)).abs().max().item() / scale <= 1e-4
 

@@ -109,15 +109,22 @@ def test_register_custom_backend_is_used_and_checked():
         hf_kernattn.register_backend("x", scaled_linear, devices=("tpu",))
 
 
-def test_auto_choice_follows_crossovers():
+def test_auto_choice_follows_the_shipped_table():
+    """``auto`` takes, for each kind of call, the first backend the shipped calibration table
+    ranks at that length (it holds measured crossovers, not a hand rule)."""
+    from hf_kernattn.modeling.auto_table import AUTO_TABLE
+
     choose = backends_mod.choose_backend
-    small = min(backends_mod.AUTO_DENSE_MAX_N.values())
-    big = max(backends_mod.AUTO_DENSE_MAX_N.values()) + 1
-    assert choose(n=small, causal=False, rpe=None, key_mask=False, device="cpu") == "dense"
-    assert choose(n=big, causal=False, rpe=None, key_mask=True, device="cpu") == "linear"
-    assert choose(n=big, causal=True, rpe=None, key_mask=True, device="cpu") == "causal_chunked"
-    assert choose(n=big, causal=True, rpe="1d", key_mask=False, device="cpu") == "fft"
-    assert choose(n=big, causal=False, rpe="2d", key_mask=False, device="cpu") == "fft"
+    for entry in AUTO_TABLE["entries"]:
+        rpe = None if entry["bias"] == "none" else entry["bias"]
+        bounds = [n_max for n_max, _ in entry["ranking"][:-1]]
+        for n_max, names in entry["ranking"]:
+            n = n_max if n_max is not None else (bounds[-1] + 1 if bounds else 4096)
+            first = names[0].partition("@")[0]
+            got = choose(n=n, causal=entry["causal"], rpe=rpe, key_mask=False, device="cpu", rpe_clip=entry["clip"],
+                         backward=entry["mode"] == "fwdbwd", dtype=getattr(torch, entry["dtype"]))
+            if entry["clip"] is None or entry["bias"] == "2d" or entry["clip"] < n:
+                assert got == first, (entry, n)
 
 
 @pytest.mark.parametrize("name", ["dense", "linear", "causal_chunked", "fft", "windowed", "recurrent"])

@@ -485,11 +485,13 @@ def test_torch_export_nprf_bert_with_padding_mask_matches_eager():
 
 def test_torch_export_nprf_bert_long_input_uses_the_windowed_backend(monkeypatch):
     """A traced long input declares the clipped table too (rpe_clip), so ``auto`` picks the O(N K)
-    windowed backend as in eager mode (N >= max(AUTO_WINDOWED_MIN_N, 2 K))."""
+    windowed backend as in eager mode (from the shortest length where the calibration table ranks
+    it first)."""
     from hf_kernattn.modeling import backends
 
     k_clip = 8
-    n = max(backends.AUTO_WINDOWED_MIN_N, backends.AUTO_WINDOWED_MIN_RATIO * k_clip)
+    n = next(n for n in (2 ** i for i in range(4, 17))
+             if backends.choose_backend(n=n, causal=False, rpe="1d", key_mask=True, device="cpu", rpe_clip=k_clip) == "windowed")
     calls = []
     spec = backends.get_backend("windowed")
 

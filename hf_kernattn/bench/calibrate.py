@@ -1,0 +1,521 @@
+"""Measure the crossovers of the attention backends on this machine: the table ``backend="auto"`` ranks by.
+
+For every kind of call ``auto`` tells apart (forward / forward+backward; no bias, a 1D bias, a 2D
+bias on a square grid; a bias clipped at K or not; causal or not) and every N of a grid, each
+registered backend that can run the call (and the float64 variant of an approximate one, e.g.
+``fft@float64``: what ``auto`` runs when the float32 error bound fails) is timed through
+``kernelized_attention`` on feature-mapped inputs ``q, k (1, H, N, M)`` (positive, as after a
+PRF/elu map), ``v (1, H, N, D)``. The candidates of one N alternate over ``--rounds`` rounds
+(A B C, C B A, ...); each kind of call runs in a fresh process with ``--threads`` threads (default
+1). Every timing records wall and CPU time; the ranking follows the median CPU time over rounds
+(with one thread the time a call takes on an idle machine, which a shared machine's load does
+not lengthen).
+
+What bounds a full run (about 15 minutes on one thread of a 2-core CPU): a backend whose cost
+grows with N^2 (its declared ``complexity``, e.g. ``dense``) is skipped where ``B H N^2`` float32
+values exceed ``--max-nn-mb``; a backend is no longer timed at larger N once one call took more
+than ``--max-call-seconds`` of CPU time, or once it was ``--prune``-times slower than the fastest at two consecutive N (from N = 2048)
+while growing at least as fast; a float64 variant is timed only while an exact
+backend is (otherwise it simply ranks after the same backend in float32). Backends not timed at
+an N keep the order of the previous N, after the timed ones (those whose cost grows with N^2 last).
+Time limits count CPU time, so a busy machine does not cut the grid short.
+
+Writes ``auto_table.json`` (load it with ``hf_kernattn.load_auto_table(path)`` or the
+``HF_KERNATTN_AUTO_TABLE`` environment variable), ``calibrate.csv`` (every timing) and, with
+``--ship``, the table shipped with the package (``hf_kernattn/modeling/auto_table.py``).
+
+``--check`` instead times ``backend="auto"`` (with the active table: the shipped one, or
+``--table PATH``) against every backend that meets the accuracy target on the same inputs (an
+approximate backend only where its error bound in the dtype it runs in is at most 1e-4) over
+the same grid, and reports per grid point auto's time / the fastest accurate backend's, per
+round median [min-max], wall and CPU time (``check.csv``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+NAME = "calibrate"
+MODES = ("fwd", "fwdbwd")
+FULL_NS = tuple(2 ** i for i in range(6, 17))  # 64 .. 65536
+FULL_SIDES = (8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)  # 2D grids side x side: 64 .. 65536 tokens
+QUICK_NS = (64, 256, 1024)
+QUICK_SIDES = (8, 16, 32)
+FULL_CLIPS_1D = (64, 512)
+FULL_CLIPS_2D = (16,)
+CHECK = "auto"
+PRUNE_FROM_N = 2048  # below, timings of a few milliseconds are too noisy to stop timing a backend on
+
+
+def _info(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _modeling():
+    """The flat ``modeling`` package (a checkpoint's layout) or the installed one."""
+    try:
+        from ..modeling import dispatch, registry
+    except ImportError:  # imported as a top-level module by the isolated worker
+        from modeling import dispatch, registry  # type: ignore[no-redef]
+    return dispatch, registry
+
+
+def kinds(clips_1d=FULL_CLIPS_1D, clips_2d=FULL_CLIPS_2D) -> list[dict[str, Any]]:
+    """The kinds of call a table has entries for (without the mode)."""
+    out = [dict(bias="none", causal=False, clip=None), dict(bias="none", causal=True, clip=None)]
+    for causal in (False, True):
+        out.append(dict(bias="1d", causal=causal, clip=None))
+        out += [dict(bias="1d", causal=causal, clip=k) for k in clips_1d]
+    out.append(dict(bias="2d", causal=False, clip=None))
+    out += [dict(bias="2d", causal=False, clip=k) for k in clips_2d]
+    return out
+
+
+def candidates(bias: str, causal: bool, clip: Optional[int], device: str = "cpu") -> list[str]:
+    """Every registered whole-sequence backend that can run this kind of call, plus the float64
+    variant of each approximate one (``name@float64``)."""
+    _, registry = _modeling()
+    rpe = None if bias == "none" else bias
+    request = dict(causal=causal, rpe=rpe, key_mask=False, device=device, rpe_clip=clip if rpe else None)
+    out = []
+    for name, spec in registry._REGISTRY.items():
+        if spec.decoding or spec.missing(**request):
+            continue
+        out.append(name)
+        if spec.error_bound is not None and device != "mps":
+            out.append(f"{name}@float64")
+    return out
+
+
+def _inputs(n: int, side: Optional[int], bias: str, clip: Optional[int], heads: int, features: int, head_dim: int,
+            device: str, seed: int = 0):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    kw = dict(dtype=torch.float32)
+    q = (torch.rand(1, heads, n, features, generator=g, **kw) + 0.05).to(device)
+    k = (torch.rand(1, heads, n, features, generator=g, **kw) + 0.05).to(device)
+    v = torch.randn(1, heads, n, head_dim, generator=g, **kw).to(device)
+    extra: dict[str, Any] = {}
+    b = None
+    if bias == "1d":
+        width = 2 * clip + 1 if clip is not None else 2 * n - 1  # a clipped bias travels as its table
+        b = 0.1 * torch.randn(heads, width, generator=g, **kw)
+    elif bias == "2d":
+        extra["grid"] = (side, side)
+        b = 0.1 * torch.randn(heads, *((clip + 1,) if clip is not None else (2 * side - 1, 2 * side - 1)), generator=g, **kw)
+    if clip is not None:
+        extra["rpe_clip"] = clip
+    return q, k, v, (None if b is None else b.to(device)), extra
+
+
+def _runner(name: str, q, k, v, b, extra: dict, causal: bool, backward: bool):
+    """A zero-argument callable running one call of ``name`` (``auto``, a backend, or
+    ``backend@float64``: the inputs in float64)."""
+    import torch
+
+    dispatch, _ = _modeling()
+    backend, _, dtype = name.partition("@")
+    if dtype:
+        q, k, v = (x.to(getattr(torch, dtype)) for x in (q, k, v))
+        b = None if b is None else b.to(getattr(torch, dtype))
+    inputs = [x for x in (q, k, v, b) if x is not None]
+    if backward:
+        inputs = [x.detach().requires_grad_(True) for x in inputs]
+    q, k, v = inputs[:3]
+    b = inputs[3] if len(inputs) > 3 else None
+
+    def run() -> None:
+        if backward:
+            out = dispatch.kernelized_attention(q, k, v, b, causal, backend=backend, **extra)
+            out.backward(torch.ones_like(out))
+            for x in inputs:
+                x.grad = None
+        else:
+            with torch.no_grad():
+                dispatch.kernelized_attention(q, k, v, b, causal, backend=backend, **extra)
+    return run
+
+
+def _time(run, min_time: float) -> tuple[float, float, float]:
+    """``(median wall s, median CPU s, longest CPU s)`` of repeated calls, at least one and
+    at least ``min_time`` seconds in all."""
+    walls, cpus = [], []
+    start = time.perf_counter()
+    while not walls or time.perf_counter() - start < min_time:
+        w0, c0 = time.perf_counter(), time.process_time()
+        run()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus), max(cpus)
+
+
+def _quadratic(name: str) -> bool:
+    _, registry = _modeling()
+    spec = registry._REGISTRY.get(name.partition("@")[0])
+    return spec is not None and "N^2" in spec.complexity
+
+
+def _approximate(name: str) -> bool:
+    _, registry = _modeling()
+    spec = registry._REGISTRY.get(name.partition("@")[0])
+    return spec is not None and spec.error_bound is not None
+
+
+def _accurate(name: str, q, k, b, extra, causal: bool) -> bool:
+    """Whether backend ``name`` meets ``auto``'s accuracy target on these inputs (exact, or its
+    error bound in the dtype it runs in at most ``AUTO_MAX_ERROR``)."""
+    import torch
+
+    dispatch, registry = _modeling()
+    backend, _, dtype = name.partition("@")
+    spec = registry.get_backend(backend)
+    if spec.error_bound is None:
+        return True
+    full = None
+    if b is not None:
+        grid = extra.get("grid")
+        full = dispatch._full_bias(b, "2d" if grid else "1d", q.shape[2], grid, extra.get("rpe_clip"))
+    dt = getattr(torch, dtype) if dtype else torch.float32
+    return spec.error_bound(q, k, rpe_bias=full, causal=causal, key_mask=None, dtype=dt) <= registry.AUTO_MAX_ERROR
+
+
+def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Worker: every N of one kind of call and mode; its candidates alternate over the rounds.
+    Returns one row per (N, candidate, round) measured or skipped."""
+    import torch
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    if spec.get("table"):
+        _, registry = _modeling()
+        registry.load_auto_table(spec["table"])
+    bias, causal, clip, mode = spec["bias"], spec["causal"], spec["clip"], spec["mode"]
+    backward = mode == "fwdbwd"
+    names = candidates(bias, causal, clip, spec["device"])
+    check = spec.get("check", False)
+    stopped: dict[str, str] = {}
+    prev: dict[str, float] = {}
+    rows = []
+    points = [(s * s, s) for s in spec["sides"]] if bias == "2d" else [(n, None) for n in spec["ns"]]
+    for n, side in points:
+        if check and CHECK in stopped:
+            rows += [dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=CHECK, round=-1,
+                          wall_s=math.nan, cpu_s=math.nan, status=stopped[CHECK])]
+            continue
+        q, k, v, b, extra = _inputs(n, side, bias, clip, spec["heads"], spec["features"], spec["head_dim"], spec["device"])
+        live = [c for c in names if c not in stopped]
+        if check:
+            live = [c for c in live if _accurate(c, q, k, b, extra, causal)]
+            live = ([CHECK] if CHECK not in stopped else []) + live
+        skipped = {c: f"skipped: N x N > {spec['max_nn_mb']:g} MB" for c in live
+                   if c != CHECK and _quadratic(c) and spec["heads"] * n * n * 4 / 2 ** 20 > spec["max_nn_mb"]}
+        exact_timed = [c for c in live if c != CHECK and c not in skipped and not _approximate(c)]
+        if not check and not exact_timed:
+            skipped.update({c: "skipped: no exact backend timed" for c in live if c.endswith("@float64")})
+        live = [c for c in live if c not in skipped]
+        runs = {c: _runner(c, q, k, v, b, extra, causal, backward) for c in live}
+        times: dict[str, list[tuple[float, float]]] = {c: [] for c in live}
+        for rnd in range(spec["rounds"]):
+            order = live if rnd % 2 == 0 else live[::-1]
+            for c in order:
+                if c in stopped:
+                    continue
+                try:
+                    if rnd == 0:
+                        runs[c]()  # warm-up
+                    wall, cpu, longest = _time(runs[c], spec["min_time"])
+                except (RuntimeError, MemoryError) as err:  # out of memory and the like
+                    stopped[c] = f"failed at N={n}: {str(err).splitlines()[0][:80]}"
+                    continue
+                times[c].append((wall, cpu))
+                if longest > spec["max_call_seconds"]:
+                    stopped[c] = f"one call > {spec['max_call_seconds']:g} s at N={n}"
+        medians = {c: statistics.median(cpu for _, cpu in t) for c, t in times.items() if t}
+        if medians and n >= PRUNE_FROM_N:
+            best = min(medians, key=medians.get)
+            for c, t in medians.items():
+                if c == CHECK or c == best or c not in prev or best not in prev:
+                    continue
+                slower = t >= spec["prune"] * medians[best] and prev[c] >= spec["prune"] * prev[best]
+                if slower and t / prev[c] >= medians[best] / prev[best]:
+                    stopped.setdefault(c, f"pruned at N={n}: {t / medians[best]:.1f}x the fastest and growing as fast")
+        prev = medians
+        for c in names + ([CHECK] if check else []):
+            base = dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=c)
+            if c in times and times[c]:
+                for rnd, (wall, cpu) in enumerate(times[c]):
+                    rows.append(dict(base, round=rnd, wall_s=wall, cpu_s=cpu, status="ok"))
+            else:
+                why = skipped.get(c) or stopped.get(c) or ("not accurate" if check else "not timed")
+                rows.append(dict(base, round=-1, wall_s=math.nan, cpu_s=math.nan, status=why))
+        _info(f"  {mode:6s} bias={bias:4s} causal={causal!s:5s} clip={clip!s:4s} N={n:6d}  CPU " +
+              "  ".join(f"{c} {medians[c] * 1e3:.3g}ms" for c in sorted(medians, key=medians.get)))
+    return rows
+
+
+_WORKER = r"""
+import json, sys
+spec = json.loads(sys.argv[1])
+import calibrate
+print("ROWS " + json.dumps(calibrate.measure_kind(spec)))
+"""
+
+
+def _flat_path() -> list[str]:
+    """``PYTHONPATH`` entries under which this file imports as ``calibrate`` and the core as the
+    flat ``modeling`` package (no transformers import: a short process start-up)."""
+    here = Path(__file__).resolve().parent
+    return [str(here), str(here.parent)]
+
+
+def _run_worker(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(_flat_path() + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if spec.get("threads"):
+        env["OMP_NUM_THREADS"] = str(spec["threads"])
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-c", _WORKER, json.dumps(spec)], capture_output=True, text=True,
+                              timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"calibration worker for {spec['mode']} {spec['bias']} timed out after {timeout:.0f} s") from None
+    for line in proc.stdout.splitlines():
+        if line.startswith("ROWS "):
+            sys.stderr.write(proc.stderr)
+            _info(f"  ({spec['mode']} bias={spec['bias']} causal={spec['causal']} clip={spec['clip']}: "
+                  f"{time.perf_counter() - start:.0f} s)")
+            return json.loads(line[5:])
+    raise RuntimeError(f"calibration worker failed: {(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def rankings(rows: list[dict[str, Any]], names_of) -> list[dict[str, Any]]:
+    """Table entries from the timing rows: per kind of call, at each N the timed backends by
+    median CPU time (one thread: the wall time a call takes on an idle machine; a busy machine
+    lengthens wall times at random), then the others in the previous N's order (a backend whose
+    cost grows with N^2 last); consecutive N with the same order merge into one segment whose bound
+    lies at the geometric mean of the last N of one order and the first N of the next."""
+    from itertools import groupby
+
+    key = lambda r: (r["mode"], r["bias"], r["causal"], r["clip"] if r["clip"] is not None else -1)  # noqa: E731
+    entries = []
+    for (mode, bias, causal, clip), group in groupby(sorted(rows, key=key), key=key):
+        group = list(group)
+        clip = None if clip == -1 else clip
+        names = names_of(bias, causal, clip)
+        order: list[str] = list(names)
+        points = []
+        for n in sorted({r["n"] for r in group}):
+            at = [r for r in group if r["n"] == n]
+            walls = {}
+            for c in names:
+                ok = [r["cpu_s"] for r in at if r["backend"] == c and r["status"] == "ok"]
+                if ok:
+                    walls[c] = statistics.median(ok)
+            timed = sorted(walls, key=walls.get)
+            # the untimed after the timed, in the previous order, those whose cost grows with N^2 last
+            rest = [c for c in order if c not in timed]
+            order = timed + [c for c in rest if not _quadratic(c)] + [c for c in rest if _quadratic(c)]
+            order += [c for c in names if c not in order]
+            points.append((n, list(order)))
+        segments: list[list[Any]] = []
+        for i, (n, ranked) in enumerate(points):
+            if segments and segments[-1][1] == ranked:
+                continue
+            if segments:
+                segments[-1][0] = int(math.sqrt(points[i - 1][0] * n))
+            segments.append([None, ranked])
+        entries.append(dict(mode=mode, bias=bias, causal=causal, clip=clip, dtype="float32", ranking=segments))
+    return entries
+
+
+def read_rows(path) -> list[dict[str, Any]]:
+    """The timing rows of a ``calibrate.csv``."""
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    for r in rows:
+        r.update(causal=r["causal"] == "True", clip=int(r["clip"]) if r["clip"] else None, n=int(r["n"]),
+                 wall_s=float(r["wall_s"]), cpu_s=float(r["cpu_s"]))
+    return rows
+
+
+def table_from_rows(rows: list[dict[str, Any]], source: dict[str, Any], names_of) -> dict[str, Any]:
+    return {"format": 1, "source": source, "entries": rankings(rows, names_of)}
+
+
+def _table_literal(table: dict[str, Any]) -> str:
+    """``table`` as a Python dict literal: an entry per line, a ranking segment per line."""
+    lines = ["{", f'    "format": {table["format"]!r},', f'    "source": {table.get("source", {})!r},', '    "entries": [']
+    for e in table["entries"]:
+        head = ", ".join(f"{json.dumps(k)}: {e[k]!r}" if not isinstance(e[k], str) else f"{json.dumps(k)}: {json.dumps(e[k])}"
+                         for k in ("mode", "bias", "causal", "clip", "dtype"))
+        lines.append(f'        {{{head}, "ranking": [')
+        lines += [f"            [{n_max!r}, {json.dumps(names)}]," for n_max, names in e["ranking"]]
+        lines.append("        ]},")
+    lines += ["    ],", "}"]
+    return "\n".join(lines)
+
+
+def write_table_module(table: dict[str, Any], path: Path, command: str) -> Path:
+    """The table as ``modeling/auto_table.py``: a dict literal (a checkpoint carries it; the
+    modeling folder imports only torch, transformers and the standard library)."""
+    text = (
+        '"""The calibration table ``backend="auto"`` ranks backends by (data; see ``registry.check_auto_table``).\n\n'
+        "Measured on the machine and with the settings in ``AUTO_TABLE[\"source\"]``; regenerate it with\n"
+        f"``{command} --ship``. Users load a table measured on their own machine with\n"
+        "``hf_kernattn.load_auto_table(path)`` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable.\n"
+        '"""\n\n'
+        f"AUTO_TABLE = {_table_literal(table)}\n"
+    )
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .common import build_parser as common_parser
+
+    return common_parser(NAME, __doc__, add_arguments)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .common import add_common_arguments
+
+    add_common_arguments(parser, NAME, f"a short grid (N in {QUICK_NS}, grids {QUICK_SIDES}, K 16), one round, "
+                                       "all kinds in one process: seconds to a minute")
+    parser.add_argument("--ns", type=int, nargs="+", default=None, help=f"1D lengths (default {FULL_NS})")
+    parser.add_argument("--sides", type=int, nargs="+", default=None, help=f"2D grid sides (default {FULL_SIDES})")
+    parser.add_argument("--clips-1d", type=int, nargs="+", default=None, help=f"K of the clipped 1D biases (default {FULL_CLIPS_1D})")
+    parser.add_argument("--clips-2d", type=int, nargs="+", default=None, help=f"K of the clipped Manhattan biases (default {FULL_CLIPS_2D})")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="fwd, fwdbwd (forward+backward)")
+    parser.add_argument("--heads", type=int, default=1)
+    parser.add_argument("--features", type=int, default=64, help="M, feature size of q and k")
+    parser.add_argument("--head-dim", type=int, default=64, help="D, value size")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds per N")
+    parser.add_argument("--min-time", type=float, default=0.02, help="seconds of repeated calls per candidate and round")
+    parser.add_argument("--max-call-seconds", type=float, default=4.0, help="stop timing a backend at larger N after a call took this much CPU time")
+    parser.add_argument("--max-nn-mb", type=float, default=1024.0, help="skip an O(N^2) backend where its N x N matrix exceeds this")
+    parser.add_argument("--prune", type=float, default=3.0, help="stop timing a backend this many times slower than the fastest")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a kind's worker is stopped")
+    parser.add_argument("--ship", action="store_true", help="also write the table into hf_kernattn/modeling/auto_table.py")
+    parser.add_argument("--check", action="store_true", help="time auto against the fastest accurate backend instead")
+    parser.add_argument("--table", default=None, help="with --check: a table (JSON) to load instead of the shipped one")
+    parser.add_argument("--from-csv", default=None,
+                        help="measure nothing: derive the table from the calibrate.csv of an earlier run")
+
+
+def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    ns = tuple(args.ns or (QUICK_NS if args.quick else FULL_NS))
+    sides = tuple(args.sides or (QUICK_SIDES if args.quick else FULL_SIDES))
+    clips_1d = tuple(args.clips_1d or ((16,) if args.quick else FULL_CLIPS_1D))
+    clips_2d = tuple(args.clips_2d or FULL_CLIPS_2D)
+    table = str(Path(args.table).resolve()) if args.table else None
+    common = dict(ns=ns, sides=sides, heads=args.heads, features=args.features, head_dim=args.head_dim, rounds=args.rounds,
+                  min_time=args.min_time, max_call_seconds=args.max_call_seconds, max_nn_mb=args.max_nn_mb,
+                  prune=args.prune, threads=args.threads, device=args.device, check=args.check, table=table)
+    return [dict(common, mode=mode, **kind) for mode in args.modes for kind in kinds(clips_1d, clips_2d)]
+
+
+def _check_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per grid point: auto / the fastest accurate backend (by median wall time), per round,
+    median [min-max], wall and CPU."""
+    from itertools import groupby
+
+    from .common import format_spread
+
+    out = []
+    key = lambda r: (r["mode"], r["bias"], str(r["causal"]), r["clip"] if r["clip"] is not None else -1, r["n"])  # noqa: E731
+    for (mode, bias, causal, clip, n), group in groupby(sorted(rows, key=key), key=key):
+        group = [r for r in group if r["status"] == "ok"]
+        per = {}
+        for r in group:
+            per.setdefault(r["backend"], {})[r["round"]] = r
+        row = dict(mode=mode, bias=bias, causal=causal, clip=None if clip == -1 else clip, n=n)
+        others = {c: t for c, t in per.items() if c != CHECK}
+        if CHECK not in per or not others:
+            out.append(dict(row, best="", wall="not measured", cpu="", worst=math.nan))
+            continue
+        best = min(others, key=lambda c: statistics.median(r["wall_s"] for r in others[c].values()))
+        rounds = sorted(set(per[CHECK]) & set(per[best]))
+        wall = [per[CHECK][i]["wall_s"] / per[best][i]["wall_s"] for i in rounds]
+        cpu = [per[CHECK][i]["cpu_s"] / per[best][i]["cpu_s"] for i in rounds if per[best][i]["cpu_s"] > 0]
+        out.append(dict(row, best=best, wall=format_spread(wall), cpu=format_spread(cpu),
+                        worst=statistics.median(wall)))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from .common import format_table, write_csv
+
+    for name in ("heads", "features", "head_dim", "rounds", "threads"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(args, name)!r}")
+    if args.table and not args.check:
+        raise ValueError("--table is read by --check only (load a table for your runs with hf_kernattn.load_auto_table)")
+    if args.quick:
+        args.rounds = 1 if args.rounds == 3 else args.rounds
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    specs = _specs(args)
+    start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    if args.from_csv:
+        rows = read_rows(args.from_csv)
+    elif args.quick:  # one process for every kind: seconds, not a process start-up per kind
+        for spec in specs:
+            rows += measure_kind(spec)
+    else:
+        for spec in specs:
+            rows += _run_worker(spec, args.timeout)
+    elapsed = time.perf_counter() - start
+    if args.check:
+        path = write_csv(rows, out / "check.csv")
+        summary = _check_summary(rows)
+        write_csv(summary, out / "check_summary.csv")
+        print(format_table(summary, ["mode", "bias", "causal", "clip", "n", "best", "wall", "cpu"]))
+        worst = max((r["worst"] for r in summary if r["worst"] == r["worst"]), default=math.nan)
+        print(f"\nauto / fastest accurate backend, median over rounds, worst grid point: {worst:.2f}x "
+              f"({elapsed:.0f} s; wrote {path} and {out / 'check_summary.csv'})")
+        return 0
+    command = ("hf-kernattn bench calibrate" + (" --quick" if args.quick else "") +
+               f" --threads {args.threads} --heads {args.heads} --features {args.features} --head-dim {args.head_dim}")
+    source = dict(command=command, threads=args.threads, heads=args.heads, features=args.features,
+                  head_dim=args.head_dim, batch=1, device=args.device, rounds=args.rounds,
+                  cpus=os.cpu_count(), seconds=round(elapsed), date=time.strftime("%Y-%m-%d"))
+    if args.from_csv:  # the timings are an earlier run's
+        source.update(seconds=None, from_csv=str(args.from_csv))
+    table = table_from_rows(rows, source, lambda bias, causal, clip: candidates(bias, causal, clip, args.device))
+    _, registry = _modeling()
+    registry.check_auto_table(table)  # what we write loads
+    csv_path = write_csv(rows, out / "calibrate.csv")
+    json_path = out / "auto_table.json"
+    json_path.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")
+    for entry in table["entries"]:
+        segs = "; ".join(f"<= {n_max}: {' > '.join(names[:3])}" if n_max else f"beyond: {' > '.join(names[:3])}"
+                         for n_max, names in entry["ranking"])
+        print(f"{entry['mode']:6s} bias {entry['bias']:4s} causal {entry['causal']!s:5s} clip {entry['clip']!s:4s}  {segs}")
+    print(f"\n{elapsed:.0f} s; wrote {json_path} (load it with hf_kernattn.load_auto_table) and {csv_path}")
+    if args.ship:
+        shipped = Path(__file__).resolve().parents[1] / "modeling" / "auto_table.py"
+        write_table_module(table, shipped, command)
+        print(f"wrote {shipped}")
+    return 0

@@ -1,0 +1,121 @@
+"""The calibration table ``backend="auto"`` ranks backends by (data; see ``registry.check_auto_table``).
+
+Measured on the machine and with the settings in ``AUTO_TABLE["source"]``; regenerate it with
+``hf-kernattn bench calibrate --threads 1 --heads 1 --features 64 --head-dim 64 --ship``.
+Users load a table measured on their own machine with
+``hf_kernattn.load_auto_table(path)`` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable.
+"""
+
+AUTO_TABLE = {
+    "format": 1,
+    "source": {'command': 'hf-kernattn bench calibrate --threads 1 --heads 1 --features 64 --head-dim 64', 'threads': 1, 'heads': 1, 'features': 64, 'head_dim': 64, 'batch': 1, 'device': 'cpu', 'rounds': 3, 'cpus': 2, 'seconds': 2225, 'date': '2026-11-24',
+               'note': 'a 2-core CPU shared with other jobs; one call over 4 s of wall time ended a backend\'s grid; rankings derived from that run\'s calibrate.csv by the current rule (--from-csv)'},
+    "entries": [
+        {"mode": "fwd", "bias": "1d", "causal": False, "clip": None, "dtype": "float32", "ranking": [
+            [2896, ["dense", "fft", "fft@float64"]],
+            [None, ["fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "1d", "causal": False, "clip": 64, "dtype": "float32", "ranking": [
+            [362, ["dense", "windowed", "fft", "fft@float64"]],
+            [2896, ["windowed", "dense", "fft", "fft@float64"]],
+            [5792, ["windowed", "fft", "dense", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "1d", "causal": False, "clip": 512, "dtype": "float32", "ranking": [
+            [362, ["dense", "windowed", "fft", "fft@float64"]],
+            [2896, ["windowed", "dense", "fft", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "1d", "causal": True, "clip": None, "dtype": "float32", "ranking": [
+            [1448, ["dense", "fft", "fft@float64"]],
+            [2896, ["fft", "dense", "fft@float64"]],
+            [None, ["fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "1d", "causal": True, "clip": 64, "dtype": "float32", "ranking": [
+            [724, ["dense", "windowed", "fft", "fft@float64"]],
+            [2896, ["windowed", "dense", "fft", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "1d", "causal": True, "clip": 512, "dtype": "float32", "ranking": [
+            [362, ["dense", "windowed", "fft", "fft@float64"]],
+            [5792, ["windowed", "dense", "fft", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "2d", "causal": False, "clip": None, "dtype": "float32", "ranking": [
+            [3072, ["dense", "fft", "fft@float64"]],
+            [12288, ["fft", "dense", "fft@float64"]],
+            [None, ["fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "2d", "causal": False, "clip": 16, "dtype": "float32", "ranking": [
+            [1536, ["dense", "manhattan", "fft", "fft@float64"]],
+            [3072, ["manhattan", "dense", "fft", "fft@float64"]],
+            [6144, ["manhattan", "fft", "dense", "fft@float64"]],
+            [None, ["manhattan", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "none", "causal": False, "clip": None, "dtype": "float32", "ranking": [
+            [181, ["dense", "linear", "fft", "fft@float64"]],
+            [5792, ["linear", "dense", "fft", "fft@float64"]],
+            [None, ["linear", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwd", "bias": "none", "causal": True, "clip": None, "dtype": "float32", "ranking": [
+            [362, ["dense", "causal_chunked", "fft", "fft@float64"]],
+            [5792, ["causal_chunked", "dense", "fft", "fft@float64"]],
+            [None, ["causal_chunked", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "1d", "causal": False, "clip": None, "dtype": "float32", "ranking": [
+            [2896, ["dense", "fft", "fft@float64"]],
+            [5792, ["fft", "dense", "fft@float64"]],
+            [None, ["fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "1d", "causal": False, "clip": 64, "dtype": "float32", "ranking": [
+            [724, ["dense", "windowed", "fft", "fft@float64"]],
+            [2896, ["windowed", "dense", "fft", "fft@float64"]],
+            [5792, ["windowed", "fft", "dense", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "1d", "causal": False, "clip": 512, "dtype": "float32", "ranking": [
+            [724, ["dense", "windowed", "fft", "fft@float64"]],
+            [5792, ["windowed", "dense", "fft", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "1d", "causal": True, "clip": None, "dtype": "float32", "ranking": [
+            [2896, ["dense", "fft", "fft@float64"]],
+            [5792, ["fft", "dense", "fft@float64"]],
+            [None, ["fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "1d", "causal": True, "clip": 64, "dtype": "float32", "ranking": [
+            [724, ["dense", "windowed", "fft", "fft@float64"]],
+            [2896, ["windowed", "dense", "fft", "fft@float64"]],
+            [5792, ["windowed", "fft", "dense", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "1d", "causal": True, "clip": 512, "dtype": "float32", "ranking": [
+            [181, ["dense", "windowed", "fft", "fft@float64"]],
+            [362, ["windowed", "dense", "fft", "fft@float64"]],
+            [724, ["dense", "windowed", "fft", "fft@float64"]],
+            [5792, ["windowed", "dense", "fft", "fft@float64"]],
+            [None, ["windowed", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "2d", "causal": False, "clip": None, "dtype": "float32", "ranking": [
+            [6144, ["dense", "fft", "fft@float64"]],
+            [None, ["fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "2d", "causal": False, "clip": 16, "dtype": "float32", "ranking": [
+            [96, ["dense", "fft", "fft@float64", "manhattan"]],
+            [192, ["dense", "manhattan", "fft", "fft@float64"]],
+            [384, ["dense", "fft", "manhattan", "fft@float64"]],
+            [6144, ["dense", "manhattan", "fft", "fft@float64"]],
+            [None, ["manhattan", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "none", "causal": False, "clip": None, "dtype": "float32", "ranking": [
+            [90, ["dense", "linear", "fft", "fft@float64"]],
+            [2896, ["linear", "dense", "fft", "fft@float64"]],
+            [None, ["linear", "fft", "fft@float64", "dense"]],
+        ]},
+        {"mode": "fwdbwd", "bias": "none", "causal": True, "clip": None, "dtype": "float32", "ranking": [
+            [181, ["dense", "causal_chunked", "fft", "fft@float64"]],
+            [5792, ["causal_chunked", "dense", "fft", "fft@float64"]],
+            [None, ["causal_chunked", "fft", "fft@float64", "dense"]],
+        ]},
+    ],
+}

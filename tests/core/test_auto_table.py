@@ -1,0 +1,281 @@
+"""``backend="auto"`` chooses from declared capabilities and a calibration table of measured
+crossovers: a loaded table changes the choice, a malformed one is refused naming the problem,
+``auto`` never takes a backend that cannot run the call, an approximate backend (declared
+``error_bound``) runs only where its bound meets the target, else an exact backend or its float64
+variant, whichever the table ranks first; ``hf-kernattn bench calibrate --quick`` writes a table
+that loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_kernattn
+from hf_kernattn.modeling import registry
+from hf_kernattn.modeling.registry import AUTO_TABLE_ENV, choose_backend, load_auto_table
+
+PLAIN = dict(causal=False, rpe=None, key_mask=False, device="cpu")
+
+
+def _entry(ranking, mode="fwd", bias="none", causal=False, clip=None, dtype="float32"):
+    return dict(mode=mode, bias=bias, causal=causal, clip=clip, dtype=dtype, ranking=ranking)
+
+
+def _table(*entries):
+    return {"format": 1, "entries": list(entries)}
+
+
+@pytest.fixture(autouse=True)
+def shipped_table():
+    """Every test starts and ends with the shipped table active."""
+    load_auto_table(None)
+    yield
+    load_auto_table(None)
+
+
+def _qkv(n=12, b=1, h=2, m=4, d=3, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(b, h, n, m, generator=g, dtype=dtype) + 0.05
+    k = torch.rand(b, h, n, m, generator=g, dtype=dtype) + 0.05
+    v = torch.randn(b, h, n, d, generator=g, dtype=dtype)
+    return q, k, v
+
+
+def _spy(monkeypatch, *names):
+    """Record which backend runs (and in which dtype), the backends unchanged otherwise."""
+    import dataclasses
+
+    seen = []
+    for name in names:
+        spec = registry.get_backend(name)
+
+        def fn(q, k, v, _name=name, _fn=spec.fn, **kw):
+            seen.append((_name, q.dtype))
+            return _fn(q, k, v, **kw)
+
+        monkeypatch.setitem(registry._REGISTRY, name, dataclasses.replace(spec, fn=fn))
+    return seen
+
+
+def test_a_loaded_table_changes_the_choice_and_none_restores_the_shipped_one():
+    assert choose_backend(n=8192, **PLAIN) == "linear"
+    load_auto_table(_table(_entry([[None, ["dense", "linear"]]])))
+    assert choose_backend(n=8192, **PLAIN) == "dense"
+    assert choose_backend(n=8192, **dict(PLAIN, causal=True)) == "causal_chunked"  # the shipped entry still serves
+    load_auto_table(_table(_entry([[100, ["linear", "dense"]], [None, ["dense", "linear"]]])))
+    assert choose_backend(n=100, **PLAIN) == "linear" and choose_backend(n=101, **PLAIN) == "dense"
+    load_auto_table(None)
+    assert choose_backend(n=8192, **PLAIN) == "linear"
+
+
+def test_the_mode_of_the_call_picks_its_ranking(monkeypatch):
+    """Forward calls read the ``fwd`` entry; calls autograd records through read ``fwdbwd``."""
+    seen = _spy(monkeypatch, "dense", "linear")
+    load_auto_table(_table(_entry([[None, ["dense", "linear"]]], mode="fwd"),
+                           _entry([[None, ["linear", "dense"]]], mode="fwdbwd")))
+    q, k, v = _qkv()
+    with torch.no_grad():
+        hf_kernattn.kernelized_attention(q, k, v)
+    hf_kernattn.kernelized_attention(q.requires_grad_(True), k, v).sum().backward()
+    assert [name for name, _ in seen] == ["dense", "linear"]
+    assert choose_backend(n=12, **PLAIN) == "dense" and choose_backend(n=12, **PLAIN, backward=True) == "linear"
+
+
+def test_a_clipped_bias_reads_the_entry_of_the_nearest_measured_k_within_reach():
+    one_d = dict(causal=False, rpe="1d", key_mask=False, device="cpu")
+    load_auto_table(_table(
+        _entry([[None, ["fft", "dense"]]], bias="1d"),
+        _entry([[None, ["dense", "windowed"]]], bias="1d", clip=16),
+        _entry([[None, ["windowed", "dense"]]], bias="1d", clip=256),
+    ), replace=True)
+    assert choose_backend(n=4096, rpe_clip=8, **one_d) == "dense"  # nearest: 16
+    assert choose_backend(n=4096, rpe_clip=128, **one_d) == "windowed"  # nearest: 256
+    assert choose_backend(n=4096, rpe_clip=512, **one_d) == "windowed"  # within 2 x 256
+    assert choose_backend(n=4096, rpe_clip=513, **one_d) == "fft"  # beyond: the unclipped entry
+    assert choose_backend(n=20, rpe_clip=4096, **one_d) == "dense"  # offsets reach N - 1 = 19 only
+
+
+@pytest.mark.parametrize("table, problem", [
+    (_table(3), r"entries\[0\]: must be an object"),
+    ({"format": 2, "entries": []}, "format: must be 1"),
+    ({"format": 1}, "entries: must be a list"),
+    (_table({"mode": "fwd"}), r"entries\[0\]: must have exactly the keys"),
+    (_table(_entry([[None, ["dense"]]], mode="train")), "mode must be one of"),
+    (_table(_entry([[None, ["dense"]]], bias="3d")), "bias must be one of"),
+    (_table(_entry([[None, ["dense"]]], bias="2d", causal=True)), "causal attention has no 2D bias"),
+    (_table(_entry([[None, ["dense"]]], clip=4)), "clip must be null or, with a bias"),
+    (_table(_entry([[None, ["dense"]]], dtype="float16")), "dtype must be one of"),
+    (_table(_entry([])), "ranking must be a non-empty list"),
+    (_table(_entry([[64, ["dense"]]])), "the last segment must have n_max null"),
+    (_table(_entry([[64, ["dense"]], [32, ["linear"]], [None, ["linear"]]])), r"ranking\[1\]: n_max must be an int greater"),
+    (_table(_entry([[None, []]])), "must rank at least one backend"),
+    (_table(_entry([[None, ["dense", "dense"]]])), "ranks a backend twice"),
+    (_table(_entry([[None, ["fft@float16"]]])), "after '@' comes the dtype"),
+    (_table(_entry([[None, ["no such"]]])), "is not a backend name"),
+    (_table(_entry([[None, ["dense"]]]), _entry([[None, ["linear"]]])), r"entries\[1\]: a second entry"),
+])
+def test_a_malformed_table_is_refused_naming_the_problem_and_changes_nothing(table, problem):
+    before = registry.active_auto_table()
+    with pytest.raises(ValueError, match=problem):
+        load_auto_table(table)
+    assert registry.active_auto_table() is before
+
+
+def test_table_files_and_the_environment_variable(tmp_path, monkeypatch):
+    good = tmp_path / "table.json"
+    good.write_text(json.dumps(_table(_entry([[None, ["dense", "linear"]]]))))
+    load_auto_table(str(good))
+    assert choose_backend(n=8192, **PLAIN) == "dense"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        load_auto_table(bad)
+    with pytest.raises(ValueError, match="cannot read"):
+        load_auto_table(tmp_path / "missing.json")
+    with pytest.raises(TypeError, match="source must be a path"):
+        load_auto_table(3)
+    monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)
+    monkeypatch.setenv(AUTO_TABLE_ENV, str(good))
+    assert choose_backend(n=8192, **PLAIN) == "dense"
+    monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)
+    monkeypatch.setenv(AUTO_TABLE_ENV, str(bad))
+    with pytest.raises(ValueError, match=f"{AUTO_TABLE_ENV}=.*is not valid JSON"):
+        choose_backend(n=8192, **PLAIN)
+
+
+def test_auto_never_takes_a_ranked_backend_that_cannot_run_the_call():
+    load_auto_table(_table(
+        _entry([[None, ["windowed", "manhattan", "linear", "recurrent", "fft", "dense"]]], causal=True),
+        _entry([[None, ["linear", "causal_chunked", "manhattan", "dense"]]], bias="1d", causal=True),
+    ))
+    # a causal call without a bias: windowed needs a clipped bias, manhattan a 2D one, linear is non-causal,
+    # recurrent is a decoding form
+    assert choose_backend(n=500, **dict(PLAIN, causal=True)) == "fft"
+    # a state: only backends declared state (fft and dense are not)
+    assert choose_backend(n=500, **dict(PLAIN, causal=True), state=True) == "causal_chunked"
+    assert choose_backend(n=1, **dict(PLAIN, causal=True), state=True) == "recurrent"  # one token: decoding
+    assert choose_backend(n=500, causal=True, rpe="1d", key_mask=False, device="cpu") == "dense"
+    q, k, v = _qkv(n=20)
+    bias = 0.1 * torch.randn(2, 39, generator=torch.Generator().manual_seed(1))
+    out = hf_kernattn.kernelized_attention(q, k, v, bias, causal=True)
+    torch.testing.assert_close(out, hf_kernattn.kernelized_attention(q, k, v, bias, causal=True, backend="dense"))
+
+
+def test_a_user_backend_is_chosen_by_its_capabilities_where_the_table_ranks_it(monkeypatch):
+    """A backend registered by a user: usable by name always; ``auto`` takes it only where the
+    table ranks it and its declared capabilities cover the call (or nothing ranked can)."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+
+    def mine(q, k, v, *, eps):
+        return hf_kernattn.get_backend("linear").fn(q, k, v, eps=eps)
+
+    hf_kernattn.register_backend("test_mine", mine, causal=False, noncausal=True, key_mask=False, takes=("eps",))
+    q, k, v = _qkv()
+    assert choose_backend(n=8192, **PLAIN) == "linear"  # not ranked: not considered
+    torch.testing.assert_close(hf_kernattn.kernelized_attention(q, k, v, backend="test_mine"),
+                               hf_kernattn.kernelized_attention(q, k, v, backend="linear"))
+    load_auto_table(_table(_entry([[None, ["test_mine", "linear"]]]), _entry([[None, ["test_mine", "dense"]]], causal=True)))
+    assert choose_backend(n=8192, **PLAIN) == "test_mine"
+    assert choose_backend(n=8192, **dict(PLAIN, key_mask=True)) == "linear"  # it declared no key masks
+    assert choose_backend(n=8192, **dict(PLAIN, causal=True)) == "dense"  # nor causal calls
+    assert choose_backend(n=8192, **dict(PLAIN, device="cpu")) == "test_mine"
+    # only unranked backends can run it: every able one, whole-sequence forms first
+    load_auto_table(_table(_entry([[None, ["manhattan"]]], causal=True)), replace=True)
+    assert choose_backend(n=8192, **dict(PLAIN, causal=True)) == "dense"
+
+
+def test_the_precision_rule_prefers_what_the_table_ranks_first_among_accurate_candidates(monkeypatch):
+    """A causal 1D bias at N = 2048: the FFT's float32 bound (~N eps) misses 1e-4. ``auto`` then
+    runs the next candidate the table ranks: an exact float32 backend if it ranks before the
+    float64 FFT, else the float64 FFT; where the bound holds (non-causal) the float32 FFT."""
+    seen = _spy(monkeypatch, "dense", "fft")
+    n = 2048
+    q, k, v = _qkv(n=n, h=1, m=2, d=2)
+    bias = 0.1 * torch.randn(1, 2 * n - 1, generator=torch.Generator().manual_seed(3))
+    bound = hf_kernattn.get_backend("fft").error_bound
+    assert bound(q, k, rpe_bias=bias, causal=True, key_mask=None, dtype=torch.float32) > registry.AUTO_MAX_ERROR
+    assert bound(q, k, rpe_bias=bias, causal=False, key_mask=None, dtype=torch.float32) <= registry.AUTO_MAX_ERROR
+    ranking = lambda *names: [[None, list(names)]]  # noqa: E731
+    with torch.no_grad():
+        for causal in (True, False):
+            load_auto_table(_table(_entry(ranking("fft", "dense", "fft@float64"), bias="1d", causal=causal)))
+            hf_kernattn.kernelized_attention(q, k, v, bias, causal=causal)
+        load_auto_table(_table(_entry(ranking("fft", "fft@float64", "dense"), bias="1d", causal=True)))
+        out = hf_kernattn.kernelized_attention(q, k, v, bias, causal=True)
+    assert seen == [("dense", torch.float32), ("fft", torch.float32), ("fft", torch.float64)]
+    ref = hf_kernattn.kernelized_attention(q.double(), k.double(), v.double(), bias.double(), causal=True, backend="dense")
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4 * float(v.abs().max()))
+
+
+def test_the_accuracy_rule_reads_the_declared_error_bound_not_the_name(monkeypatch):
+    """An approximate backend registered by a user with ``error_bound`` is checked like fft; the
+    built-in fft re-registered without one counts as exact."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    dense = hf_kernattn.get_backend("dense")
+    runs = []
+
+    def rough(q, k, v, *, rpe_bias, causal, grid, eps):
+        runs.append(q.dtype)
+        return dense.fn(q, k, v, rpe_bias=rpe_bias, causal=causal, grid=grid, eps=eps)
+
+    hf_kernattn.register_backend("test_rough", rough, causal=True, rpe_1d=True, takes=("rpe_bias", "causal", "grid", "eps"),
+                                 error_bound=lambda q, k, **kw: 1.0 if kw["dtype"] == torch.float32 else 0.0)
+    load_auto_table(_table(_entry([[None, ["test_rough", "test_rough@float64", "dense"]]], bias="1d")))
+    q, k, v = _qkv()
+    bias = torch.zeros(2, 23)
+    with torch.no_grad():
+        hf_kernattn.kernelized_attention(q, k, v, bias)
+    assert runs == [torch.float64]
+    with pytest.raises(TypeError, match="error_bound must be None or callable"):
+        hf_kernattn.register_backend("test_bad_bound", rough, error_bound=3)
+    assert hf_kernattn.get_backend("fft").exact is False and hf_kernattn.get_backend("dense").exact is True
+
+
+def test_a_symbolic_length_takes_only_backends_declared_symbolic_n():
+    """torch.export with a dynamic length: the long-input ranking among backends whose work does
+    not loop over N in Python (``symbolic_n``): fft and windowed do, dense does not."""
+    load_auto_table(_table(_entry([[None, ["fft", "windowed", "dense"]]], bias="1d", causal=True)))
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, bias):
+            return hf_kernattn.kernelized_attention(q, k, v, bias, causal=True)
+
+    q, k, v = _qkv(n=12)
+    bias = 0.1 * torch.randn(2, 23, generator=torch.Generator().manual_seed(2))
+    n = torch.export.Dim("n", min=2, max=64)
+    # the bias (H, 2N - 1) follows N: export the bias length as a derived dimension
+    program = torch.export.export(Attend(), (q, k, v, bias),
+                                  dynamic_shapes=({2: n}, {2: n}, {2: n}, {1: 2 * n - 1}))
+    names = {node.target.__name__ for node in program.graph.nodes if node.op == "call_function"}
+    assert not any("fft" in name for name in names)  # dense, not the FFT
+    q2, k2, v2 = _qkv(n=30, seed=4)
+    bias2 = 0.1 * torch.randn(2, 59, generator=torch.Generator().manual_seed(5))
+    torch.testing.assert_close(program.module()(q2, k2, v2, bias2),
+                               hf_kernattn.kernelized_attention(q2, k2, v2, bias2, causal=True, backend="dense"))
+    assert hf_kernattn.get_backend("dense").symbolic_n and not hf_kernattn.get_backend("fft").symbolic_n
+
+
+def test_bench_calibrate_quick_writes_a_table_that_loads(tmp_path):
+    from hf_kernattn.cli import main
+
+    out = tmp_path / "cal"
+    code = main(["-q", "bench", "calibrate", "--quick", "--ns", "16", "32", "--sides", "4", "--modes", "fwd",
+                 "--clips-1d", "4", "--clips-2d", "2", "--rounds", "1", "--min-time", "0", "--out", str(out)])
+    assert code == 0
+    table = json.loads((out / "auto_table.json").read_text())
+    checked = load_auto_table(out / "auto_table.json", replace=True)
+    kinds = {(e["bias"], e["causal"], e["clip"]) for e in table["entries"]}
+    assert kinds == {("none", False, None), ("none", True, None), ("1d", False, None), ("1d", True, None),
+                     ("1d", False, 4), ("1d", True, 4), ("2d", False, None), ("2d", False, 2)}
+    assert all(key[0] == "fwd" for key in checked)
+    rows = (out / "calibrate.csv").read_text().splitlines()
+    assert rows[0].startswith("mode,bias,causal,clip,n,side,backend,round,wall_s,cpu_s,status")
+    # every ranking holds only backends that can run its kind of call
+    for entry in table["entries"]:
+        rpe = None if entry["bias"] == "none" else entry["bias"]
+        able = registry.backends_for(causal=entry["causal"], rpe=rpe, rpe_clip=entry["clip"] if rpe else None)
+        for _, names in entry["ranking"]:
+            assert {x.partition("@")[0] for x in names} <= set(able)
+    assert choose_backend(n=16, **PLAIN) in ("dense", "linear", "fft")
