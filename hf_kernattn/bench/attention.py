@@ -39,7 +39,8 @@ against the bare kernel (the registered backend's function called directly on th
 the call prepares them: float32, nothing padded, a clipped bias as its table ``(H, 2K+1)``),
 by default at N = 16k and 64k with 8 heads and M = D = 64, batch 1, forward. The two alternate
 over ``--rounds`` rounds in fresh processes; the wall-time, CPU-time and peak-memory ratios
-public / bare are printed as median [min-max] and written to ``overhead.csv``.
+public / bare are printed as median [min-max] and written to ``overhead.csv`` (peak memory from
+processes with a fixed mmap threshold, which makes it reproducible: see :func:`overhead`).
 
 Workloads run in subprocesses that import this file as a top-level module together with the
 flat ``modeling`` folder (the layout a remote-code checkpoint uses), so each measurement pays for
@@ -416,27 +417,36 @@ def overhead(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str, An
     """The public call against the bare kernel (:data:`OVERHEAD_CASES`) at every N, alternated
     over ``--rounds`` rounds in fresh processes. One row per (backend, N): median times and peak
     memory of both, and the per-round ratios public / bare (wall time, CPU time, peak memory)
-    as median [min-max]."""
-    from .common import alternate, format_spread, per_round_ratios, spread
+    as median [min-max]. Peak memory comes from two more processes per round with a fixed mmap
+    threshold (``common.FIXED_MMAP_THRESHOLD``: the peak of the live tensors, the same in every
+    process; with glibc's default the same run's peak varies by +-20%), times from processes
+    with the default allocator; their peaks are kept as ``... MB (default allocator)``."""
+    from .common import FIXED_MMAP_THRESHOLD, alternate, format_spread, per_round_ratios, spread
 
     rows = []
     for n in ns:
         for backend, case in OVERHEAD_CASES.items():
             kwargs = dict(n=n, batch=args.batch, heads=args.heads, features=args.features, head_dim=args.head_dim,
                           dtype=args.dtype, device=args.device, clip=args.max_relative_position, backward=args.backward)
+            memory = {"extra_env": FIXED_MMAP_THRESHOLD, "repeats": 1}
             cases = [("public", "attention:workload", {**kwargs, "case": case}),
-                     ("bare", "attention:workload", {**kwargs, "case": "bare_" + case})]
+                     ("bare", "attention:workload", {**kwargs, "case": "bare_" + case}),
+                     ("public memory", "attention:workload", {**kwargs, "case": case}, memory),
+                     ("bare memory", "attention:workload", {**kwargs, "case": "bare_" + case}, memory)]
             measured = alternate(cases, rounds=args.rounds, repeats=args.repeats, timeout_s=args.timeout,
                                  max_seconds=args.max_seconds, extra_path=_flat_path(), threads=args.threads)
             public, bare = measured["public"], measured["bare"]
-            bad = [r["status"] for r in public + bare if r["status"] != "ok"]
+            bad = [r["status"] for results in measured.values() for r in results if r["status"] != "ok"]
             row: dict[str, Any] = {"backend": backend, "N": n}
-            for name, results in (("public", public), ("bare", bare)):
-                row[f"{name} s"] = spread(r["time_s"] for r in results)[0]
-                row[f"{name} CPU s"] = spread(r["cpu_s"] for r in results)[0]
-                row[f"{name} MB"] = spread(r["peak_mb"] for r in results)[0]
-            for label, key in (("time", "time_s"), ("CPU time", "cpu_s"), ("peak memory", "peak_mb")):
+            for name in ("public", "bare"):
+                row[f"{name} s"] = spread(r["time_s"] for r in measured[name])[0]
+                row[f"{name} CPU s"] = spread(r["cpu_s"] for r in measured[name])[0]
+                row[f"{name} MB"] = spread(r["peak_mb"] for r in measured[f"{name} memory"])[0]
+                row[f"{name} MB (default allocator)"] = spread(r["peak_mb"] for r in measured[name])[0]
+            for label, key in (("time", "time_s"), ("CPU time", "cpu_s")):
                 row[f"{label} public/bare"] = format_spread(per_round_ratios(public, bare, key))
+            row["peak memory public/bare"] = format_spread(
+                per_round_ratios(measured["public memory"], measured["bare memory"], "peak_mb"))
             row["status"] = bad[0] if bad else "ok"
             rows.append(row)
             _info(f"  N={n:6d} {backend:15s} time {row['time public/bare']}  CPU {row['CPU time public/bare']}  "

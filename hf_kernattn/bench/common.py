@@ -88,6 +88,12 @@ print("RESULT " + json.dumps({"time_s": statistics.median(times), "cpu_s": stati
 
 
 RESULTS_DIR = "bench_results"
+# glibc's malloc moves its mmap threshold up after large frees, so whether a large block comes
+# back from the heap or from a fresh mapping (and the peak resident size a run reaches) varies
+# between identical processes by tens of percent. A fixed threshold (every block from 128 KiB up
+# mapped on allocation, unmapped on free) makes the peak that of the live tensors; it also makes
+# large allocations slower, so a process measured this way is for its memory, not its time.
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 def add_common_arguments(parser: argparse.ArgumentParser, name: str, quick: str) -> None:
@@ -145,17 +151,19 @@ def measure(
     max_seconds: float = 60.0,
     threads: Optional[int] = None,
     extra_path: Sequence[str] = (),
+    extra_env: Optional[dict[str, str]] = None,
 ) -> dict[str, Any]:
     """Measure one workload in a fresh process.
 
     ``extra_path`` entries go first on the subprocess's ``PYTHONPATH`` (a workload may import
-    a light module layout to keep process start-up short). Returns ``{"time_s", "cpu_s", "peak_mb", "runs",
+    a light module layout to keep process start-up short); ``extra_env`` sets environment
+    variables of the subprocess (e.g. :data:`FIXED_MMAP_THRESHOLD`). Returns ``{"time_s", "cpu_s", "peak_mb", "runs",
     "status"}`` (``time_s`` the median wall time of a run, ``cpu_s`` the median CPU time of the
     process over it, which a busy machine disturbs less); ``status`` is ``"ok"`` or why it failed
     (then times and memory are ``nan``).
     """
     spec = {"target": target, "kwargs": kwargs, "repeats": repeats, "max_seconds": max_seconds, "threads": threads}
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     root = str(Path(__file__).resolve().parents[2])
     paths = [*extra_path, root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)

@@ -302,7 +302,7 @@ def guard_non_finite(
     costs nothing either. Sums of float16 tensors overflow early (above 65504): pass tensors in
     the compute dtype (:func:`compute_dtype_for`).
     """
-    if tracing():
+    if tracing() or q.device.type == "meta":  # no data to read
         return isolate_non_finite(q, k, v, key_mask, causal, q_den, k_den)
     query_side = (q,) if q_den is None else (q, q_den)
     key_side = (k, v) if k_den is None else (k, v, k_den)
