@@ -35,6 +35,15 @@ backend against ``linear`` (non-causal), ``causal_chunked`` and ``fft`` (with a 
 the largest N at which dense is still faster (``hf-kernattn bench calibrate`` measures every
 crossover ``backend="auto"`` reads).
 
+``--overhead`` instead measures what the public call adds to the kernel it runs: for
+``linear``, ``causal_chunked`` and ``windowed`` (a bias clipped at K), ``kernelized_attention``
+against the bare kernel (the registered backend's function called directly on the inputs as
+the call prepares them: float32, nothing padded, a clipped bias as its table ``(H, 2K+1)``),
+by default at N = 16k and 64k with 8 heads and M = D = 64, batch 1, forward. The two alternate
+over ``--rounds`` rounds in fresh processes; the wall-time, CPU-time and peak-memory ratios
+public / bare are printed as median [min-max] and written to ``overhead.csv`` (peak memory from
+processes with a fixed mmap threshold, which makes it reproducible: see :func:`overhead`).
+
 Workloads run in subprocesses that import this file as a top-level module together with the
 flat ``modeling`` folder (the layout a remote-code checkpoint uses), so each measurement pays for
 importing torch only, not transformers.
@@ -73,6 +82,11 @@ NN_MATRICES = {"softmax_rpe": 6, "softmax_rpe_unfold": 1, "sdpa": 0}
 FULL_NS = (1024, 2048, 4096, 8192, 16384, 32768, 65536)
 QUICK_NS = (1024, 2048, 4096)
 CROSSOVER_NS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+# --overhead: backend -> the case calling it through kernelized_attention (its bare form: "bare_" + case)
+OVERHEAD_CASES = {"linear": "linear", "causal_chunked": "causal_chunked", "windowed": "windowed_rpe"}
+OVERHEAD_NS = (16384, 65536)
+QUICK_OVERHEAD_NS = (4096,)
+KERNELIZED_CASES = ("fft_rpe", "windowed_rpe", "causal_chunked", "dense_rpe", "dense", "dense_causal", "linear")
 
 
 def _kernelized_attention() -> Callable[..., Any]:
@@ -102,7 +116,8 @@ def workload(
     Shapes: kernelized cases use ``q, k (batch, heads, n, features)`` (positive, as after a
     PRF/elu map), ``v (batch, heads, n, head_dim)`` and ``rpe_bias (heads, 2n-1)`` (for
     ``windowed_rpe`` made from a table clipped at ``clip``); softmax cases use
-    ``q, k, v (batch, heads, n, head_dim)`` and the same bias.
+    ``q, k, v (batch, heads, n, head_dim)`` and the same bias. ``"bare_" + case`` (a kernelized
+    case) runs that case's backend function directly on the same inputs (:func:`_bare_kernel`).
     """
     import torch
 
@@ -115,7 +130,9 @@ def workload(
         table = 0.1 * torch.randn(heads, 2 * clip + 1, **kw)
         offsets = torch.arange(-(n - 1), n, device=device).clamp(-clip, clip) + clip
         bias = table[:, offsets]
-    if case in ("fft_rpe", "windowed_rpe", "causal_chunked", "dense_rpe", "dense", "dense_causal", "linear"):
+    bare = case.startswith("bare_")
+    if bare and case[len("bare_"):] in KERNELIZED_CASES or case in KERNELIZED_CASES:
+        case = case[len("bare_"):] if bare else case
         attn = _kernelized_attention()
         q = torch.rand(batch, heads, n, features, **kw) + 0.05
         k = torch.rand(batch, heads, n, features, **kw) + 0.05
@@ -128,6 +145,8 @@ def workload(
             "linear": dict(backend="linear"),
             "dense": dict(backend="dense"),
         }[case]
+        if bare:
+            attn = _bare_kernel(calls, n, clip)
 
         def run() -> None:
             if backward:
@@ -171,6 +190,29 @@ def workload(
     else:
         raise ValueError(f"unknown case {case!r}")
     return run
+
+
+def _bare_kernel(calls: dict[str, Any], n: int, clip: int) -> Callable[..., Any]:
+    """The registered backend that ``calls`` (keyword arguments of ``kernelized_attention``)
+    names, as a function of ``(q, k, v, **calls)`` calling it directly with exactly the keyword
+    arguments it takes, as the public call passes them for finite float32 inputs without padding
+    (a clipped bias as its table ``(H, 2K+1)``, a view of the full bias): the kernel alone."""
+    try:
+        from ..modeling.dispatch import get_backend  # the dispatch module registers the built-in backends
+    except ImportError:  # imported as a top-level module by the isolated runner
+        from modeling.dispatch import get_backend  # type: ignore[no-redef]
+    spec = get_backend(calls["backend"])
+    bias = calls.get("rpe_bias")
+    if bias is not None and calls.get("rpe_clip") is not None and "rpe_clip" in spec.takes:
+        bias = bias[:, n - 1 - clip : n + clip]
+    given = dict(rpe_bias=bias, causal=calls.get("causal", False), key_mask=None, grid=None, eps=1e-6,
+                 rpe_clip=calls.get("rpe_clip"), q_den=None, k_den=None, initial_state=None, output_final_state=False)
+    kwargs = {arg: given[arg] for arg in spec.takes}
+
+    def kernel(q, k, v, **_calls):
+        return spec.fn(q, k, v, **kwargs)
+
+    return kernel
 
 
 def _forward_backward(forward: Callable, inputs: tuple) -> None:
@@ -377,6 +419,50 @@ def crossover(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+# ----------------------------------------------------------------------------- overhead
+
+
+def overhead(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str, Any]]:
+    """The public call against the bare kernel (:data:`OVERHEAD_CASES`) at every N, alternated
+    over ``--rounds`` rounds in fresh processes. One row per (backend, N): median times and peak
+    memory of both, and the per-round ratios public / bare (wall time, CPU time, peak memory)
+    as median [min-max]. Peak memory comes from two more processes per round with a fixed mmap
+    threshold (``common.FIXED_MMAP_THRESHOLD``: the peak of the live tensors, the same in every
+    process; with glibc's default the same run's peak varies by +-20%), times from processes
+    with the default allocator; their peaks are kept as ``... MB (default allocator)``."""
+    from .common import FIXED_MMAP_THRESHOLD, alternate, format_spread, per_round_ratios, spread
+
+    rows = []
+    for n in ns:
+        for backend, case in OVERHEAD_CASES.items():
+            kwargs = dict(n=n, batch=args.batch, heads=args.heads, features=args.features, head_dim=args.head_dim,
+                          dtype=args.dtype, device=args.device, clip=args.max_relative_position, backward=args.backward)
+            memory = {"extra_env": FIXED_MMAP_THRESHOLD, "repeats": 1}
+            cases = [("public", "attention:workload", {**kwargs, "case": case}),
+                     ("bare", "attention:workload", {**kwargs, "case": "bare_" + case}),
+                     ("public memory", "attention:workload", {**kwargs, "case": case}, memory),
+                     ("bare memory", "attention:workload", {**kwargs, "case": "bare_" + case}, memory)]
+            measured = alternate(cases, rounds=args.rounds, repeats=args.repeats, timeout_s=args.timeout,
+                                 max_seconds=args.max_seconds, extra_path=_flat_path(), threads=args.threads)
+            public, bare = measured["public"], measured["bare"]
+            bad = [r["status"] for results in measured.values() for r in results if r["status"] != "ok"]
+            row: dict[str, Any] = {"backend": backend, "N": n}
+            for name in ("public", "bare"):
+                row[f"{name} s"] = spread(r["time_s"] for r in measured[name])[0]
+                row[f"{name} CPU s"] = spread(r["cpu_s"] for r in measured[name])[0]
+                row[f"{name} MB"] = spread(r["peak_mb"] for r in measured[f"{name} memory"])[0]
+                row[f"{name} MB (default allocator)"] = spread(r["peak_mb"] for r in measured[name])[0]
+            for label, key in (("time", "time_s"), ("CPU time", "cpu_s")):
+                row[f"{label} public/bare"] = format_spread(per_round_ratios(public, bare, key))
+            row["peak memory public/bare"] = format_spread(
+                per_round_ratios(measured["public memory"], measured["bare memory"], "peak_mb"))
+            row["status"] = bad[0] if bad else "ok"
+            rows.append(row)
+            _info(f"  N={n:6d} {backend:15s} time {row['time public/bare']}  CPU {row['CPU time public/bare']}  "
+                  f"memory {row['peak memory public/bare']}  {row['status']}")
+    return rows
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -393,8 +479,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ns", type=int, nargs="+", default=None, help=f"sequence lengths (default {FULL_NS})")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=1)
-    parser.add_argument("--features", type=int, default=32, help="M, feature-map size of q and k")
+    parser.add_argument("--heads", type=int, default=None, help="heads (default 1; 8 with --overhead)")
+    parser.add_argument("--features", type=int, default=None,
+                        help="M, feature-map size of q and k (default 32; 64 with --overhead)")
     parser.add_argument("--head-dim", type=int, default=64, help="D, value (and softmax q/k) size")
     parser.add_argument("--max-relative-position", type=int, default=128, help="K of the windowed case's clipped bias")
     parser.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16", "float16"])
@@ -408,6 +495,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure dense vs linear/causal_chunked/fft for small N")
     parser.add_argument("--crossover-ns", type=int, nargs="+", default=list(CROSSOVER_NS))
     parser.add_argument("--crossover-dim", type=int, default=64, help="M = D for the crossover")
+    parser.add_argument("--overhead", action="store_true",
+                        help="time and peak memory of kernelized_attention against the bare kernel it runs, for "
+                             f"{', '.join(OVERHEAD_CASES)} (default N {OVERHEAD_NS}, 8 heads, M = D = 64)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -415,6 +505,20 @@ def run(args: argparse.Namespace) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.heads is None:
+        args.heads = 8 if args.overhead else 1
+    if args.features is None:
+        args.features = 64 if args.overhead else 32
+    if args.overhead:
+        ns = tuple(args.ns) if args.ns else (QUICK_OVERHEAD_NS if args.quick else OVERHEAD_NS)
+        _info(f"public call vs bare kernel: N in {list(ns)}, batch {args.batch}, heads {args.heads}, M={args.features}, "
+              f"D={args.head_dim}, K={args.max_relative_position} (windowed), {args.dtype}, "
+              f"{'forward+backward' if args.backward else 'forward'}, {args.rounds} rounds, {args.threads} thread(s)")
+        rows = overhead(args, ns)
+        csv_path = write_csv(rows, out / "overhead.csv")
+        print("\n" + format_table(rows, list(rows[0])))
+        print(f"\nratios public / bare per round, median [min-max]; wrote {csv_path}")
+        return 0
     if args.crossover:
         res = crossover(args)
         write_csv(res["rows"], out / "crossover.csv")

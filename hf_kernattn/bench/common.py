@@ -129,6 +129,14 @@ def time_runs(
     return {"time_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "runs": len(walls)}
 
 
+# glibc's malloc moves its mmap threshold up after large frees, so whether a large block comes
+# back from the heap or from a fresh mapping (and the peak resident size a run reaches) varies
+# between identical processes by tens of percent. A fixed threshold (every block from 128 KiB up
+# mapped on allocation, unmapped on free) makes the peak that of the live tensors; it also makes
+# large allocations slower, so a process measured this way is for its memory, not its time.
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def add_common_arguments(parser: argparse.ArgumentParser, name: str, quick: str) -> None:
     """The flags every benchmark takes; ``quick`` says what ``--quick`` runs."""
     parser.add_argument("--out", default=f"{RESULTS_DIR}/{name}", help=f"folder for the CSV and PNG (default {RESULTS_DIR}/{name})")
@@ -185,19 +193,21 @@ def measure(
     threads: Optional[int] = None,
     extra_path: Sequence[str] = (),
     max_memory_gb: Optional[float] = None,
+    extra_env: Optional[dict[str, str]] = None,
 ) -> dict[str, Any]:
     """Measure one workload in a fresh process.
 
     ``extra_path`` entries go first on the subprocess's ``PYTHONPATH`` (a workload may import
     a light module layout to keep process start-up short). ``max_memory_gb`` caps the address
     space of the process (``RLIMIT_AS``; where the platform has it), so a case that would take
-    more memory fails with an out-of-memory status instead of crowding the machine. Returns ``{"time_s", "cpu_s",
+    more memory fails with an out-of-memory status instead of crowding the machine; ``extra_env``
+    sets environment variables of the subprocess (e.g. :data:`FIXED_MMAP_THRESHOLD`). Returns ``{"time_s", "cpu_s",
     "peak_mb", "runs", "status"}`` (wall and CPU time: :func:`time_runs`); ``status`` is ``"ok"``
     or why it failed (then times and memory are ``nan``).
     """
     spec = {"target": target, "kwargs": kwargs, "repeats": repeats, "max_seconds": max_seconds, "threads": threads,
             "common": str(Path(__file__).resolve())}
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     root = str(Path(__file__).resolve().parents[2])
     paths = [*extra_path, root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
     env["PYTHONPATH"] = os.pathsep.join(paths)

@@ -16,9 +16,11 @@ candidate the table ranks (an exact backend, or the FFT computed in float64, whi
 measured faster).
 
 The work common to every backend happens here, once, in stages of one job each: check
-(:func:`_check`, with the checks of ``attention_inputs.py``), prepare (isolation of non-finite
-inputs; the dtype rule: float32 at least, float64 stays float64, the bias and a state too; key
-masking: padded keys and their values zeroed), choose (:func:`_choose`), run (the backend
+(:func:`_check`, with the checks of ``attention_inputs.py``), prepare (the dtype rule: float32
+at least, float64 stays float64, the bias and a state too; key masking: padded keys and their
+values zeroed; the non-finite guard, ``kernels_common.guard_non_finite``: in eager mode one sum
+per tensor and one host sync, and only when a sum is not finite the isolation of the non-finite
+rows; the inputs reach the backend uncopied otherwise), choose (:func:`_choose`), run (the backend
 receives exactly the keyword arguments it declared at registration, ``takes``, and nothing
 else) and finish (:func:`_finish`: non-finite rows, the output dtype, the state).
 
@@ -60,7 +62,7 @@ from .kernels_common import (
     compute_dtype_for,
     fold_into_state,
     full_bias,
-    isolate_non_finite,
+    guard_non_finite,
     mask_keys,
 )
 from .kernels_linear import recurrent_step
@@ -173,7 +175,8 @@ def kernelized_attention(
     state may stay inf). Padded positions may hold anything.
 
     Host syncs: the mask values and a clipped bias are checked in eager mode, except in a
-    one-token step from a state (decoding), whose mask is used unchecked.
+    one-token step from a state (decoding), whose mask is used unchecked; the non-finite guard
+    reads one sum per input tensor, together (one sync; not in a one-token step from a state).
     """
     if in_place is True and rpe_bias is None and grid is None and rpe_clip is None and backend in ("auto", "recurrent"):
         fast = _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, initial_state, output_final_state)
@@ -181,12 +184,13 @@ def kernelized_attention(
             return fast
     call = _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
                   initial_state, output_final_state, in_place)
+    q, k, v, q_den, k_den = _prepare(call, compute_dtype_for(q), q, k, v, q_den, k_den)
     poisoned = bad_key = None
     if call.initial_state is None or call.n > 1:  # a one-token step's only row sees all it reads: nothing to isolate
-        q, k, v, q_den, k_den, poisoned, bad_key = isolate_non_finite(q, k, v, call.key_mask, causal, q_den, k_den)
+        q, k, v, q_den, k_den, poisoned, bad_key = guard_non_finite(q, k, v, call.key_mask, causal, q_den, k_den)
     spec, dt, fold, full = _choose(call, backend, q, k, rpe_bias, output_final_state)
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
-        q, k, v, q_den, k_den, state = _prepare(call, dt, q, k, v, q_den, k_den)
+        q, k, v, q_den, k_den, state = _in_dtype(call, dt, q, k, v, q_den, k_den)
         if call.b == 0 or call.h == 0:
             return _empty(call, q, k, v, k_den, rpe_bias, state, output_final_state, dt)
         bias = _bias_for(spec, call, rpe_bias, full, dt)
@@ -352,13 +356,23 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
 
 
 def _prepare(call: _Call, dt, q, k, v, q_den, k_den):
-    """Stage 2 (after the non-finite values were isolated), prepare: the dtype rule (the inputs
-    and a state in ``dt``) and key masking (padded keys and their values zeroed)."""
+    """Stage 2, prepare: the dtype rule (the inputs in the compute dtype ``dt``) and key masking
+    (padded keys and their values zeroed, so whatever a padded slot holds reaches nothing, and
+    the non-finite guard that follows does not look at it). No copy when nothing is to do."""
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     k, v = mask_keys(k, v, call.key_mask)
     if q_den is not None:
         q_den = q_den.to(dt)
-        k_den = mask_keys(k_den, k_den[..., :1], call.key_mask)[0].to(dt)
+        k_den = mask_keys(k_den.to(dt), k_den[..., :1], call.key_mask)[0]
+    return q, k, v, q_den, k_den
+
+
+def _in_dtype(call: _Call, dt, q, k, v, q_den, k_den):
+    """The inputs (prepared, guarded) and a state in the dtype ``dt`` the chosen backend computes
+    in (float64 when ``auto`` runs the FFT in float64; otherwise they already are)."""
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if q_den is not None:
+        q_den, k_den = q_den.to(dt), k_den.to(dt)
     state = call.initial_state
     if state is not None:
         state = AttentionState(*(None if x is None else x.to(dt) for x in state))

@@ -11,10 +11,11 @@ relative-position bias (all ones without one). A 1D bias has shape ``(H, 2N-1)``
 ``(H, 2Hg-1, 2Wg-1)``.
 
 What happens once, before a kernel runs (``dispatch.kernelized_attention``): inputs are
-validated, non-finite entries isolated (:func:`isolate_non_finite`), q, k, v and the bias cast
-to the compute dtype (:func:`compute_dtype_for`: float32 at least, float64 stays float64) and
-padded keys zeroed with their values (:func:`mask_keys`). A kernel therefore receives inputs of
-one dtype in which a padded key contributes nothing, and takes no key mask.
+validated, q, k, v and the bias cast to the compute dtype (:func:`compute_dtype_for`: float32
+at least, float64 stays float64), padded keys zeroed with their values (:func:`mask_keys`) and
+non-finite entries isolated (:func:`guard_non_finite`, which costs one sum per tensor when all
+are finite). A kernel therefore receives inputs of one dtype in which a padded key contributes
+nothing, and takes no key mask.
 
 Mixed precision: inside ``torch.autocast`` the attention core (feature maps, every kernel, the
 hand-written autograd ops' forward and backward) runs with autocast switched off
@@ -29,7 +30,8 @@ than that carries ``c_{-K}`` and lives in ``S`` and ``z``. The sums are unweight
 does not depend on the bias: a call weighs it when it reads it. An all-zero state is the empty
 one (a zero key adds nothing), so the window has a fixed size from the first token on.
 
-Costs of the helpers here: elementwise, O(N (M + D)) time and memory, except
+Costs of the helpers here: elementwise, O(N (M + D)) time and memory (:func:`guard_non_finite`:
+O(N (M + D)) time, no memory, when all is finite), except
 :func:`relative_offsets` / :func:`dense_bias_matrix`, O(N^2) (the dense reference only), and
 :func:`fold_into_state`, O(N M D).
 """
@@ -219,6 +221,9 @@ def isolate_non_finite(
     causal: bool,
     q_den: Optional[torch.Tensor] = None,
     k_den: Optional[torch.Tensor] = None,
+    *,
+    queries: bool = True,
+    keys: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """Keep a non-finite input from reaching any row that does not see it.
 
@@ -228,26 +233,87 @@ def isolate_non_finite(
     forward or backward pass (``where`` passes no gradient to the replaced entries). The rows
     that do see such an input (the query itself, or an allowed key: at or before it when causal,
     any real key otherwise) are *poisoned*: the caller sets them to NaN. Costs a few elementwise
-    passes, no host sync.
+    passes and copies of the tensors it checks, no host sync: the form used while compiling or
+    tracing, and in eager mode behind :func:`guard_non_finite` once a non-finite value is known
+    to be present.
+
+    ``queries`` / ``keys`` False: the queries (``q``, ``q_den``) / the keys and values (``k``,
+    ``v``, ``k_den``) are known to be finite; they are passed through unchecked and uncopied.
 
     Returns ``(q, k, v, q_den, k_den, poisoned, bad_key)``: ``poisoned (B, H, N)`` bool, and
     ``bad_key (B, H)``, whether a real key of that row and head was replaced (a state carried
     on from this call has seen it).
     """
+    b, h, n = q.shape[:3]
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
-    good = torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1)  # (B, H, N)
-    good_q = torch.isfinite(q).all(dim=-1)
-    if k_den is not None:
-        good = good & torch.isfinite(k_den).all(dim=-1)
-        good_q = good_q & torch.isfinite(q_den).all(dim=-1)
-        k_den = torch.where(good[..., None], k_den, zero)
-        q_den = torch.where(good_q[..., None], q_den, zero)
-    bad = ~good if key_mask is None else ~good & key_mask[:, None, :]
-    seen = bad.cumsum(dim=-1) > 0 if causal else bad.any(dim=-1, keepdim=True).expand_as(bad)
-    k = torch.where(good[..., None], k, zero)
-    v = torch.where(good[..., None], v, zero.to(v.dtype))
-    q = torch.where(good_q[..., None], q, zero.to(q.dtype))
-    return q, k, v, q_den, k_den, seen | ~good_q, bad.any(dim=-1)
+    seen = bad_key = None
+    if keys:
+        good = torch.isfinite(k).all(dim=-1) & torch.isfinite(v).all(dim=-1)  # (B, H, N)
+        if k_den is not None:
+            good = good & torch.isfinite(k_den).all(dim=-1)
+            k_den = torch.where(good[..., None], k_den, zero.to(k_den.dtype))
+        bad = ~good if key_mask is None else ~good & key_mask[:, None, :]
+        seen = bad.cumsum(dim=-1) > 0 if causal else bad.any(dim=-1, keepdim=True).expand_as(bad)
+        bad_key = bad.any(dim=-1)
+        k = torch.where(good[..., None], k, zero)
+        v = torch.where(good[..., None], v, zero.to(v.dtype))
+    if queries:
+        good_q = torch.isfinite(q).all(dim=-1)
+        if q_den is not None:
+            good_q = good_q & torch.isfinite(q_den).all(dim=-1)
+            q_den = torch.where(good_q[..., None], q_den, zero.to(q_den.dtype))
+        q = torch.where(good_q[..., None], q, zero.to(q.dtype))
+        seen = ~good_q if seen is None else seen | ~good_q
+    if seen is None:
+        seen = torch.zeros((b, h, n), dtype=torch.bool, device=q.device)
+    if bad_key is None:
+        bad_key = torch.zeros((b, h), dtype=torch.bool, device=q.device)
+    return q, k, v, q_den, k_den, seen, bad_key
+
+
+def tracing() -> bool:
+    """Whether ``torch.compile`` / ``torch.export`` (or ``torch.jit.trace``) is tracing: data
+    cannot be read then, and nothing may branch on it."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
+def guard_non_finite(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_mask: Optional[torch.Tensor],
+    causal: bool,
+    q_den: Optional[torch.Tensor] = None,
+    k_den: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
+           Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """:func:`isolate_non_finite` at almost no cost when every input is finite.
+
+    In eager mode each tensor is first summed (one pass at memory speed, no copy): a tensor
+    holding NaN or inf has a sum that is NaN or inf. Only when a sum is not finite (a
+    non-finite entry, or finite entries so large that their sum overflows) are the queries or
+    the keys and values checked entry by entry and isolated as :func:`isolate_non_finite`
+    does; when every sum is finite the tensors are returned as they are, with ``poisoned`` and
+    ``bad_key`` None (nothing to isolate, nothing copied). Reading the sums is one host sync
+    per call. While compiling or tracing nothing may depend on the data: the branch-free
+    :func:`isolate_non_finite` runs.
+
+    Takes keys and values already masked (:func:`mask_keys`): a padded slot holding NaN then
+    costs nothing either. Sums of float16 tensors overflow early (above 65504): pass tensors in
+    the compute dtype (:func:`compute_dtype_for`).
+    """
+    if tracing() or q.device.type == "meta":  # no data to read
+        return isolate_non_finite(q, k, v, key_mask, causal, q_den, k_den)
+    query_side = (q,) if q_den is None else (q, q_den)
+    key_side = (k, v) if k_den is None else (k, v, k_den)
+    with torch.no_grad():
+        finite = torch.stack([torch.isfinite(x.sum()) for x in query_side + key_side])
+        flags = finite.tolist()  # the one host sync
+    queries_ok = all(flags[: len(query_side)])
+    keys_ok = all(flags[len(query_side):])
+    if queries_ok and keys_ok:
+        return q, k, v, q_den, k_den, None, None
+    return isolate_non_finite(q, k, v, key_mask, causal, q_den, k_den, queries=not queries_ok, keys=not keys_ok)
 
 
 def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[torch.Tensor, ...]:

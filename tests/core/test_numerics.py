@@ -435,6 +435,94 @@ def test_non_finite_future_token_does_not_reach_earlier_rows(backend, rpe, where
     assert torch.isfinite(out[0]).all() and torch.isfinite(out[1, 1]).all()
 
 
+def _spy_backend(calls):
+    """Register ``linear`` under a test name that records what reaches it; returns the name."""
+    from hf_kernattn.modeling.kernels_linear import linear_attention
+    from hf_kernattn.modeling.registry import register_backend
+
+    def spy(q, k, v, *, eps):
+        calls.append((q, k, v))
+        return linear_attention(q, k, v, eps=eps)
+
+    register_backend("test_guard_spy", spy, takes=("eps",))
+    return "test_guard_spy"
+
+
+def test_finite_inputs_reach_the_backend_uncopied():
+    """The non-finite guard copies nothing when every input is finite: the backend receives the
+    caller's q, k and v themselves (float32, nothing padded), and the outputs and gradients are
+    the bare kernel's exactly. A NaN in one query copies (isolates) the queries only."""
+    from hf_kernattn.modeling.kernels_linear import linear_attention
+    from hf_kernattn.modeling.registry import _REGISTRY
+
+    calls = []
+    name = _spy_backend(calls)
+    try:
+        q, k, v, _ = _positive_inputs(9, seed=24)
+        xs = [x.requires_grad_(True) for x in (q, k, v)]
+        out = hf_kernattn.kernelized_attention(*xs, backend=name)
+        assert [x.data_ptr() for x in calls[0]] == [x.data_ptr() for x in xs]
+        grads = torch.autograd.grad(out.pow(2).sum(), xs)
+        bare = linear_attention(*xs, eps=1e-6)
+        bare_grads = torch.autograd.grad(bare.pow(2).sum(), xs)
+        assert torch.equal(out, bare)
+        assert all(torch.equal(g, bg) for g, bg in zip(grads, bare_grads))
+
+        q = q.detach().clone()
+        q[1, 0, 4, 2] = math.nan
+        out = hf_kernattn.kernelized_attention(q, k, v, backend=name)
+        got_q, got_k, got_v = calls[1]
+        assert got_q.data_ptr() != q.data_ptr() and torch.isfinite(got_q).all()
+        assert got_k.data_ptr() == k.data_ptr() and got_v.data_ptr() == v.data_ptr()
+        assert torch.isnan(out[1, 0, 4]).all()
+        assert int(torch.isnan(out).sum()) == out.shape[-1]
+    finally:
+        _REGISTRY.pop(name, None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_finite_values_whose_sum_overflows_poison_no_row(causal):
+    """Finite values so large that their float32 sum overflows (the guard's cheap test then
+    cannot tell) are checked entry by entry: no row becomes NaN, the result is the float64
+    formula's (relative float32 rounding, ~1e-6 with margin)."""
+    q, k, v, _ = _positive_inputs(6, seed=25)
+    v[:, :, 1:3] = 3e38  # sum over the tensor: inf in float32; every attention average stays below 3e38
+    q, k = q / 5, k / 5  # keep q . (k^T v) below the float32 maximum
+    out = hf_kernattn.kernelized_attention(q, k, v, causal=causal, backend="causal_chunked" if causal else "linear")
+    assert torch.isfinite(out).all()
+    ref = literal_reference(q.double(), k.double(), v.double(), None, causal=causal)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=0)
+
+
+def test_an_exported_program_isolates_non_finite_inputs():
+    """``torch.export`` (dynamic length) traces the branch-free isolation: the program gives
+    the eager call's result, NaN rows included, at lengths other than the traced one, with a
+    NaN query, an inf value of a real key and NaN in padded slots."""
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return hf_kernattn.kernelized_attention(q, k, v, attention_mask=mask, backend="linear")
+
+    def inputs(n, seed):
+        q, k, v, _ = _positive_inputs(n, seed=seed, dtype=torch.float64)
+        mask = torch.ones(2, n, dtype=torch.long)
+        mask[0, -2:] = 0
+        q[0, 1, 2, 1] = math.nan
+        v[1, 0, 5, 0] = math.inf
+        v[0, :, -1] = math.nan
+        return q, k, v, mask
+
+    n = torch.export.Dim("n", min=2, max=64)
+    program = torch.export.export(Attend(), inputs(8, 26), dynamic_shapes=({2: n}, {2: n}, {2: n}, {1: n}))
+    for length, seed in ((8, 27), (11, 28)):
+        args = inputs(length, seed)
+        got, want = program.module()(*args), Attend()(*args)
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.isnan(got[1, 0]).all() and torch.isnan(got[0, 1, 2]).all()
+        assert int(got.isnan().sum()) == (length + 1) * got.shape[-1]
+        torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), rtol=0, atol=1e-12)
+
+
 def test_dense_kernel_masks_padded_keys_before_the_product():
     """The dense kernel on keys masked as the entry point masks them before dispatch, without
     the entry point's isolation of non-finite values: NaN in padded keys must not make the
