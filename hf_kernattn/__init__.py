@@ -5,7 +5,7 @@ Importing the package registers every model family with the ``transformers`` Aut
 
 from .modeling.dispatch import kernelized_attention  # importing it registers the built-in backends
 from .modeling.registry import BackendSpec, available_backends, get_backend, load_auto_table, register_backend
-from .modeling.kernels_common import AttentionState, StateKind
+from .modeling.state import AttentionState, StateKind
 from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
 from .modeling.attention import KernelizedSelfAttention

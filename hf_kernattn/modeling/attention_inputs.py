@@ -17,7 +17,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import AttentionState, StateKind, is_size, known_true
+from .kernels_common import is_size, known_true
+from .state import AttentionState, StateKind
 
 
 def check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:

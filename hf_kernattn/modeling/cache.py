@@ -7,7 +7,7 @@ rotated keys and ``z`` the positive ones; with a learned relative-position bias 
 ``K = max_relative_position`` the state also holds the window of the last ``K - 1`` keys and
 values (every older key carries ``c_{-K}`` and lives in ``S``, ``z``): exact, and still constant
 per token. The attention core computes and returns this state
-(``kernels_common.AttentionState``); this module only stores it.
+(``state.AttentionState``); this module only stores it.
 
 Each layer's state lives in a :class:`LinearGPTCacheLayer`, a ``transformers``
 :class:`~transformers.cache_utils.LinearAttentionLayer` whose recurrent states are ``S``, ``z``
@@ -42,7 +42,7 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
-from .kernels_common import AttentionState
+from .state import AttentionState
 
 # the layer's window is not fixed yet: the first state stored decides it
 UNSET = "unset"

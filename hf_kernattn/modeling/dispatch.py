@@ -25,7 +25,7 @@ receives exactly the keyword arguments it declared at registration, ``takes``, a
 else) and finish (:func:`_finish`: non-finite rows, the output dtype, the state).
 
 Causal calls carry a state (``initial_state``, ``output_final_state``; see
-``kernels_common.AttentionState``): prefill, continuation with many new tokens and one-token
+``state.AttentionState``): prefill, continuation with many new tokens and one-token
 decoding are one call. ``auto`` then takes a backend declared ``state``: for a single new token
 one declared ``decoding`` (``recurrent``: no per-call set-up), otherwise ``causal_chunked``
 (no bias) or ``windowed`` (a bias clipped at K; a state with an unclipped bias would have to
@@ -54,20 +54,11 @@ from .attention_inputs import (
     normalize_mask,
 )
 from .builtin_backends import recurrent_attention
-from .kernels_common import (
-    AttentionState,
-    StateKind,
-    autocast_disabled,
-    clipped_table,
-    compute_dtype_for,
-    fold_into_state,
-    full_bias,
-    guard_non_finite,
-    mask_keys,
-)
+from .kernels_common import autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys
 from .kernels_linear import recurrent_step
 from .kernels_manhattan import manhattan_distances, manhattan_table
 from .registry import _REGISTRY, AUTO_MAX_ERROR, auto_candidates, available_backends, get_backend
+from .state import AttentionState, StateKind, fold_into_state
 
 
 def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, causal: bool, key_mask):

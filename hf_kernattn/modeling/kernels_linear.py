@@ -22,7 +22,7 @@ keys ``j <= i`` (causal: ``S`` and ``z`` become running sums).
   at step t, O(N^2 (M + D)) in all (no state is carried).
 
 The causal forms continue from a state and return one (``initial_state``,
-``output_final_state``; :class:`~kernels_common.AttentionState`): splitting a sequence, carrying
+``output_final_state``; :class:`~state.AttentionState`): splitting a sequence, carrying
 the state and resuming gives what one call over the whole sequence gives. Separate denominator
 features (``q_den``, ``k_den``) compute ``sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)``:
 with rotary features the numerator's rotated features are signed, the denominator keeps the
@@ -37,7 +37,8 @@ from typing import Optional
 
 import torch
 
-from .kernels_common import AttentionState, chunk_tokens, clipped_table, fold_into_state, full_precision, shifted_bias
+from .kernels_common import chunk_tokens, clipped_table, full_precision, shifted_bias
+from .state import AttentionState, fold_into_state
 
 
 class _Linear(torch.autograd.Function):

@@ -24,7 +24,8 @@ from typing import Optional
 import torch
 import torch.utils.checkpoint
 
-from .kernels_common import AttentionState, chunk_tokens, clipped_table, fold_into_state, full_precision, shifted_bias, with_ones_column
+from .kernels_common import chunk_tokens, clipped_table, full_precision, shifted_bias, with_ones_column
+from .state import AttentionState, fold_into_state
 
 
 def band_blocks(n: int, c: int, s: int, causal: bool, start: int = 0):

@@ -80,7 +80,7 @@ def test_backend_equals_dense_float64(name, causal, rpe, padded):
 
 
 def test_fft_gradcheck_1d_and_2d():
-    from hf_kernattn.modeling.kernels_toeplitz import ToeplitzKernelProduct
+    from hf_kernattn.modeling.kernels_fft import ToeplitzKernelProduct
 
     g = torch.Generator().manual_seed(3)
     for spatial, n, cshape in (((5,), 5, (2, 9)), ((2, 3), 6, (2, 3, 5))):
@@ -221,7 +221,7 @@ def test_toeplitz_op_equals_its_plain_reference(spatial, causal):
     it, in float64: outputs and the gradients of q, k, v and the coefficients. Both sum the same
     O(N M) terms of size O(1) (the FFT adds ~log L rounding steps per term), so they agree to
     far below 1e-12."""
-    from hf_kernattn.modeling.kernels_toeplitz import ToeplitzKernelProduct, toeplitz_kernel_product_reference
+    from hf_kernattn.modeling.kernels_fft import ToeplitzKernelProduct, toeplitz_kernel_product_reference
 
     n = math.prod(spatial)
     g = torch.Generator().manual_seed(31)

@@ -12,7 +12,7 @@ import torch
 
 from hf_kernattn import LinearGPTForCausalLM, kernelized_attention
 from hf_kernattn.modeling import dispatch
-from hf_kernattn.modeling.kernels_common import AttentionState
+from hf_kernattn.modeling.state import AttentionState
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 
 from tests.remote import run_without_package

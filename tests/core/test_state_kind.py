@@ -17,7 +17,7 @@ import torch
 
 import hf_kernattn
 from hf_kernattn import LinearGPTForCausalLM
-from hf_kernattn.modeling.kernels_common import AttentionState, StateKind
+from hf_kernattn.modeling.state import AttentionState, StateKind
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 
 B, H, N, M, D = 2, 3, 9, 4, 5

@@ -19,7 +19,7 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling.backends import choose_backend
-from hf_kernattn.modeling.kernels_common import AttentionState
+from hf_kernattn.modeling.state import AttentionState
 from hf_kernattn.modeling.kernels_windowed import BandedKernelProduct, banded_kernel_product_reference
 
 from tests.reference import literal_reference

@@ -107,7 +107,7 @@ def test_trainer_learns_order_task_and_checkpoint_reloads_without_package(tmp_pa
     trainer.save_model(str(best))
     saved = sorted(p.name for p in best.iterdir())
     for name in ("config.json", "model.safetensors", "configuration_nprf_bert.py", "modeling_nprf_bert.py",
-                 "attention.py", "kernels_common.py", "kernels_fft.py", "kernels_toeplitz.py", "kernels_windowed.py",
+                 "attention.py", "kernels_common.py", "state.py", "kernels_fft.py", "kernels_windowed.py",
                  "tokenizer_config.json"):
         assert name in saved, f"{name} missing from the saved checkpoint: {saved}"
     model = trainer.model.eval()

@@ -1,0 +1,143 @@
+"""The state of causal attention: what one call carries to the next.
+
+:class:`AttentionState`: after keys ``0..t`` the sums
+``S = sum_j k_j^T v_j (M x D)`` and ``z = sum_j k_j (M)`` (of the denominator's keys when
+separate ones are given), plus, for a 1D bias clipped at ``K``, the window of the last ``K - 1``
+keys and values, which still carry their own weights ``c_{-1} .. c_{-(K-1)}``; every key older
+than that carries ``c_{-K}`` and lives in ``S`` and ``z``. The sums are unweighted, so a state
+does not depend on the bias: a call weighs it when it reads it. An all-zero state is the empty
+one (a zero key adds nothing), so the window has a fixed size from the first token on.
+
+:class:`StateKind` records the kind of call that produced a state (separate denominator
+features or not, the sizes, the window), so that a state only continues a call of the same kind;
+:func:`fold_into_state` adds keys and values to a state (what a backend without a state of its
+own returns, and what every stateful backend computes at the end of a call). Cost O(N M D).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class StateKind:
+    """What kind of call produced a state: a state only continues a call of the same kind.
+
+    The tensors' shapes tell the sizes apart, but not whether ``z`` sums separate denominator
+    features (rotary features keep ``M' = M``): a state of one kind read by a call of the other
+    gives wrong results without any error, so states record their kind and
+    ``kernelized_attention`` compares it.
+
+    Attributes:
+        split: ``z`` sums separate denominator features (``q_den``, ``k_den``).
+        features: M, the feature size of ``q`` and ``k``.
+        den_features: M', the feature size of ``z`` (``M`` unless ``split``).
+        values: D, the value size.
+        window: ``K - 1`` for a 1D bias clipped at ``K`` (the window of keys the state keeps);
+            None without a bias.
+
+    A plain record (a dataclass with an instance ``__dict__``), not a tuple and not frozen:
+    transformers' exporters walk a cache's attributes, rebuild the tuples they find from their
+    items and set attributes back, which a NamedTuple or a frozen or slotted class would not survive.
+    """
+
+    split: bool
+    features: int
+    den_features: int
+    values: int
+    window: Optional[int]
+
+    def describe(self) -> str:
+        """The kind in words, e.g. for error messages."""
+        den = ("separate denominator features (q_den, k_den) of size M'=" + str(self.den_features)
+               if self.split else "no separate denominator features")
+        bias = (f"a 1D bias clipped at K={self.window + 1} (a window of {self.window} keys)"
+                if self.window is not None else "no clipped bias (no window)")
+        return f"feature size M={self.features}, value size D={self.values}, {den}, {bias}"
+
+    def differences(self, other: "StateKind") -> list[str]:
+        """What differs between a state of kind ``self`` and a call of kind ``other``, in words."""
+        out = []
+        if self.split != other.split:
+            out.append("the state was produced " + ("with" if self.split else "without")
+                       + " separate denominator features (q_den, k_den), this call has "
+                       + ("none" if self.split else "them"))
+        if self.features != other.features:
+            out.append(f"feature size M: state {self.features}, call {other.features}")
+        if self.den_features != other.den_features and self.split == other.split:
+            out.append(f"denominator feature size M': state {self.den_features}, call {other.den_features}")
+        if self.values != other.values:
+            out.append(f"value size D: state {self.values}, call {other.values}")
+        if self.window != other.window:
+            def bias(w):
+                return f"a bias clipped at K={w + 1}" if w is not None else "no clipped bias"
+            out.append(f"relative-position bias: state {bias(self.window)}, call {bias(other.window)}")
+        return out
+
+
+class _StateTensors(NamedTuple):
+    kv: torch.Tensor
+    z: torch.Tensor
+    window_k: Optional[torch.Tensor] = None
+    window_v: Optional[torch.Tensor] = None
+
+
+class AttentionState(_StateTensors):
+    """What causal attention carries from one call to the next (see the module docstring).
+
+    A tuple of its four tensors (``kv, z, window_k, window_v``; unpacking, indexing and
+    ``_asdict()`` see only these), plus the :class:`StateKind` of the call that produced it
+    (``kind``; keyword-only, None for a state built by hand, which is then trusted).
+
+    Attributes:
+        kv: ``S (B, H, M, D)``, the sum of ``k_j^T v_j`` over the keys folded in.
+        z: ``(B, H, M')``, the sum of the denominator's key features over the same keys
+            (``M' = M`` unless separate denominator features are used).
+        window_k: ``(B, H, K - 1, M)``, the most recent keys (oldest first; zeros before the
+            first token), for a bias clipped at ``K``; None without a bias.
+        window_v: ``(B, H, K - 1, D)``, their values; None without a bias.
+        kind: the :class:`StateKind` of the call that produced the state, or None.
+    """
+
+    kind: Optional[StateKind] = None
+
+    def __new__(cls, kv, z, window_k=None, window_v=None, *, kind: Optional[StateKind] = None):
+        self = super().__new__(cls, kv, z, window_k, window_v)
+        if kind is not None:
+            if not isinstance(kind, StateKind):
+                raise TypeError(f"kind must be a StateKind or None, got {type(kind).__name__}")
+            self.kind = kind
+        return self
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", kind={self.kind!r})"
+
+
+def fold_into_state(
+    state: Optional[AttentionState], k: torch.Tensor, v: torch.Tensor, k_den: torch.Tensor, window: Optional[int] = None
+) -> AttentionState:
+    """The state after keys ``k (B, H, N, M)`` (denominator keys ``k_den``), values ``v`` follow
+    ``state`` (None: the empty state). With ``window`` (``K - 1`` for a bias clipped at ``K``;
+    ``k_den`` is then ``k``), the last ``window`` keys of ``[window_k, k]`` form the new window
+    and the older ones enter ``S`` and ``z``. Time O((N + window) M D)."""
+    b, h, _, m = k.shape
+    if window is not None:
+        if state is None:
+            k = torch.nn.functional.pad(k, (0, 0, window, 0))
+            v = torch.nn.functional.pad(v, (0, 0, window, 0))
+        else:
+            k = torch.cat([state.window_k, k], dim=2)
+            v = torch.cat([state.window_v, v], dim=2)
+        leaving = k.shape[2] - window
+        window_k, window_v = k[:, :, leaving:], v[:, :, leaving:]
+        k, v, k_den = k[:, :, :leaving], v[:, :, :leaving], k[:, :, :leaving]
+    else:
+        window_k = window_v = None
+    kv = k.transpose(-1, -2) @ v
+    z = k_den.sum(dim=2)
+    if state is not None:
+        kv, z = state.kv + kv, state.z + z
+    return AttentionState(kv, z, window_k, window_v)
