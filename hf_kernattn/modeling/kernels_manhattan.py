@@ -19,7 +19,8 @@ its side, the rows its diamond reaches (``Ty + 2 h_s``, ``h_s = K - 1 - min |dx|
 consecutive run of ``(Ty + 2 h_s) Tx`` tokens. For each strip offset ``s`` one batched product
 over all tiles gives the ``(Ty Tx, (Ty + 2 h_s) Tx)`` score blocks; they are weighed by the
 ``c_d - c_K`` of each (query, key) pair (0 beyond the diamond: a fixed block per head and
-offset), and one more product adds them times the values. The blocks cover about 1.3-2x the
+offset, with the rows of runs that leave the grid zeroed in the blocks of the tile rows near its
+edges, so one pass weighs a block), and one more product adds them times the values. The blocks cover about 1.3-2x the
 ``2K^2`` keys of the diamond (the tiles' corners), against ``N`` for the dense form. Tiles
 whose strip ``s`` lies off the grid skip that product; rows of a run above or below the grid
 (they read a neighbouring strip) get weight 0. A small grid is one tile (the dense form).
@@ -109,8 +110,9 @@ class TilePlan:
         if self.per_strip * self.t2 <= group_tokens:  # whole strips (every row and head) at a time
             step = group_tokens // (self.per_strip * self.t2)
             self.groups = [(x, min(x + step, self.ntx), 0, b * h) for x in range(0, self.ntx, step)]
-        else:  # one strip, a few (batch row, head) pairs at a time
+        else:  # one strip, a few (batch row, head) pairs at a time: whole batch rows, or heads of one
             step = max(1, group_tokens // (self.nty * self.t2))
+            step = step // h * h if step >= h else max(x for x in range(1, step + 1) if h % x == 0)
             self.groups = [(x, x + 1, r, min(r + step, b * h)) for x in range(self.ntx) for r in range(0, b * h, step)]
         # distance index of every (run position, tile position) pair, per offset; clip = no near weight
         iy = torch.arange(ty, device=device).repeat_interleave(tx)[None, :]
@@ -140,6 +142,24 @@ class TilePlan:
         distance K on) of every (run position, tile position) pair: ``(H, offsets, max keys, ty tx)``."""
         near = torch.cat([c[:, : self.clip] - c[:, self.clip :], torch.zeros_like(c[:, :1])], dim=1)
         return near[:, self.index]
+
+    def row_classes(self, w: torch.Tensor) -> list[list[tuple[int, int, torch.Tensor]]]:
+        """The weights ``w (H, offsets, max keys, ty tx)`` per offset and class of tile rows,
+        the masks of runs that leave the grid folded in: ``(a, z, block)`` for the tile rows
+        ``[a, z)``, ``block (H, z - a or 1, keys, ty tx)`` (one pass weighs a score block)."""
+        classes = []
+        for i, masks in enumerate(self.masks):
+            wi = w[:, i, None, : self.keys[i]]
+            rows, start = [], 0
+            for a, z, m in masks:
+                if a > start:
+                    rows.append((start, a, wi))
+                rows.append((a, z, wi * m))
+                start = z
+            if start < self.nty:
+                rows.append((start, self.nty, wi))
+            classes.append(rows)
+        return classes
 
     def weights_backward(self, dw: torch.Tensor) -> torch.Tensor:
         """The gradient of :meth:`weights`: ``dw (H, offsets, max keys, ty tx)`` -> ``dc (H, K+1)``."""
@@ -197,16 +217,26 @@ class TilePlan:
         start = self.margin + (t0 + s * self.per_strip) * self.t2 - hs * self.tx
         return buf.as_strided((t1 - t0, self.keys[i], f), (self.t2 * f, f, 1), buf.storage_offset() + start * f)
 
-    def weigh(self, scores: torch.Tensor, i: int, group: tuple[int, int, int, int], w: torch.Tensor | None) -> None:
-        """In place: transposed scores ``(tiles, keys, ty tx)`` of offset ``i`` and a group
-        times their weights ``w (B H, offsets, max keys, ty tx)`` (None: masks only), 0 for keys
-        off the grid."""
+    def by_head(self, scores: torch.Tensor, i: int, group: tuple[int, int, int, int]) -> tuple[torch.Tensor, slice]:
+        """Score blocks ``(tiles, keys, ty tx)`` of offset ``i`` and a group as ``(strips, batch
+        rows, heads, tile rows, keys, ty tx)``, with the heads they hold (a group holds whole
+        batch rows, or some heads of one)."""
         r0, r1 = group[2:]
-        view = scores.view(-1, r1 - r0, self.nty, self.keys[i], self.t2)
-        if w is not None:
-            view.mul_(w[None, r0:r1, i, None, : self.keys[i]])
-        for a, z, m in self.masks[i]:
-            view[:, :, a:z].mul_(m)
+        heads = min(r1 - r0, self.h)
+        view = scores.view(-1, (r1 - r0) // heads, heads, self.nty, self.keys[i], self.t2)
+        return view, slice(r0 % self.h, r0 % self.h + heads)
+
+    def weigh(self, scores: torch.Tensor, i: int, group: tuple[int, int, int, int],
+              classes: list[list[tuple[int, int, torch.Tensor]]] | None) -> None:
+        """In place: transposed scores ``(tiles, keys, ty tx)`` of offset ``i`` and a group
+        times their weights (:meth:`row_classes`; None: masks only), 0 for keys off the grid."""
+        view, heads = self.by_head(scores, i, group)
+        if classes is None:
+            for a, z, m in self.masks[i]:
+                view[:, :, :, a:z].mul_(m)
+        else:
+            for a, z, block in classes[i]:
+                view[:, :, :, a:z].mul_(block[heads])
 
 
 def _accumulate(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, i: int) -> None:
@@ -232,7 +262,7 @@ class ManhattanNearProduct(torch.autograd.Function):
     @staticmethod
     @full_precision
     def forward(ctx, q, k, v1, c, plan):  # type: ignore[override]
-        w = plan.weights(c).repeat(plan.b, 1, 1, 1)  # (B H, ...), row b H + h like the strips
+        classes = plan.row_classes(plan.weights(c))
         qb, kb, vb = (plan.to_strips(x) for x in (q, k, v1))
         qt = plan.tiles(qb)
         y = qt.new_empty(qt.shape[0], plan.t2, v1.shape[-1])  # offset 0 (first, every strip) writes it
@@ -242,7 +272,7 @@ class ManhattanNearProduct(torch.autograd.Function):
                 if t0 >= t1:
                     continue
                 scores = torch.bmm(plan.runs(kb, i, t0, t1), qt[t0:t1].transpose(1, 2))  # (tiles, keys, ty tx)
-                plan.weigh(scores, i, group, w)
+                plan.weigh(scores, i, group, classes)
                 _accumulate(y[t0:t1], scores.transpose(1, 2), plan.runs(vb, i, t0, t1), i)
         ctx.save_for_backward(q, k, v1, c)
         ctx.plan = plan
@@ -254,13 +284,14 @@ class ManhattanNearProduct(torch.autograd.Function):
         q, k, v1, c = ctx.saved_tensors
         plan = ctx.plan
         need_q, need_k, need_v, need_w = ctx.needs_input_grad[:4]
-        w = plan.weights(c).repeat(plan.b, 1, 1, 1)
+        w = plan.weights(c)
+        classes = plan.row_classes(w)
         qb, kb, vb, gb = (plan.to_strips(x) for x in (q, k, v1, dy))
         qt, kt, vt, gt = (plan.tiles(x) for x in (qb, kb, vb, gb))
         dq = torch.empty_like(qt) if need_q else None  # offset 0 (first, every strip) writes them
         dk = torch.empty_like(kt) if need_k else None
         dv = torch.empty_like(vt) if need_v else None
-        dw = torch.zeros_like(w) if need_w else None
+        dw = w.new_zeros(plan.b * plan.h, *w.shape[1:]) if need_w else None  # row b H + h like the strips
         t2 = plan.t2
         for group in plan.groups:
             for i in range(len(plan.offsets)):
@@ -272,7 +303,7 @@ class ManhattanNearProduct(torch.autograd.Function):
                 if need_q:  # each query's tile against the runs of its keys
                     kr = plan.runs(kb, i, t0, t1)
                     dp = torch.bmm(plan.runs(vb, i, t0, t1), gt[t0:t1].transpose(1, 2))  # d(weighted scores), transposed
-                    plan.weigh(dp, i, group, w)
+                    plan.weigh(dp, i, group, classes)
                     _accumulate(dq[t0:t1], dp.transpose(1, 2), kr, i)
                 if need_k or need_v or need_w:  # each key's tile against the runs of its queries (the same weights)
                     qr, gr = plan.runs(qb, i, t0, t1), plan.runs(gb, i, t0, t1)
@@ -283,10 +314,11 @@ class ManhattanNearProduct(torch.autograd.Function):
                         if need_w:  # every (query, key) pair once, as in the forward
                             dw[r0:r1, i, :keys] += (scores * dp).view(-1, r1 - r0, plan.nty, keys, t2).sum((0, 2))
                         if need_k:
-                            dp.view(-1, r1 - r0, plan.nty, keys, t2).mul_(w[None, r0:r1, i, None, :keys])
+                            view, heads = plan.by_head(dp, i, group)
+                            view.mul_(w[heads, i, None, :keys])
                             _accumulate(dk[t0:t1], dp.transpose(1, 2), qr, i)
                     if need_v:
-                        plan.weigh(scores, i, group, w)
+                        plan.weigh(scores, i, group, classes)
                         _accumulate(dv[t0:t1], scores.transpose(1, 2), gr, i)
         grads = [None if x is None else plan.from_tiles(x) for x in (dq, dk, dv)]
         if dw is not None:

@@ -143,3 +143,15 @@ def test_runs_on_any_device_without_cpu_tensors():
     out = manhattan_attention(q, k, v, rpe_bias=table, grid=(5, 7), rpe_clip=3)
     out.sum().backward()
     assert q.grad.device.type == "meta" and table.grad.shape == (3, 4)
+
+
+@pytest.mark.parametrize("group_tokens", [64, 128, 200])
+def test_groups_hold_whole_batch_rows_or_heads_of_one(monkeypatch, group_tokens):
+    """A group of (batch row, head) pairs is whole batch rows or some heads of one batch row (the
+    weights are per head), whatever the group size; the result is the same."""
+    plan = TilePlan(B, H, (7, 6), 3, (4, 4), "cpu", group_tokens=group_tokens)
+    for _, _, r0, r1 in plan.groups:
+        assert (r0 % H == 0 and (r1 - r0) % H == 0) or r0 // H == (r1 - 1) // H
+    monkeypatch.setattr(kernels_manhattan, "WHOLE_GRID_MAX_N", 0)
+    monkeypatch.setattr(kernels_manhattan, "GROUP_TOKENS", group_tokens)
+    _compare((7, 6), 3, seed=6)
