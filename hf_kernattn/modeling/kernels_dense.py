@@ -35,7 +35,9 @@ def dense_attention(
     a_den = None if q_den is None else q_den @ k_den.transpose(-1, -2)
     if rpe_bias is not None:
         bias, eps_h = shifted_bias(rpe_bias, n, causal, eps)
-        a = a * torch.exp(dense_bias_matrix(bias, n, grid))[None]
+        # exp on the (H, 2N-1) / (H, 2Hg-1, 2Wg-1) table, then spread to (H, N, N): one
+        # exponential per offset instead of one per (query, key) pair, same values
+        a = a * dense_bias_matrix(torch.exp(bias), n, grid)[None]
         eps = eps_h[None, :, None, None]
     if causal:
         allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
