@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import dense_bias_matrix, full_precision, shifted_bias
+from .kernels_common import dense_bias_matrix, full_precision, shifted_bias, with_ones_column
 
 
 @full_precision
@@ -44,4 +44,9 @@ def dense_attention(
         zero = torch.zeros((), dtype=a.dtype, device=a.device)
         a = torch.where(allowed, a, zero)
         a_den = None if a_den is None else torch.where(allowed, a_den, zero)
-    return (a @ v) / ((a if a_den is None else a_den).sum(dim=-1, keepdim=True) + eps)
+    if a_den is not None:
+        return (a @ v) / (a_den.sum(dim=-1, keepdim=True) + eps)
+    # numerator and denominator in one product: no separate pass over the (N, N) matrix for its
+    # row sums, forward or backward
+    y = a @ with_ones_column(v)
+    return y[..., :-1] / (y[..., -1:] + eps)
