@@ -208,9 +208,11 @@ def dense_bias_matrix(rpe_bias: torch.Tensor, n: int, grid: Optional[Sequence[in
     """Materialise ``B[h, i, j] = b_{j-i}``: ``(H, N, N)`` (any per-offset table: a bias or its
     coefficients)."""
     idx = relative_offsets(n, grid, rpe_bias.device)
-    if grid is None:
-        return rpe_bias[:, idx[0]]
-    return rpe_bias[:, idx[0], idx[1]]
+    # one flat index into the table and index_select: several times faster, forward and backward
+    # (index_add), than advanced indexing with two index tensors (index_put with accumulation)
+    flat = idx[0] if grid is None else idx[0] * rpe_bias.shape[-1] + idx[1]
+    table = rpe_bias.reshape(rpe_bias.shape[0], -1)
+    return table.index_select(1, flat.reshape(-1)).reshape(rpe_bias.shape[0], n, n)
 
 
 def bias_shift(rpe_bias: torch.Tensor, n: int, causal: bool) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import dense_bias_matrix, full_precision, shifted_bias
+from .kernels_common import dense_bias_matrix, full_precision, shifted_bias, with_ones_column
 
 
 @full_precision
@@ -35,11 +35,18 @@ def dense_attention(
     a_den = None if q_den is None else q_den @ k_den.transpose(-1, -2)
     if rpe_bias is not None:
         bias, eps_h = shifted_bias(rpe_bias, n, causal, eps)
-        a = a * torch.exp(dense_bias_matrix(bias, n, grid))[None]
+        # exp on the (H, 2N-1) / (H, 2Hg-1, 2Wg-1) table, then spread to (H, N, N): one
+        # exponential per offset instead of one per (query, key) pair, same values
+        a = a * dense_bias_matrix(torch.exp(bias), n, grid)[None]
         eps = eps_h[None, :, None, None]
     if causal:
         allowed = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         zero = torch.zeros((), dtype=a.dtype, device=a.device)
         a = torch.where(allowed, a, zero)
         a_den = None if a_den is None else torch.where(allowed, a_den, zero)
-    return (a @ v) / ((a if a_den is None else a_den).sum(dim=-1, keepdim=True) + eps)
+    if a_den is not None:
+        return (a @ v) / (a_den.sum(dim=-1, keepdim=True) + eps)
+    # numerator and denominator in one product: no separate pass over the (N, N) matrix for its
+    # row sums, forward or backward
+    y = a @ with_ones_column(v)
+    return y[..., :-1] / (y[..., -1:] + eps)
