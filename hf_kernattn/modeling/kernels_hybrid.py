@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .kernels_common import chunk_tokens, full_precision, with_ones_column
+from .kernels_common import chunk_tokens, full_precision, mask_keys, with_ones_column
 
 
 class HybridState(NamedTuple):
@@ -60,10 +60,14 @@ class HybridState(NamedTuple):
     window_valid: torch.Tensor
 
 
-def _zero_padded(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``x (B, H, N, F)`` with padded positions (``valid (B, 1, N)`` False) replaced by zeros
-    (``torch.where``: a NaN in a padded slot reaches neither the output nor a gradient)."""
-    return torch.where(valid[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+def _mask_padded(k, k_feat, v, key_mask):
+    """Raw keys, key features and values of padded positions replaced by zeros
+    (``kernels_common.mask_keys``: a NaN in a padded slot reaches neither output nor gradient)."""
+    if key_mask is None:
+        return k, k_feat, v
+    key_mask = key_mask.bool()
+    k_feat, v = mask_keys(k_feat, v, key_mask)
+    return mask_keys(k, k[..., :1], key_mask)[0], k_feat, v
 
 
 def _per_head(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor | float:
@@ -109,7 +113,7 @@ def hybrid_window_attention(
     w = int(window)
     scale = dk ** -0.5 if scale is None else float(scale)
     valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
-    k, k_feat, v = (_zero_padded(x, valid) for x in (k, k_feat, v))
+    k, k_feat, v = _mask_padded(k, k_feat, v, key_mask)
     start = 0  # key position of the first query: the state's window goes before the new tokens
     if initial_state is not None:
         start = w - 1
@@ -190,7 +194,7 @@ def hybrid_attention_reference(
     b, h, n, dk = q.shape
     scale = dk ** -0.5 if scale is None else scale
     valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
-    k, k_feat, v = (_zero_padded(x, valid) for x in (k, k_feat, v))
+    k, k_feat, v = _mask_padded(k, k_feat, v, key_mask)
     r = torch.arange(n, device=q.device)[None, :] - torch.arange(n, device=q.device)[:, None]
     inwin = ((r > -window) & (r <= 0)) if causal else (r.abs() < window)
     allowed = valid[:, :, None, :] & ((r <= 0) if causal else torch.ones_like(inwin))
