@@ -39,7 +39,7 @@ import argparse
 import json
 import re
 import shutil
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -62,7 +62,6 @@ TEACHER_ATTENTION = {
 }
 TRAINABLE = ("feature_maps", "attention")
 DEFAULT_FEATURE_MAP = "hedgehog"
-CHECKPOINT_PREFIX = "step_"
 
 
 def _layer_modules(model: nn.Module, pattern: str) -> list[nn.Module]:
@@ -303,9 +302,9 @@ def linearize(
                     overrides=overrides)
     fingerprint = ckpt.run_fingerprint(settings)
     start, history = 0, []
-    resume = ckpt.resolve_checkpoint(resume_from_checkpoint, out, fingerprint, prefix=CHECKPOINT_PREFIX, settings=settings)
+    resume = ckpt.resolve_checkpoint(resume_from_checkpoint, out, fingerprint, settings=settings)
     if resume is not None:
-        state = json.loads((resume / ckpt.STATE_FILE).read_text())
+        state = ckpt._read_state(resume)
         _load_trained(student, resume)
         optimizer.load_state_dict(load_tree(resume, "optimizer"))
         sched.load_state_dict(load_tree(resume, "scheduler"))
@@ -377,24 +376,17 @@ def _load_trained(student: nn.Module, folder: Path) -> None:
 
 
 def _save_step(out, step, student, trained, optimizer, sched, fingerprint, settings, history, limit, save_tree) -> None:
-    """``out/step_N``, written in a temporary folder and renamed once complete (state file last)."""
-    import os
-
+    """``out/step_N`` (the trained weights, optimizer, scheduler), written as the example scripts'
+    checkpoints are: in a temporary folder, the state file last, then renamed."""
     import safetensors.torch
 
     from ..training import checkpoints as ckpt
 
-    final, tmp = out / f"{CHECKPOINT_PREFIX}{step}", out / f"{CHECKPOINT_PREFIX}{step}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = ckpt.begin_checkpoint(out, step)
     safetensors.torch.save_file(_trained_state(student, trained), str(tmp / "trained.safetensors"))
     save_tree(tmp, "optimizer", optimizer.state_dict())
     save_tree(tmp, "scheduler", sched.state_dict())
-    ckpt.write_state_file(tmp, fingerprint, settings, step=step, progress={"history": history})
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    ckpt.prune_checkpoints(out, limit, fingerprint, prefix=CHECKPOINT_PREFIX)
+    ckpt.publish_checkpoint(out, step, fingerprint, settings, limit, progress={"history": history})
 
 
 def _save_result(student, src: Path, out: Path, source, settings, before, after, trainable: int) -> None:

@@ -303,6 +303,32 @@ def write_state_file(folder: Path, fingerprint: str, settings: dict[str, Any], s
     _fsync(Path(folder))
 
 
+def begin_checkpoint(output_dir: str | os.PathLike, step: int, prefix: str = CHECKPOINT_PREFIX) -> Path:
+    """A fresh temporary folder for the checkpoint of ``step`` (an earlier, interrupted one removed);
+    :func:`publish_checkpoint` turns it into ``output_dir/{prefix}{step}``."""
+    tmp = Path(output_dir) / f"{prefix}{step}{_TMP_SUFFIX}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_checkpoint(output_dir: str | os.PathLike, step: int, fingerprint: str, settings: dict[str, Any],
+                       total_limit: Optional[int] = None, prefix: str = CHECKPOINT_PREFIX, **extra: Any) -> Path:
+    """Complete the temporary folder of :func:`begin_checkpoint` (every file written): the state
+    file last (:func:`write_state_file`, with ``step`` and ``extra``), then an atomic rename to
+    ``output_dir/{prefix}{step}`` (replacing one of the same step), the folder flushed, and the
+    oldest complete checkpoints of this run beyond ``total_limit`` deleted. Returns the folder."""
+    final = Path(output_dir) / f"{prefix}{step}"
+    tmp = Path(output_dir) / f"{prefix}{step}{_TMP_SUFFIX}"
+    write_state_file(tmp, fingerprint, settings, step=step, **extra)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync(Path(output_dir))
+    prune_checkpoints(output_dir, total_limit, fingerprint, prefix=prefix)
+    return final
+
+
 def save_checkpoint(
     accelerator,
     output_dir: str | os.PathLike,
@@ -328,8 +354,7 @@ def save_checkpoint(
     final = Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}"
     tmp = Path(output_dir) / f"{CHECKPOINT_PREFIX}{step}{_TMP_SUFFIX}"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        begin_checkpoint(output_dir, step)
     accelerator.wait_for_everyone()
     save_tree(tmp, f"rng_state_{accelerator.process_index}", rng_state(generators))
     optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
@@ -353,13 +378,8 @@ def save_checkpoint(
             save_extra(tmp)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        write_state_file(tmp, fingerprint, settings, step=step, num_processes=accelerator.num_processes,
-                         sharding=sharding, progress=progress)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync(Path(output_dir))
-        prune_checkpoints(output_dir, total_limit, fingerprint)
+        publish_checkpoint(output_dir, step, fingerprint, settings, total_limit, num_processes=accelerator.num_processes,
+                           sharding=sharding, progress=progress)
     accelerator.wait_for_everyone()
     return final
 
