@@ -16,9 +16,9 @@ for every (query, key) pair of the grid closer than K (the near sum), plus ``4 N
 (the far term ``q (k^T [v, 1])``); forward+backward counts ``2 (4M + 3(D+1))`` per near pair
 (scores, their gradient, and the gradients of q, k and v) plus twice the far term.
 
-Each case runs in a fresh process (peak resident memory above the inputs; median of a few
-runs of wall time and of CPU time, ``time.process_time``); the cases of a grid alternate over
-``--rounds`` rounds and ratios are given per round as median [min-max]. Forward by default,
+Each case runs in a fresh process (``common.measure``: peak resident memory above the inputs;
+median of a few runs of wall time and of CPU time); the cases of a grid alternate
+(``common.alternate``) over ``--rounds`` rounds and ratios are given per round as median [min-max]. Forward by default,
 ``--backward`` for forward+backward (gradients for q, k, v and the table). Cases whose
 estimated memory exceeds ``--max-gb`` are skipped. Writes ``manhattan_bench.csv``.
 """
@@ -26,10 +26,6 @@ estimated memory exceeds ``--max-gb`` are skipped. Writes ``manhattan_bench.csv`
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,41 +34,7 @@ CASES = ("manhattan", "offsets", "dense", "matmul")
 FULL_GRIDS = (14, 32, 64, 128)
 QUICK_GRIDS = (14, 32)
 
-_RUNNER = r"""
-import json, statistics, sys, time
-spec = json.loads(sys.argv[1])
-import torch
-torch.set_num_threads(spec["threads"])
-from hf_kernattn.bench.manhattan import workload
-fn = workload(**spec["kwargs"])
-
-def status_bytes(key):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-try:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-except OSError:
-    pass
-base = status_bytes("VmRSS")
-fn()
-peak = status_bytes("VmHWM") - base
-walls, cpus = [], []
-deadline = time.perf_counter() + spec["max_seconds"]
-for _ in range(spec["repeats"]):
-    w, c = time.perf_counter(), time.process_time()
-    fn()
-    walls.append(time.perf_counter() - w)
-    cpus.append(time.process_time() - c)
-    if time.perf_counter() > deadline:
-        break
-print("RESULT " + json.dumps({"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus),
-                              "peak_mb": max(peak, 0) / 2**20}))
-"""
+TARGET = "hf_kernattn.bench.manhattan:workload"
 
 
 def near_pairs(grid: int, clip: int) -> int:
@@ -143,24 +105,6 @@ def _estimated_gb(case: str, grid: int, clip: int, heads: int, backward: bool) -
     return 0.0
 
 
-def _measure(kwargs: dict[str, Any], threads: int, repeats: int, timeout_s: float) -> dict[str, Any]:
-    spec = {"kwargs": kwargs, "threads": threads, "repeats": repeats, "max_seconds": 60.0}
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([root] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    nan = float("nan")
-    try:
-        proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(spec)], capture_output=True, text=True,
-                              timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {"wall_s": nan, "cpu_s": nan, "peak_mb": nan, "status": f"timeout>{timeout_s:.0f}s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return {**json.loads(line[len("RESULT "):]), "status": "ok"}
-    err = (proc.stderr.strip().splitlines() or ["killed (out of memory?)"])[-1]
-    return {"wall_s": nan, "cpu_s": nan, "peak_mb": nan, "status": f"failed: {err[:200]}"}
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .common import add_common_arguments
 
@@ -186,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .common import format_spread, format_table, write_csv
+    from .common import alternate, format_spread, format_table, write_csv
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -199,18 +143,15 @@ def run(args: argparse.Namespace) -> int:
     for grid in grids:
         cases = [c for c in args.cases
                  if _estimated_gb(c, grid, args.clip, args.heads, args.backward) <= args.max_gb]
-        results: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
-        for rnd in range(rounds):
-            for case in (cases if rnd % 2 == 0 else list(reversed(cases))):
-                kwargs = dict(case=case, grid=grid, clip=args.clip, heads=args.heads, features=args.features,
-                              head_dim=args.head_dim, backward=args.backward, dtype=args.dtype)
-                if case == "matmul":
-                    kwargs = dict(case=case, dtype=args.dtype)
-                res = _measure(kwargs, args.threads, args.repeats, args.timeout)
-                if case == "matmul":  # 20 products a run -> one product
-                    res = {**res, "wall_s": res["wall_s"] / 20, "cpu_s": res["cpu_s"] / 20}
-                results[case].append(res)
-                rows.append({"grid": grid, "mode": mode, "round": rnd, "case": case, **res})
+        specs = [(case, TARGET, dict(case=case, dtype=args.dtype) if case == "matmul" else
+                  dict(case=case, grid=grid, clip=args.clip, heads=args.heads, features=args.features,
+                       head_dim=args.head_dim, backward=args.backward, dtype=args.dtype))
+                 for case in cases]
+        results = alternate(specs, rounds=rounds, repeats=args.repeats, timeout_s=args.timeout, threads=args.threads)
+        if "matmul" in results:  # 20 products a run -> one product
+            results["matmul"] = [{**r, "time_s": r["time_s"] / 20, "cpu_s": r["cpu_s"] / 20} for r in results["matmul"]]
+        rows += [{"grid": grid, "mode": mode, "round": rnd, "case": case, **r}
+                 for case, per_round in results.items() for rnd, r in enumerate(per_round)]
         flops = floor_flops(grid, args.clip, args.features, args.head_dim, args.heads, args.backward)
         line: dict[str, Any] = {"grid": f"{grid}x{grid}", "N": grid * grid}
         for case in ("manhattan", "offsets", "dense"):
@@ -220,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
                 line[f"{case} MB"] = f"{max((r['peak_mb'] for r in ok), default=float('nan')):.0f}"
         for other in ("dense", "offsets"):
             if "manhattan" in results and other in results:
-                for key, unit in (("cpu_s", "cpu"), ("wall_s", "wall")):
+                for key, unit in (("cpu_s", "cpu"), ("time_s", "wall")):
                     ratios = [a[key] / b[key] for a, b in zip(results["manhattan"], results[other])]
                     line[f"manhattan/{other} {unit}"] = format_spread(ratios)
         if "manhattan" in results and "matmul" in results:
