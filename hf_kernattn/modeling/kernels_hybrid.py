@@ -37,7 +37,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .kernels_common import chunk_tokens, full_precision, mask_keys, with_ones_column
+from .kernels_common import chunk_tokens, full_precision, mask_keys, per_head, with_ones_column
 
 
 class HybridState(NamedTuple):
@@ -71,7 +71,7 @@ def _mask_padded(k, k_feat, v, key_mask):
 
 
 def _per_head(x: Optional[torch.Tensor], like: torch.Tensor) -> torch.Tensor | float:
-    return 1.0 if x is None else x.to(like.dtype)[None, :, None, None]
+    return 1.0 if x is None else per_head(x.to(like.dtype), 3)  # (H, 1, 1) against (B, H, N, N)
 
 
 def _band(n_q: int, first_q: int, lo: int, hi: int, window: int, causal: bool, device):
