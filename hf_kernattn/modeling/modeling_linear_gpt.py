@@ -442,8 +442,10 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
 
         hidden = inputs_embeds
         if self.wpe is not None:
-            # default positions count real tokens, so they stay below past + n: read them only beyond that
-            if (given_positions or past + n > cfg.max_position_embeddings) and eager_checks() and (
+            # default positions count real tokens, so they stay below past + n: read them only beyond
+            # that; given ones (generate() passes them every step) are read outside one-token steps,
+            # like input_ids (no host sync per decoded token)
+            if ((given_positions and check_values) or past + n > cfg.max_position_embeddings) and eager_checks() and (
                 int(position_ids.max()) >= cfg.max_position_embeddings
             ):
                 raise ValueError(

@@ -171,6 +171,18 @@ print(json.dumps([counts, seqs]))
     assert len(seqs[1][0]) == 15 and seqs[1][0][:5] == seqs[0][0]
 
 
+def _host_reads(monkeypatch, call):
+    """The host reads (.item(), bool()/int()/float() of a tensor, tolist()) made by ``call()``."""
+    reads = []
+    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+    try:
+        return call(), reads
+    finally:
+        monkeypatch.undo()
+
+
 def test_a_decoding_step_reads_nothing_on_the_host(monkeypatch):
     """No host synchronisation per decoded token (value checks, .item(), bool() of a tensor) with
     random features, whose key range is checked on every other call; a key outside the range
@@ -180,12 +192,7 @@ def test_a_decoding_step_reads_nothing_on_the_host(monkeypatch):
     mask = torch.ones(2, 7, dtype=torch.long)
     with torch.no_grad():
         cache = model(ids, attention_mask=mask[:, :6], use_cache=True).past_key_values
-        reads = []
-        for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
-            real = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
-        out = model(ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)
-        monkeypatch.undo()
+        out, reads = _host_reads(monkeypatch, lambda: model(ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True))
     assert reads == [] and torch.isfinite(out.logits).all()
     with torch.no_grad():  # a key the features cannot represent: NaN in a step, an error in a prefill
         model.transformer.h[0].attn.k_proj.weight.mul_(1e4)
@@ -193,6 +200,26 @@ def test_a_decoding_step_reads_nothing_on_the_host(monkeypatch):
         assert torch.isnan(step.logits).all()
         with pytest.raises(ValueError, match="cannot represent a key"):
             model(ids, use_cache=False)
+
+
+@pytest.mark.parametrize("positions", ["absolute", "rotary"])
+def test_a_step_with_the_position_ids_generate_passes_reads_nothing_on_the_host(monkeypatch, positions):
+    """generate() passes ``position_ids`` at every step: with a learned position table they are not
+    read on the host in a one-token step (a prefill still checks them against the table)."""
+    model = _model(position_embedding_type=positions).double()
+    ids = torch.randint(1, V_GPT, (2, 6), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    with torch.no_grad():
+        cache = model(ids, attention_mask=mask[:, :6], use_cache=True).past_key_values
+        step = lambda: model(ids[:, :1], attention_mask=mask, position_ids=torch.full((2, 1), 6),
+                             past_key_values=cache, use_cache=True)
+        out, reads = _host_reads(monkeypatch, step)
+        want = model(torch.cat([ids, ids[:, :1]], 1), attention_mask=mask, use_cache=False).logits[:, -1:]
+    assert reads == []
+    torch.testing.assert_close(out.logits, want, rtol=1e-10, atol=1e-10)
+    if positions == "absolute":
+        with pytest.raises(ValueError, match="beyond max_position_embeddings"):
+            model(ids, position_ids=torch.full((2, 6), model.config.max_position_embeddings))
 
 
 def test_the_decoding_guard_runs_stage_1_once_per_state(monkeypatch):
