@@ -55,15 +55,18 @@ def normalize_mask(attention_mask: object, b: int, n: int, device, inspect: bool
     check_attention_mask(attention_mask, b, n)
     if attention_mask is None:
         return None
-    tracing = torch.compiler.is_compiling() or not inspect
-    if not tracing and attention_mask.dtype != torch.bool:
-        bad = (attention_mask != 0) & (attention_mask != 1)
-        if bool(bad.any()):
-            raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
     mask = attention_mask.to(device=device, dtype=torch.bool)
-    if tracing:
+    if torch.compiler.is_compiling() or not inspect:
         return mask
-    return None if bool(mask.all()) else mask
+    everything_kept = mask.all()
+    if attention_mask.dtype == torch.bool:
+        return None if bool(everything_kept) else mask
+    # the 0/1 check and "nothing padded" read on the host together: one sync
+    not_binary = ((attention_mask != 0) & (attention_mask != 1)).any()
+    not_binary, everything_kept = torch.stack([not_binary, everything_kept.to(not_binary.device)]).tolist()
+    if not_binary:
+        raise ValueError("attention_mask must hold only 1 (keep) and 0 (padding)")
+    return None if everything_kept else mask
 
 
 def check_grid(grid: object, n: int) -> Optional[tuple[int, int]]:

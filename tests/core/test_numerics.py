@@ -629,3 +629,23 @@ def test_module_refuses_out_of_range_keys_but_not_padding():
     assert torch.isfinite(attn(big, attention_mask=mask)[:, :4]).all()
     with pytest.raises(ValueError, match="cannot represent a key"):
         attn(big)
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.float32, torch.bool])
+def test_a_padding_mask_is_checked_and_read_on_the_host_once(monkeypatch, dtype):
+    """``normalize_mask`` reads its 0/1 check and "nothing padded" together: one host sync."""
+    from hf_kernattn.modeling.attention_inputs import normalize_mask
+
+    reads = []
+    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+    padded = normalize_mask(torch.tensor([[1, 1, 0], [1, 1, 1]]).to(dtype), 2, 3, "cpu")
+    assert len(reads) == 1
+    none = normalize_mask(torch.ones(2, 3, dtype=dtype), 2, 3, "cpu")
+    assert len(reads) == 2
+    monkeypatch.undo()
+    assert none is None and padded.dtype == torch.bool and padded.tolist() == [[True, True, False], [True] * 3]
+    if dtype != torch.bool:
+        with pytest.raises(ValueError, match="attention_mask must hold only 1"):
+            normalize_mask(torch.tensor([[1, 2, 0]]).to(dtype), 1, 3, "cpu")
