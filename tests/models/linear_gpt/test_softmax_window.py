@@ -172,3 +172,37 @@ def test_bad_configurations_and_foreign_states_are_refused():
         cache = hybrid(ids, use_cache=True).past_key_values
         with pytest.raises(ValueError, match="softmax window of W=3 keys; this model has no softmax window"):
             plain(ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+def test_checkpoint_with_a_window_loads_and_generates_without_the_package(tmp_path):
+    """Saved with the window, loaded with trust_remote_code in a process that cannot import
+    hf_kernattn: the same logits, and greedy generate() from the state equals use_cache=False
+    and the tokens generated here."""
+    import json
+
+    from tests.remote import run_without_package
+
+    model = _model(4, dtype=torch.float32)
+    model.save_pretrained(tmp_path / "ckpt")
+    ids = torch.randint(1, 53, (2, 6), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    ids[0, :2] = 0
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask).logits
+        tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    code = f"""
+import json, torch, transformers
+m = transformers.AutoModelForCausalLM.from_pretrained("ckpt", trust_remote_code=True).eval()
+ids, mask = torch.tensor({ids.tolist()}), torch.tensor({mask.tolist()})
+with torch.no_grad():
+    logits = m(ids, attention_mask=mask).logits
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cached, plain = m.generate(ids, **kw), m.generate(ids, use_cache=False, **kw)
+print(json.dumps(dict(logits=logits.tolist(), cached=cached.tolist(), plain=plain.tolist(),
+                      cls=type(m).__module__, window=m.config.softmax_window)))
+"""
+    got = json.loads(run_without_package(code, cwd=str(tmp_path)).strip().splitlines()[-1])
+    assert "hf_kernattn" not in got["cls"] and got["window"] == 4
+    torch.testing.assert_close(torch.tensor(got["logits"]), logits, rtol=0, atol=0)
+    assert got["cached"] == got["plain"] == tokens.tolist()
