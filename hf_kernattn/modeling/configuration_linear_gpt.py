@@ -161,11 +161,15 @@ class LinearGPTConfig(PreTrainedConfig):
     from a window of the last K - 1 keys (``cache.py``). ``recompute_attention`` applies to the
     parallel form: training forwards and the prefill of a decoding state.
 
+    ``softmax_window = W`` (the sliding-window hybrid) needs ``rpe="none"`` and positions that
+    are ``"absolute"``, ``"rope"`` or ``"none"`` (not ``"rotary"`` features); the decoding state
+    then also keeps the last W - 1 keys (raw and feature-mapped) and values: constant per token.
+
     ``attn_backend`` must be ``"auto"`` or a backend that does causal attention (with the
     clipped bias of ``rpe="learned"``, and the separate denominator features of
     ``position_embedding_type="rotary"``, when the model has them): e.g. ``dense``,
-    ``causal_chunked``, ``fft``, ``windowed`` (only with ``rpe="learned"``), ``recurrent``; a
-    ``ValueError`` names the ones that can. It runs every call that starts without a state
+    ``causal_chunked``, ``fft``, ``windowed`` (only with ``rpe="learned"``), ``recurrent``, and
+    with ``softmax_window`` only ``hybrid``; a ``ValueError`` names the ones that can. It runs every call that starts without a state
     (training and prefill, with ``use_cache`` on or off; the state returned is folded from the
     call's keys and values when the backend carries none). A call that continues from a state
     (a continuation or a decoding step) runs it too when it carries a state (``causal_chunked``,

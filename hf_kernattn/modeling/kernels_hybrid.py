@@ -142,6 +142,9 @@ def hybrid_window_attention(
     scale = dk ** -0.5 if scale is None else float(scale)
     valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
     k, k_feat, v = _mask_padded(k, k_feat, v, key_mask)
+    if initial_state is not None and n == 1:  # a decoding step: the window and (S, z) only
+        return _step(q, k, q_feat, k_feat, v, valid, scale, _per_head(window_weight, q), _per_head(linear_weight, q),
+                     eps, initial_state, output_final_state)
     start = 0  # key position of the first query: the state's window goes before the new tokens
     if initial_state is not None:
         start = w - 1
@@ -185,6 +188,28 @@ def hybrid_window_attention(
     if not output_final_state:
         return out
     return out, _fold(initial_state, k, k_feat, v, valid, start, w)
+
+
+def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridState, output_final_state):
+    """One new token from ``state`` (what the chunked form computes for ``N = 1``, with less work):
+    exact weights over the window's ``W - 1`` keys and the new one, ``(S, z)`` for every older
+    key; then the oldest window key moves into ``(S, z)``. O(W (Dk + D) + M D) per token."""
+    keys = torch.cat([state.window_raw, k], dim=2)
+    feats = torch.cat([state.window_k, k_feat], dim=2)
+    vals = with_ones_column(torch.cat([state.window_v, v], dim=2))
+    valid = torch.cat([state.window_valid, valid], dim=2)
+    s = ((q @ keys.transpose(-1, -2)) * scale).masked_fill(~valid[:, :, None, :], -torch.inf)
+    m = s.detach().amax(dim=-1, keepdim=True).clamp_min(0)
+    em = torch.exp(-m)
+    far = torch.cat([state.kv, state.z[..., None]], dim=-1)
+    y = (a_w * torch.exp(s - m)) @ vals + (b_l * em) * (q_feat @ far)
+    out = y[..., :-1] / (y[..., -1:] + eps * em)
+    if not output_final_state:
+        return out
+    leaving = feats[:, :, :1]  # the oldest key of the window (the new one itself when W = 1)
+    kv = state.kv + leaving.transpose(-1, -2) @ vals[:, :, :1, :-1]
+    return out, HybridState(kv, state.z + leaving[:, :, 0], feats[:, :, 1:], vals[:, :, 1:, :-1], keys[:, :, 1:],
+                            valid[:, :, 1:])
 
 
 def _fold(state, k, k_feat, v, valid, start, w) -> HybridState:
