@@ -174,3 +174,10 @@ def test_bad_softmax_window_input_is_refused_naming_the_parameter():
         call(SoftmaxWindow(q, k, 3), rpe_bias=bias)
     with pytest.raises(ValueError, match="softmax_window cannot be combined with separate denominator"):
         call(SoftmaxWindow(q, k, 3), q_den=qf, k_den=kf)
+
+
+def test_an_empty_batch_gives_an_empty_result_and_state():
+    q, k, qf, kf, v, a, b = (x.detach()[:0] if x.dim() == 4 else x.detach() for x in _inputs())
+    out, state = kernelized_attention(qf, kf, v, causal=True, softmax_window=SoftmaxWindow(q, k, 3, None, a, b),
+                                      output_final_state=True)
+    assert out.shape == (0, H, N, D) and state.window_raw.shape == (0, H, 2, DK) and state.kv.shape == (0, H, M, D)
