@@ -206,3 +206,24 @@ print(json.dumps(dict(logits=logits.tolist(), cached=cached.tolist(), plain=plai
     assert "hf_kernattn" not in got["cls"] and got["window"] == 4
     torch.testing.assert_close(torch.tensor(got["logits"]), logits, rtol=0, atol=0)
     assert got["cached"] == got["plain"] == tokens.tolist()
+
+
+def test_cache_operations_carry_the_window():
+    """copy, batch_repeat_interleave, batch_select_indices, reorder_cache and reset act on all six
+    tensors of each layer: a continued row equals that row continued from the original state."""
+    model = _model(4)
+    ids = torch.randint(1, 53, (2, 9), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        cache = model(ids[:, :6], use_cache=True).past_key_values
+        want = model(ids[:, 6:], past_key_values=cache.copy(), use_cache=True).logits
+        copied = cache.copy()
+        copied.batch_repeat_interleave(2)  # rows 0, 0, 1, 1
+        copied.batch_select_indices(torch.tensor([3, 0]))  # rows 1, 0
+        copied.reorder_cache(torch.tensor([1, 0]))  # rows 0, 1
+        assert [len(layer.get_state()) for layer in copied.layers] == [6, 6]
+        got = model(ids[:, 6:], past_key_values=copied, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    cache.reset()
+    state = cache.layers[0].get_state()
+    assert state is None and cache.get_seq_length() == 0
+    assert not cache.layers[0].recurrent_states[5].any() and cache.layers[0].recurrent_states[5].dtype == torch.bool
