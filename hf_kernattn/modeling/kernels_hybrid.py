@@ -157,13 +157,21 @@ def hybrid_window_attention(
     states = chunk_tokens(k_feat, c).transpose(-1, -2) @ chunk_tokens(v1, c)  # (B, H, nc, M, D+1)
     zero = torch.zeros_like(states[:, :, :1])
     prefix = torch.cat([zero, torch.cumsum(states, dim=2)], dim=2)  # prefix[f]: chunks < f
-    total = prefix[:, :, -1:]
     if initial_state is not None:
         old = torch.cat([initial_state.kv, initial_state.z[..., None]], dim=-1)[:, :, None]
         prefix = prefix + old
     a_w, b_l = _per_head(window_weight, q), _per_head(linear_weight, q)
+    # inputs cut into chunks once (split / unbind: their backward joins the pieces, instead of one
+    # full-size gradient per slice, which would cost O(N^2 / C))
+    q_rows, qf_rows = q.split(c, dim=2), q_feat.split(c, dim=2)
+    k_cols, kf_cols, v_cols = k.split(c, dim=2), k_feat.split(c, dim=2), v1.split(c, dim=2)
+    prefixes = prefix.unbind(dim=2)
+
+    def keys(parts, lo, hi):  # keys [lo, hi) from whole chunks (lo is a chunk boundary)
+        return torch.cat(parts[lo // c: -(-hi // c)], dim=2)[:, :, : hi - lo]
+
     rows = []
-    for a0 in range(0, n, c):
+    for i, a0 in enumerate(range(0, n, c)):
         a1 = min(a0 + c, n)
         first = start + a0  # key position of the chunk's first query
         lo = max(0, first - w + 1) // c * c
@@ -172,17 +180,17 @@ def hybrid_window_attention(
         inwin, before = _band(a1 - a0, first, lo, hi, w, causal, q.device)
         allowed = valid[:, :, None, lo:hi] if before is None else valid[:, :, None, lo:hi] & before
         win = inwin & allowed
-        s = (q[:, :, a0:a1] @ k[:, :, lo:hi].transpose(-1, -2)) * scale
+        s = (q_rows[i] @ keys(k_cols, lo, hi).transpose(-1, -2)) * scale
         s_win = s.masked_fill(~win, -torch.inf)
         m = s_win.detach().amax(dim=-1, keepdim=True).clamp_min(0)
         em = torch.exp(-m)
-        qf = q_feat[:, :, a0:a1]
-        lin = (qf @ k_feat[:, :, lo:hi].transpose(-1, -2)).masked_fill(~(allowed & ~inwin), 0)
+        qf = qf_rows[i]
+        lin = (qf @ keys(kf_cols, lo, hi).transpose(-1, -2)).masked_fill(~(allowed & ~inwin), 0)
         weights = a_w * torch.exp(s_win - m) + (b_l * em) * lin
-        far = prefix[:, :, lo // c]
+        far = prefixes[lo // c]
         if not causal:
-            far = far + total[:, :, 0] - prefix[:, :, -(-hi // c)]
-        y = weights @ v1[:, :, lo:hi] + (b_l * em) * (qf @ far)
+            far = far + prefixes[-1] - prefixes[-(-hi // c)]  # (no state when not causal: prefixes[-1] is every key)
+        y = weights @ keys(v_cols, lo, hi) + (b_l * em) * (qf @ far)
         rows.append(y[..., :-1] / (y[..., -1:] + eps * em))
     out = torch.cat(rows, dim=2)
     if not output_final_state:
