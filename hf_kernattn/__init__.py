@@ -9,6 +9,7 @@ from .modeling.state import AttentionState, StateKind
 from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
 from .modeling.attention import KernelizedSelfAttention
+from .modeling.kernels_hybrid import SoftmaxWindow
 
 import importlib as _importlib
 
@@ -95,6 +96,7 @@ __all__ = [
     "LinearGPTModel",
     "RelativePositionBias1D",
     "RelativePositionBias2D",
+    "SoftmaxWindow",
     "available_backends",
     "feature_maps_step",
     "get_backend",

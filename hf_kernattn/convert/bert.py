@@ -173,6 +173,8 @@ def convert_to_nprf_bert(
     if "num_labels" in attention_overrides:
         fields.pop("id2label", None)
         fields.pop("label2id", None)
+    if attention_overrides.get("softmax_window") is not None and "rpe" not in attention_overrides:
+        fields["rpe"] = "none"  # the sliding-window hybrid takes no relative-position bias (BERT has none to copy)
     fields.update(attention_overrides)
     fields["position_embedding_type"] = "absolute"
     config = NPRFBertConfig(**fields)

@@ -29,6 +29,11 @@ resuming gives what one call over the whole sequence gives, with constant work a
 decoded token.
 
 :func:`hybrid_attention_reference` is the same function written densely with the band mask.
+
+Through ``kernelized_attention``: the feature-mapped ``q, k`` as usual, and the raw queries and
+keys, ``W``, the scale and the mixing weights bundled as ``softmax_window=SoftmaxWindow(...)``;
+the ``hybrid`` backend (:func:`hybrid_attention`, declared ``softmax_window``) runs such calls,
+and its state is an ``AttentionState`` with the window fields of :class:`HybridState`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,29 @@ from typing import NamedTuple, Optional
 import torch
 
 from .kernels_common import chunk_tokens, full_precision, mask_keys, per_head, with_ones_column
+from .state import AttentionState
+
+
+class SoftmaxWindow(NamedTuple):
+    """What ``kernelized_attention(..., softmax_window=...)`` needs besides the feature-mapped
+    queries and keys to compute the sliding-window hybrid.
+
+    Attributes:
+        q: ``(B, H, N, Dk)`` raw (projected, not feature-mapped) queries.
+        k: ``(B, H, N, Dk)`` raw keys.
+        window: ``W >= 1``: each query weighs the last ``W`` keys (causal; itself included) or the
+            keys within ``|j - i| < W`` (bidirectional) by ``exp(scale q . k)``.
+        scale: the softmax scale; None: ``Dk ** -0.5``.
+        window_weight: None or ``(H,)`` positive per-head weight ``a_h`` of the window part.
+        linear_weight: None or ``(H,)`` positive per-head weight ``b_h`` of the kernelized part.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    window: int
+    scale: Optional[float] = None
+    window_weight: Optional[torch.Tensor] = None
+    linear_weight: Optional[torch.Tensor] = None
 
 
 class HybridState(NamedTuple):
@@ -114,6 +142,9 @@ def hybrid_window_attention(
     scale = dk ** -0.5 if scale is None else float(scale)
     valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
     k, k_feat, v = _mask_padded(k, k_feat, v, key_mask)
+    if initial_state is not None and n == 1:  # a decoding step: the window and (S, z) only
+        return _step(q, k, q_feat, k_feat, v, valid, scale, _per_head(window_weight, q), _per_head(linear_weight, q),
+                     eps, initial_state, output_final_state)
     start = 0  # key position of the first query: the state's window goes before the new tokens
     if initial_state is not None:
         start = w - 1
@@ -126,13 +157,21 @@ def hybrid_window_attention(
     states = chunk_tokens(k_feat, c).transpose(-1, -2) @ chunk_tokens(v1, c)  # (B, H, nc, M, D+1)
     zero = torch.zeros_like(states[:, :, :1])
     prefix = torch.cat([zero, torch.cumsum(states, dim=2)], dim=2)  # prefix[f]: chunks < f
-    total = prefix[:, :, -1:]
     if initial_state is not None:
         old = torch.cat([initial_state.kv, initial_state.z[..., None]], dim=-1)[:, :, None]
         prefix = prefix + old
     a_w, b_l = _per_head(window_weight, q), _per_head(linear_weight, q)
+    # inputs cut into chunks once (split / unbind: their backward joins the pieces, instead of one
+    # full-size gradient per slice, which would cost O(N^2 / C))
+    q_rows, qf_rows = q.split(c, dim=2), q_feat.split(c, dim=2)
+    k_cols, kf_cols, v_cols = k.split(c, dim=2), k_feat.split(c, dim=2), v1.split(c, dim=2)
+    prefixes = prefix.unbind(dim=2)
+
+    def keys(parts, lo, hi):  # keys [lo, hi) from whole chunks (lo is a chunk boundary)
+        return torch.cat(parts[lo // c: -(-hi // c)], dim=2)[:, :, : hi - lo]
+
     rows = []
-    for a0 in range(0, n, c):
+    for i, a0 in enumerate(range(0, n, c)):
         a1 = min(a0 + c, n)
         first = start + a0  # key position of the chunk's first query
         lo = max(0, first - w + 1) // c * c
@@ -141,22 +180,44 @@ def hybrid_window_attention(
         inwin, before = _band(a1 - a0, first, lo, hi, w, causal, q.device)
         allowed = valid[:, :, None, lo:hi] if before is None else valid[:, :, None, lo:hi] & before
         win = inwin & allowed
-        s = (q[:, :, a0:a1] @ k[:, :, lo:hi].transpose(-1, -2)) * scale
+        s = (q_rows[i] @ keys(k_cols, lo, hi).transpose(-1, -2)) * scale
         s_win = s.masked_fill(~win, -torch.inf)
         m = s_win.detach().amax(dim=-1, keepdim=True).clamp_min(0)
         em = torch.exp(-m)
-        qf = q_feat[:, :, a0:a1]
-        lin = (qf @ k_feat[:, :, lo:hi].transpose(-1, -2)).masked_fill(~(allowed & ~inwin), 0)
+        qf = qf_rows[i]
+        lin = (qf @ keys(kf_cols, lo, hi).transpose(-1, -2)).masked_fill(~(allowed & ~inwin), 0)
         weights = a_w * torch.exp(s_win - m) + (b_l * em) * lin
-        far = prefix[:, :, lo // c]
+        far = prefixes[lo // c]
         if not causal:
-            far = far + total[:, :, 0] - prefix[:, :, -(-hi // c)]
-        y = weights @ v1[:, :, lo:hi] + (b_l * em) * (qf @ far)
+            far = far + prefixes[-1] - prefixes[-(-hi // c)]  # (no state when not causal: prefixes[-1] is every key)
+        y = weights @ keys(v_cols, lo, hi) + (b_l * em) * (qf @ far)
         rows.append(y[..., :-1] / (y[..., -1:] + eps * em))
     out = torch.cat(rows, dim=2)
     if not output_final_state:
         return out
     return out, _fold(initial_state, k, k_feat, v, valid, start, w)
+
+
+def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridState, output_final_state):
+    """One new token from ``state`` (what the chunked form computes for ``N = 1``, with less work):
+    exact weights over the window's ``W - 1`` keys and the new one, ``(S, z)`` for every older
+    key; then the oldest window key moves into ``(S, z)``. O(W (Dk + D) + M D) per token."""
+    keys = torch.cat([state.window_raw, k], dim=2)
+    feats = torch.cat([state.window_k, k_feat], dim=2)
+    vals = with_ones_column(torch.cat([state.window_v, v], dim=2))
+    valid = torch.cat([state.window_valid, valid], dim=2)
+    s = ((q @ keys.transpose(-1, -2)) * scale).masked_fill(~valid[:, :, None, :], -torch.inf)
+    m = s.detach().amax(dim=-1, keepdim=True).clamp_min(0)
+    em = torch.exp(-m)
+    far = torch.cat([state.kv, state.z[..., None]], dim=-1)
+    y = (a_w * torch.exp(s - m)) @ vals + (b_l * em) * (q_feat @ far)
+    out = y[..., :-1] / (y[..., -1:] + eps * em)
+    if not output_final_state:
+        return out
+    leaving = feats[:, :, :1]  # the oldest key of the window (the new one itself when W = 1)
+    kv = state.kv + leaving.transpose(-1, -2) @ vals[:, :, :1, :-1]
+    return out, HybridState(kv, state.z + leaving[:, :, 0], feats[:, :, 1:], vals[:, :, 1:, :-1], keys[:, :, 1:],
+                            valid[:, :, 1:])
 
 
 def _fold(state, k, k_feat, v, valid, start, w) -> HybridState:
@@ -204,3 +265,21 @@ def hybrid_attention_reference(
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     weights = torch.where(inwin & allowed, a_w * exact, torch.where(allowed, b_l * kernel, zero))
     return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + eps)
+
+
+def hybrid_attention(q_feat, k_feat, v, *, softmax_window: SoftmaxWindow, causal: bool, key_mask=None, eps: float = 1e-6,
+                     initial_state: Optional[AttentionState] = None, output_final_state: bool = False):
+    """The ``hybrid`` backend: :func:`hybrid_window_attention` with the feature-mapped ``q, k``
+    and ``v`` of ``kernelized_attention`` and the raw queries and keys of ``softmax_window``; its
+    state an ``AttentionState`` holding the :class:`HybridState` tensors (same order)."""
+    sw = softmax_window
+    state = None if initial_state is None else HybridState(*initial_state)
+    result = hybrid_window_attention(
+        sw.q, sw.k, q_feat, k_feat, v, window=sw.window, causal=causal, scale=sw.scale, key_mask=key_mask,
+        window_weight=sw.window_weight, linear_weight=sw.linear_weight, eps=eps, initial_state=state,
+        output_final_state=output_final_state,
+    )
+    if not output_final_state:
+        return result
+    out, final = result
+    return out, AttentionState(*final)

@@ -35,6 +35,8 @@ class TestLinearGPTFamily(CachedFamilyTests):
         # Llama-style blocks: rotations before the feature map, RMSNorm, gated MLP, one key/value head
         "llama": {"position_embedding_type": "rope", "norm_type": "rmsnorm", "mlp_type": "gated", "mlp_bias": False,
                   "num_key_value_heads": 1, "hidden_act": "silu"},
+        # the sliding-window hybrid: exact softmax over the last 3 keys (its state keeps raw keys and validity)
+        "window": {"position_embedding_type": "absolute", "softmax_window": 3},
     }
 
     def make_config(self, **overrides):
