@@ -81,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=16, help="blocks per optimizer step (every training)")
     p.add_argument("--learning_rate", type=float, default=2e-3, help="learning rate of the GPT-2 trained here")
     p.add_argument("--finetune_learning_rate", type=float, default=3e-4, help="learning rate of (a)'s full fine-tuning")
-    p.add_argument("--at_learning_rate", type=float, default=1e-2, help="learning rate of attention transfer")
-    p.add_argument("--lora_learning_rate", type=float, default=1e-3, help="learning rate of the LoRA fine-tuning")
+    p.add_argument("--at_learning_rate", type=float, default=3e-2, help="learning rate of attention transfer")
+    p.add_argument("--lora_learning_rate", type=float, default=3e-3, help="learning rate of the LoRA fine-tuning")
     p.add_argument("--lora_r", type=int, default=8, help="LoRA rank (lora_alpha = 2 r)")
     p.add_argument("--num_random_features", type=int, default=128, help="PRF features per head of (a)")
     p.add_argument("--feature_seed", type=int, default=0, help="seed of (a)'s random feature projections")
@@ -493,9 +493,10 @@ def plot(results: dict, path: Path) -> None:
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11.5, 4.4), gridspec_kw={"width_ratios": [3, 2]})
     teacher = results["teacher"]["loss"]
     colors = dict(zip("abcd", ("tab:red", "tab:orange", "tab:blue", "tab:green")))
-    for key, r in results["recipes"].items():
+    for key, r in results["recipes"].items():  # (b) is where (c) starts: drawn on top, larger
         steps, losses = zip(*r["curve"])
-        ax.plot(steps, losses, marker="o", ms=3, color=colors[key], ls=":" if key == "b" else "-", label=r["name"])
+        style = dict(marker="s", ms=7, ls=":", lw=2, zorder=3) if key == "b" else dict(marker="o", ms=3)
+        ax.plot(steps, losses, color=colors[key], label=r["name"], **style)
     ax.axhline(results["converted_prf_loss"], color="gray", ls=":", lw=1, label="right after conversion (PRF)")
     ax.axhline(teacher, color="black", ls="--", lw=1, label="teacher (softmax GPT-2)")
     ax.axhspan(teacher, 1.02 * teacher, color="black", alpha=0.08, lw=0, label="within 2% of the teacher")
@@ -507,10 +508,10 @@ def plot(results: dict, path: Path) -> None:
     contexts = results["decoding_setup"]["contexts"]
     entries = [("teacher (key/value cache)", results["teacher"]["decoding"], "black")]
     entries += [(r["name"].split(" ", 1)[0], r["decoding"], colors[k]) for k, r in results["recipes"].items()]
-    for label, d, color in entries:
+    for i, (label, d, color) in enumerate(entries):
         ms = 1e3 * d["seconds_per_token"]["cpu"]["median"]
-        bx.plot(contexts, [d["state_bytes"][str(c)] for c in contexts], marker="o", color=color,
-                label=f"{label}: {ms:.2f} ms/token (CPU) at {contexts[-1]}")
+        bx.plot(contexts, [d["state_bytes"][str(c)] for c in contexts], marker="o", ms=9 - 1.5 * i, color=color,
+                lw=1.5, label=f"{label}: {ms:.2f} ms/token (CPU) at {contexts[-1]}")
     bx.set_xscale("log")
     bx.set_yscale("log")
     bx.set_xlabel("context (tokens)")
