@@ -474,7 +474,8 @@ def results_table(results: dict) -> str:
         f"Steps: {', '.join(f'{k} {v}' for k, v in results['recipes']['c']['steps'].items())} for (c) and (d); "
         f"{results['recipes']['a']['steps']['full fine-tuning']} of full fine-tuning for (a); "
         f"{results['settings']['batch_size']} blocks of {results['settings']['block_size']} tokens per step. "
-        "Trainable parameters of (c) and (d): the feature maps (attention transfer) plus the LoRA adapters.",
+        "Trainable parameters of (c) and (d): those attention transfer trains (the feature maps; for (d) also the "
+        "window's mixing weights) plus the LoRA adapters.",
         f"Decoding: {results['decoding_setup']['method']}; median of {results['decoding_setup']['rounds']} rounds of "
         f"{results['decoding_setup']['tokens_per_round']} tokens, ratios per round median [min-max]; "
         f"{results['decoding_setup']['weights']}.",
