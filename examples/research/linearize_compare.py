@@ -490,6 +490,7 @@ def plot(results: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11.5, 4.4), gridspec_kw={"width_ratios": [3, 2]})
     teacher = results["teacher"]["loss"]
@@ -515,6 +516,8 @@ def plot(results: dict, path: Path) -> None:
                 lw=1.5, label=f"{label}: {ms:.2f} ms/token (CPU) at {contexts[-1]}")
     bx.set_xscale("log")
     bx.set_yscale("log")
+    bx.xaxis.set_minor_locator(NullLocator())
+    bx.set_xticks(contexts, [f"{c // 1024}k" if c % 1024 == 0 else str(c) for c in contexts])
     bx.set_xlabel("context (tokens)")
     bx.set_ylabel("decoding state (bytes)")
     bx.set_title("Decoding state and time per token")
