@@ -38,6 +38,7 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import transformers
@@ -56,9 +57,9 @@ from hf_kernattn.training import NUM_THREADS_HELP, configure_threads  # noqa: E4
 logger = logging.get_logger("finetune_converted")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=docstring_summary(__doc__),
-                                epilog="example: python examples/research/finetune_converted.py --output_dir out/finetune_converted")
+def add_source_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of the text, the tokens and the softmax GPT-2 (given or trained here), shared
+    with ``linearize_compare.py``."""
     p.add_argument("--output_dir", required=True, help="folder for the models, results.json/.md and the plot")
     p.add_argument("--train_file", help="plain-text training file (default: the Python standard library's sources)")
     p.add_argument("--validation_file", help="plain-text validation file (with --train_file)")
@@ -70,6 +71,30 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n_layer", type=int, default=4, help="layers of the GPT-2 trained here")
     p.add_argument("--n_head", type=int, default=4, help="heads of the GPT-2 trained here")
     p.add_argument("--gpt2_steps", type=int, default=1200, help="training steps of the GPT-2 trained here")
+
+
+def check_source_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, positive: tuple[str, ...],
+                           rates: tuple[str, ...]) -> None:
+    """``p.error`` for a bad argument of :func:`add_source_arguments` or among ``positive`` (ints
+    that must be >= 1) and ``rates`` (numbers that must be > 0)."""
+    if bool(args.train_file) != bool(args.validation_file):
+        p.error("give both --train_file and --validation_file, or neither")
+    for name in ("block_size", "gpt2_steps", "max_chars", "n_embd", "n_layer", "n_head", *positive):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in rates:
+        if not getattr(args, name) > 0:
+            p.error(f"--{name} must be > 0, got {getattr(args, name)}")
+    if args.n_embd % args.n_head:
+        p.error(f"--n_embd ({args.n_embd}) must be divisible by --n_head ({args.n_head})")
+    if args.num_threads is not None and args.num_threads < 1:
+        p.error(f"--num_threads must be >= 1, got {args.num_threads}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=docstring_summary(__doc__),
+                                epilog="example: python examples/research/finetune_converted.py --output_dir out/finetune_converted")
+    add_source_arguments(p)
     p.add_argument("--finetune_steps", type=int, default=200, help="fine-tuning steps of the converted Linear GPT")
     p.add_argument("--batch_size", type=int, default=16, help="blocks per training step (both trainings)")
     p.add_argument("--learning_rate", type=float, default=2e-3, help="learning rate of the GPT-2 trained here")
@@ -85,19 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of data order, initialisation and sampling")
     p.add_argument("--num_threads", type=int, default=None, help=NUM_THREADS_HELP)
     args = p.parse_args(argv)
-    if bool(args.train_file) != bool(args.validation_file):
-        p.error("give both --train_file and --validation_file, or neither")
-    for name in ("block_size", "gpt2_steps", "finetune_steps", "batch_size", "eval_steps", "max_eval_blocks",
-                 "generate_tokens", "num_random_features", "max_chars", "n_embd", "n_layer", "n_head"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
-    for name in ("learning_rate", "finetune_learning_rate"):
-        if not getattr(args, name) > 0:
-            p.error(f"--{name} must be > 0, got {getattr(args, name)}")
-    if args.n_embd % args.n_head:
-        p.error(f"--n_embd ({args.n_embd}) must be divisible by --n_head ({args.n_head})")
-    if args.num_threads is not None and args.num_threads < 1:
-        p.error(f"--num_threads must be >= 1, got {args.num_threads}")
+    check_source_arguments(p, args, ("finetune_steps", "batch_size", "eval_steps", "max_eval_blocks", "generate_tokens",
+                                     "num_random_features"), ("learning_rate", "finetune_learning_rate"))
     if args.prompt is not None and not args.prompt:
         p.error("--prompt must not be empty")
     return args
@@ -228,9 +242,21 @@ def main(argv=None) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
-    started = time.perf_counter()
-    tokenizer, gpt2 = load_source(args)
+class SourceData(NamedTuple):
+    """The text, its tokens and blocks (see :func:`load_data`)."""
+
+    train_text: str
+    valid_text: str
+    train_ids: list
+    valid_ids: list
+    train_set: Dataset
+    eval_set: Dataset
+
+
+def load_data(args: argparse.Namespace, tokenizer) -> SourceData:
+    """The training and validation text (``--train_file``/``--validation_file`` or the default
+    corpus), tokenized and cut into blocks of ``--block_size`` (at most ``--max_eval_blocks``
+    validation blocks)."""
     if args.train_file:
         from hf_kernattn.training import check_text_files
 
@@ -247,23 +273,36 @@ def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
     if len(train_set) == 0 or len(eval_set) == 0:
         raise ValueError(f"the text gives no block of --block_size={args.block_size} tokens (train or validation)")
     logger.info(f"{len(train_set)} training and {len(eval_set)} validation blocks of {args.block_size} tokens")
+    return SourceData(train_text, valid_text, train_ids, valid_ids, train_set, eval_set)
+
+
+def prepare_teacher(args: argparse.Namespace, tokenizer, gpt2, data: SourceData, out: Path, scratch: Path):
+    """The softmax GPT-2: ``gpt2`` loaded from ``--model_name_or_path``, or (``gpt2`` None) one
+    trained here with Trainer (``--gpt2_steps`` at ``--learning_rate``) and saved with the
+    tokenizer in ``out/gpt2``. Returns ``(folder, model, [(step, validation loss)...])``."""
+    if gpt2 is not None:
+        return args.model_name_or_path, gpt2, []
+    gpt2_dir = str(out / "gpt2")
+    gpt2 = GPT2LMHeadModel(GPT2Config(
+        vocab_size=len(tokenizer), n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
+        n_head=args.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id))
+    trainer = Trainer(model=gpt2, args=training_args(scratch / "gpt2_run", args.gpt2_steps, args.learning_rate, args),
+                      train_dataset=data.train_set, eval_dataset=data.eval_set)
+    trainer.train()
+    gpt2.save_pretrained(gpt2_dir)
+    tokenizer.save_pretrained(gpt2_dir)
+    return gpt2_dir, gpt2, curve(trainer)
+
+
+def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
+    started = time.perf_counter()
+    tokenizer, gpt2 = load_source(args)
+    data = load_data(args, tokenizer)
+    train_ids, valid_ids, train_set, eval_set = data.train_ids, data.valid_ids, data.train_set, data.eval_set
 
     # 1. GPT-2: given, or trained here
-    gpt2_curve: list[tuple[int, float]] = []
-    if gpt2 is not None:
-        gpt2_dir = args.model_name_or_path
-    else:
-        gpt2_dir = str(out / "gpt2")
-        gpt2 = GPT2LMHeadModel(GPT2Config(
-            vocab_size=len(tokenizer), n_positions=args.block_size, n_embd=args.n_embd, n_layer=args.n_layer,
-            n_head=args.n_head, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id))
-        trainer = Trainer(model=gpt2, args=training_args(scratch / "gpt2_run", args.gpt2_steps, args.learning_rate, args),
-                          train_dataset=train_set, eval_dataset=eval_set)
-        trainer.train()
-        gpt2_curve = curve(trainer)
-        gpt2.save_pretrained(gpt2_dir)
-        tokenizer.save_pretrained(gpt2_dir)
+    gpt2_dir, gpt2, gpt2_curve = prepare_teacher(args, tokenizer, gpt2, data, out, scratch)
     source_name = "GPT-2" if gpt2.config.model_type == "gpt2" else gpt2.config.model_type
     gpt2_loss = evaluate(gpt2, eval_set, scratch / "eval", args)
     vocab_size = gpt2.config.vocab_size
