@@ -15,9 +15,12 @@ attention it replaces:
    trains the attention's projections (T2R, Kasai et al. 2021). Everything else stays the copied
    source weights.
 
-Text: a ``datasets`` name (``dataset``, online or from the local cache) or local plain-text
-files (``train_files``), tokenized with the source's tokenizer and cut into blocks of
-``block_size`` tokens. Batches are a function of the step and the seed only, and checkpoints
+Text: a ``datasets`` name (``dataset``, online or from the local cache) or local files
+(``train_files``: plain text, or ``.csv``/``.json``/``.jsonl`` tables read from ``text_column``),
+tokenized with the source's tokenizer and cut into blocks of ``block_size`` tokens; or, with
+``line_by_line`` or ``text_pair_column`` (sentence pairs, e.g. a GLUE task for an encoder), one
+sequence per example with the tokenizer's special tokens, in padded batches whose padding mask
+both models read (the loss counts real positions only). Batches are a function of the step and the seed only, and checkpoints
 (``checkpointing_steps``; JSON and safetensors only) hold the trained weights, the optimizer,
 the scheduler and the random states: a run stopped and resumed
 (``resume_from_checkpoint="latest"``) ends bitwise where the uninterrupted run ends. The result
@@ -584,7 +587,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default=None, help="a datasets name to read the text from (instead of --train_file)")
     parser.add_argument("--dataset_config", default=None, help="the dataset's configuration name")
     parser.add_argument("--dataset_split", default="train", help="the split to read (default: train)")
-    parser.add_argument("--text_column", default="text", help="the dataset's text column (default: text)")
+    parser.add_argument("--text_column", default="text",
+                        help="the text column of a dataset or of .csv/.json/.jsonl train files (default: text)")
+    parser.add_argument("--text_pair_column", default=None,
+                        help="a second text column: every example is a (text, text pair) sequence, as sentence-pair "
+                             "tasks give an encoder (implies --line_by_line)")
+    parser.add_argument("--line_by_line", action="store_true",
+                        help="one sequence per example (a line of a plain-text file, a row of a table or dataset) with "
+                             "the tokenizer's special tokens, in padded batches, instead of packed blocks")
     parser.add_argument("--feature_map", default=DEFAULT_FEATURE_MAP,
                         help=f"the student's feature map (default: {DEFAULT_FEATURE_MAP}, a learned map)")
     parser.add_argument("--train", choices=TRAINABLE, default="feature_maps",
@@ -614,6 +624,7 @@ def run(args: argparse.Namespace) -> int:
     model = linearize(
         args.source, args.output_dir, train_files=args.train_file, dataset=args.dataset,
         dataset_config=args.dataset_config, dataset_split=args.dataset_split, text_column=args.text_column,
+        text_pair_column=args.text_pair_column, line_by_line=args.line_by_line,
         feature_map=args.feature_map, train=args.train, steps=args.steps, batch_size=args.batch_size,
         block_size=args.block_size, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
         scheduler=args.lr_scheduler_type, seed=args.seed, checkpointing_steps=args.checkpointing_steps,

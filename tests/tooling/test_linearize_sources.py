@@ -281,3 +281,17 @@ def test_bad_input_is_refused_before_anything_is_written(bert, llama, tmp_path):
     with pytest.raises(ValueError, match="output_dir .* is not a folder"):
         linearize(folder, taken, train_files=[str(data)], text_column="sentence1", steps=2)
     assert taken.read_text() == "x"
+
+
+def test_command_line_sentence_pairs(bert, tmp_path, capsys):
+    from hf_kernattn.cli import main
+
+    folder, data = bert
+    code = main(["-q", "linearize", str(folder), str(tmp_path / "cli"), "--train_file", str(data), "--text_column",
+                 "sentence1", "--text_pair_column", "sentence2", "--steps", "2", "--batch_size", "4", "--block_size", "24"])
+    assert code == 0 and "saved to" in capsys.readouterr().out
+    recipe = json.loads((tmp_path / "cli" / "linearize_report.json").read_text())["recipe"]
+    assert recipe["text_pair_column"] == "sentence2" and recipe["blocks"] == 200
+    assert main(["linearize", str(folder), str(tmp_path / "bad"), "--train_file", str(data), "--text_column", "nope",
+                 "--steps", "2"]) == 1
+    assert "has no column 'nope'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
