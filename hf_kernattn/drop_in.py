@@ -83,10 +83,21 @@ class DropInOptions:
 OPTIONS = DropInOptions()
 
 
+def _refuse_softmax_window(options: dict) -> None:
+    """``ValueError`` for ``softmax_window``: the drop-in has no place for the hybrid's learned weights."""
+    if "softmax_window" in options:
+        raise ValueError(
+            "softmax_window: the drop-in does not run the sliding-window hybrid: its learned per-head mixing weights "
+            "are parameters of a model's attention layers, which the drop-in does not add to a stock model; convert "
+            "the model to an hf-kernattn family (hf-kernattn convert --softmax-window W) instead"
+        )
+
+
 def configure(**options) -> DropInOptions:
     """Set the options for layers that have no features yet (``ValueError`` for a bad one);
     returns the current options."""
     global OPTIONS
+    _refuse_softmax_window(options)
     candidate = DropInOptions(**{**asdict(OPTIONS), **options})
     candidate.check()
     OPTIONS = candidate
@@ -107,6 +118,7 @@ def enable(model: nn.Module, **options) -> nn.Module:
     the defaults of :func:`configure`), recorded in ``model.config`` with the implementation, so
     that ``save_pretrained`` keeps them and ``from_pretrained`` restores them (``hf_kernattn``
     imported). Returns the model."""
+    _refuse_softmax_window(options)
     recorded = getattr(model.config, "kernelized_attention", None)
     base = asdict(_options(model)) if recorded is not None else asdict(OPTIONS)
     opts = DropInOptions(**{**base, **options})

@@ -144,6 +144,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the feature map of the converted attention (default: {map_default})")
     parser.add_argument("--attn-backend", default=None,
                         help="auto (the default) or a registered backend name (hf-kernattn backends lists them)")
+    parser.add_argument("--softmax-window", type=int, default=None,
+                        help="W: exact softmax over a sliding window of W keys, kernelized attention beyond (the "
+                             "sliding-window hybrid; GPT-2, Llama, BERT and RoBERTa; default: off)")
     parser.add_argument("--num-labels", type=int, default=None, help="the number of labels of a new classification head")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="read pickled weights (pytorch_model*.bin) of a source that has no safetensors ones; "
@@ -159,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
             ("max_relative_position", args.max_relative_position),
             ("feature_map", args.feature_map),
             ("attn_backend", args.attn_backend),
+            ("softmax_window", args.softmax_window),
             ("num_labels", args.num_labels),
         )
         if v is not None

@@ -11,7 +11,8 @@ attention it replaces:
    both models), so the layers train together but independently of each other's errors.
 3. The loss is the mean over layers of the mean squared error between the student's and the
    teacher's attention output (after the output projection, before the residual).
-4. Only the feature maps' weights train (``train="feature_maps"``); ``train="attention"`` also
+4. Only the feature maps' weights train (``train="feature_maps"``), and with the sliding-window
+   hybrid (``softmax_window=W``) each layer's per-head mixing weights; ``train="attention"`` also
    trains the attention's projections (T2R, Kasai et al. 2021). Everything else stays the copied
    source weights.
 
@@ -160,7 +161,7 @@ def transfer_loss(teacher_out: Sequence[torch.Tensor], student_out: Sequence[tor
 
 def select_trainable(student: nn.Module, train: str) -> list[str]:
     """Freeze every parameter of ``student`` but those attention transfer trains; their names."""
-    from ..modeling.attention import KernelizedSelfAttention
+    from ..modeling.attention import WINDOW_WEIGHTS, KernelizedSelfAttention
 
     if train not in TRAINABLE:
         raise ValueError(f"train must be one of {list(TRAINABLE)}, got {train!r}")
@@ -169,6 +170,8 @@ def select_trainable(student: nn.Module, train: str) -> list[str]:
         if isinstance(module, KernelizedSelfAttention):
             part = module.feature_map if train == "feature_maps" else module
             keep.update(id(p) for p in part.parameters())
+            # the sliding-window hybrid's mixing weights belong to what attention transfer fits
+            keep.update(id(p) for n in WINDOW_WEIGHTS if (p := module._parameters.get(n)) is not None)
     names = []
     for name, p in student.named_parameters():
         p.requires_grad_(id(p) in keep)
@@ -536,6 +539,9 @@ def _save_result(student, src: Path, out: Path, source, settings, before, after,
         "converted from": f"`{source}` ({settings['model_type']})",
         "trained": f"{settings['train']} ({trainable} parameters; every other weight copied from the source)",
         "feature map": f"`{settings['feature_map']}`",
+        "softmax window": (f"W = {student.config.softmax_window} (exact softmax over the last W keys, kernelized "
+                           "beyond, learned per-head mixing weights)"
+                           if getattr(student.config, "softmax_window", None) is not None else "off"),
         "steps x batch x block": f"{settings['steps']} x {settings['batch_size']} x {settings['block_size']} tokens",
         "learning rate": f"{settings['learning_rate']} ({settings['scheduler']}, {settings['warmup_steps']} warmup steps)",
         "per-layer loss before": fmt(before),
@@ -597,6 +603,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "the tokenizer's special tokens, in padded batches, instead of packed blocks")
     parser.add_argument("--feature_map", default=DEFAULT_FEATURE_MAP,
                         help=f"the student's feature map (default: {DEFAULT_FEATURE_MAP}, a learned map)")
+    parser.add_argument("--softmax_window", type=int, default=None,
+                        help="W: the sliding-window hybrid (exact softmax over a window of W keys, the learned feature "
+                             "map beyond; its mixing weights train with the feature maps); default: off")
     parser.add_argument("--train", choices=TRAINABLE, default="feature_maps",
                         help="what trains: the feature maps only (default) or the whole attention (projections too)")
     parser.add_argument("--steps", type=int, default=200, help="optimisation steps (default: 200)")
@@ -631,6 +640,7 @@ def run(args: argparse.Namespace) -> int:
         checkpoints_total_limit=args.checkpoints_total_limit, resume_from_checkpoint=args.resume_from_checkpoint,
         stop_after_steps=args.stop_after_steps, revision=args.revision, allow_pickle=args.allow_pickle,
         progress=not getattr(args, "quiet", False),
+        **({} if args.softmax_window is None else {"softmax_window": args.softmax_window}),
     )
     report = getattr(model, "linearize_report", None)
     if report is None:

@@ -7,12 +7,17 @@ Families differ only in what they pass in: NPRF-BERT a 1D bias and a padding mas
 ``causal=True`` (and its decoding state, built from :meth:`KernelizedSelfAttention.project`),
 the ViT a 2D bias on the patch grid. The module reads the shared attention fields of the config
 (``feature_map``, ``num_random_features``, ``feature_projection``, ``normalize_qk``,
-``feature_redraw_interval``, ``feature_seed``, ``num_learned_features``, ``attn_backend``, ``attention_eps``,
-``attention_bias``, ``recompute_attention``), documented and checked once in
+``feature_redraw_interval``, ``feature_seed``, ``num_learned_features``, ``softmax_window``, ``attn_backend``,
+``attention_eps``, ``attention_bias``, ``recompute_attention``), documented and checked once in
 ``attention_config.py``, and ``num_key_value_heads`` where the family has it (grouped-query
 attention: ``G = H / H_kv`` query heads share one key/value head; the key features and values
 are computed once per key/value head and repeated to the ``G`` query heads of its group, as
 Llama's ``repeat_kv``).
+
+With ``softmax_window = W`` the module computes the sliding-window hybrid (``kernels_hybrid.py``):
+the raw projected queries and keys go to the core beside their features (a
+:class:`~kernels_hybrid.SoftmaxWindow`), with the layer's learned per-head mixing weights
+``exp(window_log_weight)``, ``exp(linear_log_weight)``.
 """
 
 from __future__ import annotations
@@ -27,7 +32,12 @@ from torch import nn
 from .attention_config import complete_attention_fields
 from .dispatch import get_backend, kernelized_attention
 from .feature_maps import FeatureMap
+from .kernels_hybrid import SoftmaxWindow
 from .positional import apply_rotary
+
+
+# the sliding-window hybrid's per-head mixing weights (log scale) of an attention layer
+WINDOW_WEIGHTS = ("window_log_weight", "linear_log_weight")
 
 
 class KernelizedSelfAttention(nn.Module):
@@ -90,6 +100,12 @@ class KernelizedSelfAttention(nn.Module):
         self.rotary = False
         self.rpe: Optional[nn.Module] = None
         self.dropout = nn.Dropout(0.0)
+        # the sliding-window hybrid: W and the per-head mixing weights a = exp(window_log_weight),
+        # b = exp(linear_log_weight) (0 at initialisation: a = b = 1)
+        self.softmax_window: Optional[int] = config.softmax_window
+        if self.softmax_window is not None:
+            self.window_log_weight = nn.Parameter(torch.zeros(heads))
+            self.linear_log_weight = nn.Parameter(torch.zeros(heads))
         self._fused = None  # (key, weight, bias, sources) of fused_projection
 
     def _apply(self, fn, recurse=True):
@@ -198,6 +214,15 @@ class KernelizedSelfAttention(nn.Module):
         k = self._repeat_kv(self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask,
                                              sync_free=sync_free))
         return q, k, self._repeat_kv(v.to(q.dtype))
+
+    def window_input(self, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> Optional[SoftmaxWindow]:
+        """The raw queries ``(B, H, N, D)`` and keys (per key/value head, repeated here to the
+        query heads) in ``dtype``, bundled with W, the scale ``D ** -0.5`` and the mixing weights
+        for the core; None without ``softmax_window``."""
+        if self.softmax_window is None:
+            return None
+        return SoftmaxWindow(q.to(dtype), self._repeat_kv(k).to(dtype), self.softmax_window, self.head_dim ** -0.5,
+                             self.window_log_weight.exp(), self.linear_log_weight.exp())
 
     def output(self, attn: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``(B, H, N, D)`` -> merged heads through ``o_proj``: ``(B, N, C)`` in ``dtype``."""
@@ -309,9 +334,11 @@ class KernelizedSelfAttention(nn.Module):
         these tokens (None unless ``output_final_state``)."""
         # padded keys are masked by the core: only real ones must lie in the feature map's valid range;
         # a decoding step reads nothing on the host: an unrepresentable key gives NaN, not an error
+        raw = (q, k) if self.softmax_window is not None else None
         q, k, v = self.features(q, k, v, projection, attention_mask,
                                 sync_free=initial_state is not None and q.shape[2] == 1)
-        return self._kernel(q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state)
+        return self._kernel(q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state,
+                            raw)
 
     def _step(
         self,
@@ -340,6 +367,7 @@ class KernelizedSelfAttention(nn.Module):
         if self.rope:
             qk = apply_rotary(qk, *rotary)
         fm = self.feature_map
+        raw = (qk[:, :h], qk[:, h:]) if self.softmax_window is not None else None
         if fm.same_for_queries_and_keys:
             qk = fm(qk, is_query=True, projection=projection)
             q, k = qk[:, :h], qk[:, h:]
@@ -349,11 +377,13 @@ class KernelizedSelfAttention(nn.Module):
         if v.dtype != q.dtype:
             v = v.to(q.dtype)
         return self._kernel(q, self._repeat_kv(k), self._repeat_kv(v), attention_mask, rpe_bias, grid,
-                            rpe_clip, rotary if self.rotary else None, initial_state, True)
+                            rpe_clip, rotary if self.rotary else None, initial_state, True, raw)
 
-    def _kernel(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state):
+    def _kernel(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state,
+                raw=None):
         """Feature-mapped queries and keys, values -> the rotations of ``rotary`` (positive
-        features kept for the denominator), the kernel: the output and the state (see :meth:`_attend`)."""
+        features kept for the denominator), the kernel: the output and the state (see :meth:`_attend`).
+        ``raw``: the raw queries and keys of the sliding-window hybrid (``softmax_window``), or None."""
         den = {}
         if rotary is not None:
             den = dict(q_den=q, k_den=k)
@@ -365,6 +395,7 @@ class KernelizedSelfAttention(nn.Module):
             grid=grid, backend=self.call_backend(continuing=initial_state is not None), eps=self.eps, rpe_clip=rpe_clip,
             initial_state=initial_state, output_final_state=output_final_state,
             # decoding (nothing recorded for autograd): the state is updated in the cache's own tensors
-            in_place=initial_state is not None and not torch.is_grad_enabled(), **den,
+            in_place=initial_state is not None and not torch.is_grad_enabled(),
+            softmax_window=None if raw is None else self.window_input(*raw, q.dtype), **den,
         )
         return result if output_final_state else (result, None)

@@ -210,6 +210,19 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
         int_at_least(1),
     ),
     ConfigField(
+        "softmax_window", None,
+        "W, the sliding-window hybrid (LoLCATs, Zhang et al. 2024): each query weighs the last W keys "
+        "(causal; itself included) or the keys within |j - i| < W (bidirectional) exactly, by "
+        "a_h exp(q . k / sqrt(d)) of the raw projected queries and keys, and every other key by "
+        "b_h phi(q) . phi(k), with one numerator and one denominator. a_h, b_h are learned positive "
+        "per-head weights, parameters of each attention layer stored as logarithms "
+        "(``window_log_weight``, ``linear_log_weight``, initialised to 0: a = b = 1). A causal "
+        "decoding state keeps the last W - 1 raw keys, features and values besides (S, z): "
+        "constant size. None: off (pure kernelized attention); an int >= 1: W. No relative-position "
+        "bias or rotary features with it; a family may refuse it (the ViT has no 1D window).",
+        optional(int_at_least(1)),
+    ),
+    ConfigField(
         "attn_backend", "auto",
         "``\"auto\"`` or a registered backend name (``hf_kernattn.available_backends()``) for the "
         "parallel form. " + _AUTO_RULE,

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 
 from .kernels_common import is_size, known_true
+from .kernels_hybrid import SoftmaxWindow
 from .state import AttentionState, StateKind
 
 
@@ -182,14 +183,15 @@ def check_denominator_features(q_den: object, k_den: object, q: torch.Tensor) ->
 def check_state(
     initial_state: object, shapes: dict[str, tuple[int, ...]], device
 ) -> Optional[AttentionState]:
-    """None, or an :class:`AttentionState` (or a tuple of its 2 or 4 tensors) whose tensors have
-    the ``shapes`` given (``window_k`` / ``window_v`` only for a bias clipped at K)."""
+    """None, or an :class:`AttentionState` (or a tuple of its 2, 4 or 6 tensors) whose tensors
+    have the ``shapes`` given (``window_k`` / ``window_v`` only for a bias clipped at K or the
+    sliding-window hybrid, ``window_raw`` / ``window_valid`` (bool) only for the hybrid)."""
     if initial_state is None:
         return None
-    if not isinstance(initial_state, tuple) or len(initial_state) not in (2, 4):
+    if not isinstance(initial_state, tuple) or len(initial_state) not in (2, 4, 6):
         raise TypeError(
-            "initial_state must be an AttentionState (kv, z[, window_k, window_v]) returned by an earlier call "
-            f"with output_final_state=True, got {type(initial_state).__name__}"
+            "initial_state must be an AttentionState (kv, z[, window_k, window_v[, window_raw, window_valid]]) "
+            f"returned by an earlier call with output_final_state=True, got {type(initial_state).__name__}"
         )
     state = AttentionState(*initial_state)
     for name, want in shapes.items():
@@ -197,11 +199,22 @@ def check_state(
         doc = str(want)
         if x is None:
             raise ValueError(f"initial_state.{name} must be a tensor of shape {doc} for this call, got None")
-        check_tensor(f"initial_state.{name}", x, len(want), doc)
+        if name == "window_valid":
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.bool:
+                raise TypeError(f"initial_state.window_valid must be a bool tensor of shape {doc}, got "
+                                f"{getattr(x, 'dtype', type(x).__name__)}")
+        else:
+            check_tensor(f"initial_state.{name}", x, len(want), doc)
         if tuple(x.shape) != want:
             raise ValueError(f"initial_state.{name} must have shape {doc} for this call, got {tuple(x.shape)}")
         if x.device != device:
             raise ValueError(f"initial_state.{name} must be on the device of q ({device}), got {x.device}")
+    extra = [n for n in ("window_raw", "window_valid") if n not in shapes and getattr(state, n) is not None]
+    if extra:
+        raise ValueError(
+            f"initial_state holds {extra}, the window of the sliding-window hybrid, but this call has no "
+            "softmax_window: a state only continues a call of the same kind"
+        )
     extra = [n for n in ("window_k", "window_v") if n not in shapes and getattr(state, n) is not None]
     if extra:
         raise ValueError(
@@ -209,6 +222,64 @@ def check_state(
             "has no clipped bias: a state only continues a call of the same kind"
         )
     return state
+
+
+def check_softmax_window(
+    softmax_window: object, q: torch.Tensor, causal: bool, rpe: Optional[str], q_den: Optional[torch.Tensor]
+) -> Optional[SoftmaxWindow]:
+    """None, or ``softmax_window`` in normal form (``window`` an int, ``scale`` a float): a
+    :class:`SoftmaxWindow` whose raw queries and keys ``(B, H, N, Dk)`` match ``q`` in batch,
+    heads, length, dtype and device, with ``window >= 1``, ``scale`` None or a finite number
+    > 0 and per-head mixing weights None or ``(H,)`` floating-point tensors on ``q``'s device.
+    The hybrid takes no relative-position bias and no separate denominator features."""
+    if softmax_window is None:
+        return None
+    if not isinstance(softmax_window, SoftmaxWindow):
+        raise TypeError("softmax_window must be None or a SoftmaxWindow(q, k, window, scale, window_weight, "
+                        f"linear_weight) of the raw queries and keys, got {type(softmax_window).__name__}")
+    sw = softmax_window
+    b, h, n = q.shape[:3]
+    for name in ("q", "k"):
+        x = check_tensor(f"softmax_window.{name}", getattr(sw, name), 4, "(batch, heads, seq, head_dim)")
+        if tuple(x.shape[:3]) != (b, h, n) or x.shape[3] == 0:
+            raise ValueError(f"softmax_window.{name} (the raw {'queries' if name == 'q' else 'keys'}) must have shape "
+                             f"(batch, heads, seq, head_dim >= 1) with (batch, heads, seq) = {(b, h, n)} as q, "
+                             f"got {tuple(x.shape)}")
+        if x.dtype != q.dtype or x.device != q.device:
+            raise ValueError(f"softmax_window.{name} must have the dtype and device of q ({q.dtype}, {q.device}), got "
+                             f"{x.dtype}, {x.device}")
+    if sw.q.shape[3] != sw.k.shape[3]:
+        raise ValueError(f"softmax_window.q and softmax_window.k must have one head_dim, got {sw.q.shape[3]} and "
+                         f"{sw.k.shape[3]}")
+    window = sw.window
+    if not isinstance(window, int) or isinstance(window, bool):
+        raise TypeError(f"softmax_window.window must be an int >= 1 (W, the keys each query sees exactly), "
+                        f"got {window!r}")
+    if window < 1:
+        raise ValueError(f"softmax_window.window must be an int >= 1 (W, the keys each query sees exactly), "
+                         f"got {window}")
+    scale = sw.scale
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"softmax_window.scale must be None (head_dim ** -0.5) or a number > 0, got {scale!r}")
+        if not 0 < scale < float("inf"):
+            raise ValueError(f"softmax_window.scale must be None (head_dim ** -0.5) or a finite number > 0, "
+                             f"got {scale!r}")
+        scale = float(scale)
+    for name in ("window_weight", "linear_weight"):
+        w = getattr(sw, name)
+        if w is None:
+            continue
+        check_tensor(f"softmax_window.{name}", w, 1, f"(heads,) = ({h},)")
+        if tuple(w.shape) != (h,) or w.device != q.device:
+            raise ValueError(f"softmax_window.{name} must be None or a tensor of shape (heads,) = ({h},) on "
+                             f"{q.device} (positive per-head mixing weights), got shape {tuple(w.shape)} on {w.device}")
+    if rpe is not None:
+        raise ValueError("softmax_window cannot be combined with rpe_bias (or grid): the sliding-window hybrid "
+                         "takes no relative-position bias")
+    if q_den is not None:
+        raise ValueError("softmax_window cannot be combined with separate denominator features (q_den, k_den)")
+    return sw._replace(window=int(window), scale=scale)
 
 
 def check_state_kind(given: Optional[StateKind], kind: StateKind) -> None:

@@ -1,4 +1,4 @@
-"""The seven built-in attention backends, registered with their declared capabilities.
+"""The eight built-in attention backends, registered with their declared capabilities.
 
 The kernels are the ``kernels_*.py`` files (one per algorithm); the registry, the declared
 capabilities and the ``auto`` rule are ``registry.py``; the entry point that checks a call and
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .kernels_dense import dense_attention
 from .kernels_fft import fft_attention, fft_error_bound
+from .kernels_hybrid import hybrid_attention
 from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
 from .kernels_manhattan import manhattan_attention
 from .kernels_windowed import windowed_attention
@@ -50,4 +51,9 @@ register_backend(
     causal=True, noncausal=False, rpe_1d=True, decoding=True, state=True, split_denominator=True,
     complexity="O(M D) per token, O(K (M + D)) clipped at K",
     description="RNN form, one token at a time (decoding)",
+)
+register_backend(
+    "hybrid", hybrid_attention, takes=("causal", "key_mask", "eps", "softmax_window") + STATE_ARGUMENTS, causal=True,
+    noncausal=True, state=True, softmax_window=True, complexity="O(N (C + W) (Dk + M + D) + N M D)",
+    description="sliding-window hybrid: exact softmax over a window of W keys, kernelized beyond (softmax_window)",
 )

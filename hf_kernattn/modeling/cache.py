@@ -6,7 +6,9 @@ decoding step costs the same at any context length. With rotary features ``S`` h
 rotated keys and ``z`` the positive ones; with a learned relative-position bias clipped at
 ``K = max_relative_position`` the state also holds the window of the last ``K - 1`` keys and
 values (every older key carries ``c_{-K}`` and lives in ``S``, ``z``): exact, and still constant
-per token. The attention core computes and returns this state
+per token. With the sliding-window hybrid (``softmax_window = W``) the state holds the window of
+the last ``W - 1`` keys' features, values, raw keys and validity flags besides ``S`` and ``z``:
+constant size too. The attention core computes and returns this state
 (``state.AttentionState``); this module only stores it.
 
 Each layer's state lives in a :class:`LinearGPTCacheLayer`, a ``transformers``
@@ -55,10 +57,21 @@ def _check_window(window: object) -> None:
         raise ValueError(f"window must be None (no relative-position bias) or an int >= 0 (K - 1), got {window!r}")
 
 
+def _check_softmax_window(softmax_window: object) -> None:
+    if softmax_window is not None and (
+        not isinstance(softmax_window, int) or isinstance(softmax_window, bool) or softmax_window < 1
+    ):
+        raise ValueError(f"softmax_window must be None (no sliding-window hybrid) or an int >= 1 (W), "
+                         f"got {softmax_window!r}")
+
+
 class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
     """One layer's decoding state: recurrent states ``0`` = S ``(B, H, M, D)``, ``1`` = z
     ``(B, H, M)`` and, for a relative-position bias clipped at K (``window = K - 1``), ``2`` = the
-    window's keys ``(B, H, K - 1, M)``, ``3`` = its values ``(B, H, K - 1, D)``.
+    window's keys ``(B, H, K - 1, M)``, ``3`` = its values ``(B, H, K - 1, D)``; for the
+    sliding-window hybrid (``softmax_window = W``) ``2``, ``3`` = the features and values of the
+    last ``W - 1`` keys, ``4`` = their raw keys ``(B, H, W - 1, Dk)``, ``5`` = their validity
+    ``(B, 1, W - 1)`` (bool).
 
     A linear-attention layer that also counts the positions folded in (``get_seq_length()``,
     padding included), so that the stock :class:`~transformers.cache_utils.Cache` answers
@@ -69,16 +82,20 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
     Args:
         window: ``K - 1`` for a bias clipped at ``K``; None without a bias; left unset (the
             default), the first state stored decides.
+        softmax_window: ``W`` for the sliding-window hybrid, None without it (with ``window``
+            unset, the first state stored decides).
     """
 
     # the recurrent states have static shapes, but Linear GPT's forward is not compiled as a
     # whole graph (``_can_compile_fullgraph = False``): generate() must not compile it on its own
     is_compileable = False
 
-    def __init__(self, window: Union[int, None, str] = UNSET, **kwargs) -> None:
+    def __init__(self, window: Union[int, None, str] = UNSET, softmax_window: Optional[int] = None, **kwargs) -> None:
         _check_window(window)
-        super().__init__(number_of_states=4 if isinstance(window, int) else 2)
+        _check_softmax_window(softmax_window)
+        super().__init__(number_of_states=6 if softmax_window is not None else 4 if isinstance(window, int) else 2)
         self.window = window
+        self.softmax_window = softmax_window
         # positions folded into the state, padding included (DynamicLayer's name for it)
         self.cumulative_length = 0
         # the StateKind of the call that produced the state (kept with it, so that a call of
@@ -86,7 +103,8 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         self.state_kind = None
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(window={self.window}, initialized={self.is_initialized})"
+        hybrid = f", softmax_window={self.softmax_window}" if self.softmax_window is not None else ""
+        return f"{type(self).__name__}(window={self.window}{hybrid}, initialized={self.is_initialized})"
 
     @property
     def is_initialized(self) -> bool:
@@ -120,10 +138,14 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         updated in place (``kernelized_attention(..., in_place=True)``, decoding); others are
         copied in place into the layer's tensors, except while autograd records through it (training across calls), where the tensors are
         replaced so that the graph of the earlier call keeps the values it saw."""
-        if self.window == UNSET:  # the first state decides: with a window (4 tensors) or not (2)
-            self.window = None if len(state) < 3 or state[2] is None else int(state[2].shape[2])
-            if self.window is not None:
-                LinearAttentionCacheLayerMixin.__init__(self, number_of_states=4)
+        if self.window == UNSET:  # the first state decides: the hybrid's (6 tensors), with a window (4) or not (2)
+            if len(state) > 4 and state[4] is not None:
+                self.window, self.softmax_window = None, int(state[4].shape[2]) + 1
+                LinearAttentionCacheLayerMixin.__init__(self, number_of_states=6)
+            else:
+                self.window = None if len(state) < 3 or state[2] is None else int(state[2].shape[2])
+                if self.window is not None:
+                    LinearAttentionCacheLayerMixin.__init__(self, number_of_states=4)
         tensors = state[: self.number_of_states]
         self.state_kind = getattr(state, "kind", None)
         self.device, self.dtype = tensors[0].device, tensors[0].dtype
@@ -187,28 +209,36 @@ class LinearGPTCache(DynamicCache):
         num_layers: number of decoder layers.
         window: keys kept apart per layer for a relative-position bias clipped at ``K``
             (``K - 1``); None (the default) without a bias.
+        softmax_window: ``W`` of the sliding-window hybrid; None (the default) without it.
     """
 
-    def __init__(self, num_layers: int, window: Optional[int] = None) -> None:
+    def __init__(self, num_layers: int, window: Optional[int] = None, softmax_window: Optional[int] = None) -> None:
         if not isinstance(num_layers, int) or isinstance(num_layers, bool) or num_layers < 1:
             raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         _check_window(window)
         if window == UNSET:
             raise ValueError(f"window must be None (no relative-position bias) or an int >= 0 (K - 1), got {window!r}")
         super().__init__()
-        self.layers = [LinearGPTCacheLayer(window) for _ in range(num_layers)]
+        _check_softmax_window(softmax_window)
+        self.layers = [LinearGPTCacheLayer(window, softmax_window) for _ in range(num_layers)]
         self.layer_class_to_replicate = None
 
     @property
     def window(self) -> Union[int, None, str]:
         return self.layers[0].window
 
+    @property
+    def softmax_window(self) -> Optional[int]:
+        return self.layers[0].softmax_window
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(layers={len(self.layers)}, seen_tokens={self.get_seq_length()}, window={self.window})"
+        hybrid = f", softmax_window={self.softmax_window}" if self.softmax_window is not None else ""
+        return (f"{type(self).__name__}(layers={len(self.layers)}, seen_tokens={self.get_seq_length()}, "
+                f"window={self.window}{hybrid})")
 
     def copy(self) -> "LinearGPTCache":
         """An independent copy (states are small: no context-length dimension)."""
-        new = LinearGPTCache(len(self.layers), self.window)
+        new = LinearGPTCache(len(self.layers), self.window, self.softmax_window)
         for src, dst in zip(self.layers, new.layers):
             dst.cumulative_length = src.cumulative_length
             state = src.get_state()

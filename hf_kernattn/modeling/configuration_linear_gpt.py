@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from transformers import PreTrainedConfig
 
 from .attention_config import (AttentionSchema, ConfigField, activation, boolean, choice, finite_above,
@@ -82,22 +84,25 @@ ATTENTION_SCHEMA = AttentionSchema(
 )
 
 
-def check_attn_backend(attn_backend: str, *, rpe: str, max_relative_position: int, position_embedding_type: str) -> None:
+def check_attn_backend(attn_backend: str, *, rpe: str, max_relative_position: int, position_embedding_type: str,
+                       softmax_window: Optional[int] = None) -> None:
     """``ValueError`` unless ``attn_backend`` can run every call of a Linear GPT of these options
     without a state (training, prefill): ``"auto"``, or a registered backend that does causal
     attention, with the clipped 1D bias of ``rpe="learned"`` and with the separate denominator
-    features of ``position_embedding_type="rotary"`` when the model has them. The message names
+    features of ``position_embedding_type="rotary"`` when the model has them, and the sliding-window
+    hybrid of ``softmax_window`` (only the backends declared for it). The message names
     the backends that can. (Calls that continue from a state use it when it carries a state, and
     ``auto``'s choice among those that do otherwise: see the config's docstring.)"""
     if attn_backend == "auto":
         return
     learned = rpe == "learned"
     request = dict(causal=True, rpe="1d" if learned else None, rpe_clip=max_relative_position if learned else None,
-                   split=position_embedding_type == "rotary")
+                   split=position_embedding_type == "rotary", window=softmax_window is not None)
     lacks = get_backend(attn_backend).missing(key_mask=False, device=None, **request)
     if lacks:
         model = "a causal LM" + (f" with a bias clipped at K={max_relative_position} (rpe='learned')" if learned else "")
         model += " with separate denominator features (position_embedding_type='rotary')" if request["split"] else ""
+        model += f" with a softmax window (softmax_window={softmax_window})" if request["window"] else ""
         raise ValueError(
             f"attn_backend={attn_backend!r} cannot serve Linear GPT, {model}: it cannot do {', '.join(lacks)}; "
             f"attn_backend must be 'auto' or one of {backends_for(**request)}"
@@ -125,8 +130,23 @@ def complete_and_check(values: dict) -> None:
             raise ValueError(f"position_embedding_type='rotary' needs an even feature size, got {m}")
     if positions == "rope" and head_size % 2:
         raise ValueError(f"position_embedding_type='rope' needs an even head size, got {head_size}")
+    check_softmax_window(values["softmax_window"], rpe, positions)
     check_attn_backend(values["attn_backend"], rpe=rpe, max_relative_position=values["max_relative_position"],
-                       position_embedding_type=positions)
+                       position_embedding_type=positions, softmax_window=values["softmax_window"])
+
+
+def check_softmax_window(softmax_window: Optional[int], rpe: str, positions: str) -> None:
+    """``ValueError`` when the sliding-window hybrid meets a position option it cannot carry: a
+    relative-position bias (``rpe="learned"``) or rotary features (``position_embedding_type="rotary"``);
+    absolute positions and Llama's ``"rope"`` (rotating the raw queries and keys) are fine."""
+    if softmax_window is None:
+        return
+    if rpe != "none":
+        raise ValueError(f"softmax_window={softmax_window} cannot be combined with rpe={rpe!r}: the sliding-window "
+                         "hybrid takes no relative-position bias; use rpe='none'")
+    if positions == "rotary":
+        raise ValueError(f"softmax_window={softmax_window} cannot be combined with position_embedding_type='rotary' "
+                         "(rotated features); use 'absolute', 'rope' or 'none'")
 
 
 @ATTENTION_SCHEMA.declare

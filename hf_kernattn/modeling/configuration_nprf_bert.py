@@ -14,6 +14,7 @@ from transformers import PreTrainedConfig
 
 from .attention_config import (AttentionSchema, ConfigField, activation, boolean, choice, finite_above,
                                finite_at_least, int_at_least, optional, probability)
+from .registry import backends_for, get_backend
 
 # The one Auto-class table of NPRF-BERT: written into config.json as ``auto_map`` (remote-code
 # loading) and read by ``hf_kernattn/__init__.py`` for the in-process registration.
@@ -84,10 +85,24 @@ ATTENTION_SCHEMA = AttentionSchema(
 
 
 def check_combinations(values: dict) -> None:
-    """The check that involves more than one field: the padding id is a token id."""
+    """The checks that involve more than one field: the padding id is a token id; the
+    sliding-window hybrid (bidirectional) takes no relative-position bias, and only a backend
+    declared for it runs it (and only it)."""
     pad, vocab_size = values["pad_token_id"], values["vocab_size"]
     if pad is not None and pad >= vocab_size:
         raise ValueError(f"pad_token_id must be None or an int in [0, vocab_size={vocab_size}), got {pad!r}")
+    window, backend = values["softmax_window"], values["attn_backend"]
+    if window is not None and values["rpe"] != "none":
+        raise ValueError(f"softmax_window={window} cannot be combined with rpe={values['rpe']!r}: the sliding-window "
+                         "hybrid takes no relative-position bias; use rpe='none'")
+    if backend != "auto" and (window is not None or get_backend(backend).softmax_window):
+        learned = values["rpe"] != "none"  # (never with a window)
+        request = dict(causal=False, rpe="1d" if learned else None,
+                       rpe_clip=values["max_relative_position"] if learned else None, window=window is not None)
+        lacks = get_backend(backend).missing(key_mask=False, device=None, **request)
+        if lacks:
+            raise ValueError(f"attn_backend={backend!r} cannot serve this NPRF-BERT: it cannot do {', '.join(lacks)}; "
+                             f"attn_backend must be 'auto' or one of {backends_for(**request)}")
 
 
 @ATTENTION_SCHEMA.declare

@@ -72,10 +72,15 @@ ATTENTION_SCHEMA = AttentionSchema(
 
 
 def check_combinations(values: dict) -> None:
-    """The checks that involve more than one field: whole patches, and heads that exist."""
+    """The checks that involve more than one field: whole patches, and heads that exist; no 1D
+    softmax window on the 2D grid."""
     image_size, patch_size = values["image_size"], values["patch_size"]
     if image_size % patch_size:
         raise ValueError(f"image_size ({image_size}) must be a multiple of patch_size ({patch_size})")
+    if values["softmax_window"] is not None:
+        raise ValueError(f"softmax_window={values['softmax_window']} is not supported by the relative-performer ViT: its "
+                         "tokens form a 2D patch grid, where a window of the last W tokens in row-major order has no "
+                         "meaning; use softmax_window=None")
     heads, relative_heads = values["num_attention_heads"], values["relative_heads"]
     if relative_heads is not None and relative_heads > heads:
         raise ValueError(f"relative_heads must be None or an int in [1, num_attention_heads={heads}], "

@@ -1,6 +1,6 @@
 """The single entry point :func:`kernelized_attention`: check -> prepare -> choose -> run -> finish.
 
-The registry and the ``auto`` rule live in ``registry.py``, the seven built-in backends are
+The registry and the ``auto`` rule live in ``registry.py``, the eight built-in backends are
 registered in ``builtin_backends.py`` (the kernels themselves are the ``kernels_*.py`` files).
 
 Each backend declares what it can do when it is registered (causal / non-causal, 1D or 2D
@@ -32,6 +32,11 @@ one declared ``decoding`` (``recurrent``: no per-call set-up), otherwise ``causa
 keep every key, so it is refused). A named backend that carries no state runs a call that
 starts without one and asks for the final state: the state is folded from the call's keys and
 values. Reading a state (``initial_state``) needs a backend declared ``state``.
+
+The sliding-window hybrid (``softmax_window``: exact softmax weights over a window of raw keys,
+kernelized beyond) is a capability like the others: only a backend declared ``softmax_window``
+(``hybrid``) runs such calls, ``auto`` then picks it, and every other backend refuses them. Its
+raw queries and keys go through the same stages (dtype, key masking, the non-finite guard).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from .attention_inputs import (
     check_denominator_features,
     check_grid,
     check_rpe,
+    check_softmax_window,
     check_rpe_clip,
     check_state,
     check_state_kind,
@@ -55,6 +61,7 @@ from .attention_inputs import (
 )
 from .builtin_backends import recurrent_attention
 from .kernels_common import autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys
+from .kernels_hybrid import SoftmaxWindow
 from .kernels_linear import recurrent_step
 from .kernels_manhattan import manhattan_distances, manhattan_table
 from .registry import _REGISTRY, AUTO_MAX_ERROR, auto_candidates, available_backends, get_backend
@@ -105,6 +112,7 @@ def kernelized_attention(
     initial_state: Optional[AttentionState] = None,
     output_final_state: bool = False,
     in_place: bool = False,
+    softmax_window: Optional[SoftmaxWindow] = None,
 ):
     """Kernelized attention over feature-mapped queries and keys.
 
@@ -149,6 +157,15 @@ def kernelized_attention(
             step of the ``recurrent`` backend without a bias updates them with one fused
             operation each). Needs ``initial_state`` in the compute dtype, ``output_final_state``
             and no autograd recording through the state or the inputs.
+        softmax_window: keyword-only, the sliding-window hybrid (``kernels_hybrid.py``): a
+            :class:`~kernels_hybrid.SoftmaxWindow` ``(q, k, window, scale, window_weight,
+            linear_weight)`` of the raw queries and keys ``(B, H, N, Dk)``, ``W = window >= 1``,
+            the softmax scale (None: ``Dk ** -0.5``) and optional positive per-head mixing weights
+            ``(H,)``. Each query then weighs the keys of its window (the last ``W`` when causal,
+            ``|j - i| < W`` otherwise) by ``a_h exp(scale q_i . k_j)`` and the others by
+            ``b_h phi(q_i) . phi(k_j)``, one numerator and one denominator. Only the ``hybrid``
+            backend runs it (``auto`` picks it); no ``rpe_bias`` or ``q_den``/``k_den``. Its
+            state also keeps the last ``W - 1`` raw keys, features and values: constant size.
     Returns:
         ``(B, H, N, D)`` in the dtype of ``v``; with ``output_final_state`` ``(out, state)``,
         the state in the compute dtype (float32, or float64 for float64 inputs). Splitting a
@@ -169,25 +186,26 @@ def kernelized_attention(
     one-token step from a state (decoding), whose mask is used unchecked; the non-finite guard
     reads one sum per input tensor, together (one sync; not in a one-token step from a state).
     """
-    if in_place is True and rpe_bias is None and grid is None and rpe_clip is None and backend in ("auto", "recurrent"):
+    if (in_place is True and rpe_bias is None and grid is None and rpe_clip is None and softmax_window is None
+            and backend in ("auto", "recurrent")):
         fast = _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, initial_state, output_final_state)
         if fast is not None:
             return fast
     call = _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
-                  initial_state, output_final_state, in_place)
-    q, k, v, q_den, k_den = _prepare(call, compute_dtype_for(q), q, k, v, q_den, k_den)
+                  initial_state, output_final_state, in_place, softmax_window)
+    q, k, v, q_den, k_den, sw = _prepare(call, compute_dtype_for(q), q, k, v, q_den, k_den)
     poisoned = bad_key = None
     if call.initial_state is None or call.n > 1:  # a one-token step's only row sees all it reads: nothing to isolate
-        q, k, v, q_den, k_den, poisoned, bad_key = guard_non_finite(q, k, v, call.key_mask, causal, q_den, k_den)
+        q, k, v, q_den, k_den, sw, poisoned, bad_key = _guard(call, q, k, v, q_den, k_den, sw, causal)
     spec, dt, fold, full = _choose(call, backend, q, k, rpe_bias, output_final_state)
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
-        q, k, v, q_den, k_den, state = _in_dtype(call, dt, q, k, v, q_den, k_den)
-        if call.b == 0 or call.h == 0:
+        q, k, v, q_den, k_den, sw, state = _in_dtype(call, dt, q, k, v, q_den, k_den, sw)
+        if (call.b == 0 or call.h == 0) and sw is None:
             return _empty(call, q, k, v, k_den, rpe_bias, state, output_final_state, dt)
         bias = _bias_for(spec, call, rpe_bias, full, dt)
         given = dict(
             rpe_bias=bias, causal=causal, key_mask=call.key_mask, grid=call.grid, eps=float(eps), rpe_clip=call.rpe_clip,
-            q_den=q_den, k_den=k_den, initial_state=state, output_final_state=output_final_state,
+            q_den=q_den, k_den=k_den, initial_state=state, output_final_state=output_final_state, softmax_window=sw,
         )
         result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
         if fold:  # a backend without a state: the final state folded from this call's keys and values
@@ -211,6 +229,7 @@ class _Call:
     kind: StateKind
     initial_state: Optional[AttentionState]  # as given (its tensors are written when in_place)
     key_mask: Optional[torch.Tensor]
+    softmax_window: Optional[SoftmaxWindow]  # checked, in normal form
     request: dict  # what the backend must be able to do (BackendSpec.missing)
     out_dtype: torch.dtype
 
@@ -280,7 +299,7 @@ def _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful, continuing
 
 
 def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
-           initial_state, output_final_state, in_place) -> _Call:
+           initial_state, output_final_state, in_place, softmax_window=None) -> _Call:
     """Stage 1, check: every argument (``TypeError`` / ``ValueError`` naming it), in normal form."""
     _check_tensors(q, k, v, causal, output_final_state, in_place, backend, eps)
     b, h, n, m = q.shape
@@ -291,12 +310,11 @@ def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_cl
         raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")
     rpe, grid_t, rpe_clip, clipped = _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful,
                                                  initial_state is not None)
+    sw = check_softmax_window(softmax_window, q, causal, rpe, q_den)
     window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
     kind = StateKind(split=q_den is not None, features=m, den_features=m if q_den is None else q_den.shape[-1],
-                     values=d, window=window)
-    shapes = {"kv": (b, h, m, d), "z": (b, h, kind.den_features)}
-    if window is not None:
-        shapes.update(window_k=(b, h, window, m), window_v=(b, h, window, d))
+                     values=d, window=window, softmax_window=None if sw is None else sw.window)
+    shapes = _state_shapes(kind, b, h, None if sw is None else sw.k.shape[-1])
     given_kind = getattr(initial_state, "kind", None)
     initial_state = check_state(initial_state, shapes, q.device)
     check_state_kind(given_kind, kind)  # what the shapes cannot tell apart (the rotary split has M' = M)
@@ -306,9 +324,23 @@ def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_cl
     key_mask = normalize_mask(attention_mask, b, n, q.device, inspect=initial_state is None or n > 1)
     request = dict(
         causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip,
-        state=stateful, split=q_den is not None,
+        state=stateful, split=q_den is not None, window=sw is not None,
     )
-    return _Call(b, h, n, rpe, grid_t, rpe_clip, clipped, window, kind, initial_state, key_mask, request, v.dtype)
+    return _Call(b, h, n, rpe, grid_t, rpe_clip, clipped, window, kind, initial_state, key_mask, sw, request, v.dtype)
+
+
+def _state_shapes(kind: StateKind, b: int, h: int, raw: Optional[int]) -> dict[str, tuple[int, ...]]:
+    """The shapes of a state's tensors for a call of this ``kind`` (``raw``: the raw key size of
+    the sliding-window hybrid)."""
+    m, d = kind.features, kind.values
+    shapes = {"kv": (b, h, m, d), "z": (b, h, kind.den_features)}
+    if kind.window is not None:
+        shapes.update(window_k=(b, h, kind.window, m), window_v=(b, h, kind.window, d))
+    if kind.softmax_window is not None:
+        keep = kind.softmax_window - 1
+        shapes.update(window_k=(b, h, keep, m), window_v=(b, h, keep, d), window_raw=(b, h, keep, raw),
+                      window_valid=(b, 1, keep))
+    return shapes
 
 
 def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool):
@@ -349,25 +381,43 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
 def _prepare(call: _Call, dt, q, k, v, q_den, k_den):
     """Stage 2, prepare: the dtype rule (the inputs in the compute dtype ``dt``) and key masking
     (padded keys and their values zeroed, so whatever a padded slot holds reaches nothing, and
-    the non-finite guard that follows does not look at it). No copy when nothing is to do."""
+    the non-finite guard that follows does not look at it), the raw queries and keys of a
+    softmax window alike. No copy when nothing is to do."""
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     k, v = mask_keys(k, v, call.key_mask)
     if q_den is not None:
         q_den = q_den.to(dt)
         k_den = mask_keys(k_den.to(dt), k_den[..., :1], call.key_mask)[0]
-    return q, k, v, q_den, k_den
+    sw = call.softmax_window
+    if sw is not None:
+        sw = sw._replace(q=sw.q.to(dt), k=mask_keys(sw.k.to(dt), sw.k[..., :1], call.key_mask)[0])
+    return q, k, v, q_den, k_den, sw
 
 
-def _in_dtype(call: _Call, dt, q, k, v, q_den, k_den):
+def _guard(call: _Call, q, k, v, q_den, k_den, sw, causal):
+    """The non-finite guard (``kernels_common.guard_non_finite``) over the inputs, the raw
+    queries and keys of a softmax window included (on the query and key sides, as separate
+    denominator features are: a call has one or the other)."""
+    if sw is None:
+        q, k, v, q_den, k_den, poisoned, bad_key = guard_non_finite(q, k, v, call.key_mask, causal, q_den, k_den)
+        return q, k, v, q_den, k_den, None, poisoned, bad_key
+    q, k, v, raw_q, raw_k, poisoned, bad_key = guard_non_finite(q, k, v, call.key_mask, causal, sw.q, sw.k)
+    return q, k, v, q_den, k_den, sw._replace(q=raw_q, k=raw_k), poisoned, bad_key
+
+
+def _in_dtype(call: _Call, dt, q, k, v, q_den, k_den, sw):
     """The inputs (prepared, guarded) and a state in the dtype ``dt`` the chosen backend computes
-    in (float64 when ``auto`` runs the FFT in float64; otherwise they already are)."""
+    in (float64 when ``auto`` runs the FFT in float64; otherwise they already are; a state's
+    validity flags stay bool)."""
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if q_den is not None:
         q_den, k_den = q_den.to(dt), k_den.to(dt)
+    if sw is not None:
+        sw = sw._replace(q=sw.q.to(dt), k=sw.k.to(dt))
     state = call.initial_state
     if state is not None:
-        state = AttentionState(*(None if x is None else x.to(dt) for x in state))
-    return q, k, v, q_den, k_den, state
+        state = AttentionState(*(x if x is None or x.dtype == torch.bool else x.to(dt) for x in state))
+    return q, k, v, q_den, k_den, sw, state
 
 
 def _empty(call: _Call, q, k, v, k_den, rpe_bias, state, output_final_state, dt):
@@ -445,12 +495,12 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
     is replaced (beam search reorders it into new tensors, a copy, a device move) is checked
     again. Per-token work of the general path it skips: dispatch, dtype conversions, value-free
     bookkeeping."""
-    if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4)
+    if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4, 6)
             and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         return None
     kv, z = state[0], state[1]
-    if len(state) == 4 and (state[2] is not None or state[3] is not None):
-        return None  # a state with a window (a clipped bias) runs the general path
+    if any(x is not None for x in state[2:]):
+        return None  # a state with a window (a clipped bias, the sliding-window hybrid) runs the general path
     if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
                                        for x in (q, k, v, kv, z, q_den, k_den)):
         return None  # autograd records: the general path refuses in_place with its message
@@ -551,7 +601,7 @@ def _check_in_place(state, output_final_state, dt, *inputs) -> None:
     if state is None or not output_final_state:
         raise ValueError("in_place=True needs initial_state and output_final_state=True: it writes the final state "
                          "into initial_state's tensors")
-    tensors = [x for x in state if x is not None]
+    tensors = [x for x in state if x is not None and x.dtype != torch.bool]  # the hybrid's validity flags stay bool
     if any(x.dtype != dt for x in tensors):
         raise ValueError(f"in_place=True needs initial_state in the compute dtype {dt}, got "
                          f"{sorted({str(x.dtype) for x in tensors})}")

@@ -29,6 +29,11 @@ resuming gives what one call over the whole sequence gives, with constant work a
 decoded token.
 
 :func:`hybrid_attention_reference` is the same function written densely with the band mask.
+
+Through ``kernelized_attention``: the feature-mapped ``q, k`` as usual, and the raw queries and
+keys, ``W``, the scale and the mixing weights bundled as ``softmax_window=SoftmaxWindow(...)``;
+the ``hybrid`` backend (:func:`hybrid_attention`, declared ``softmax_window``) runs such calls,
+and its state is an ``AttentionState`` with the window fields of :class:`HybridState`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,29 @@ from typing import NamedTuple, Optional
 import torch
 
 from .kernels_common import chunk_tokens, full_precision, mask_keys, per_head, with_ones_column
+from .state import AttentionState
+
+
+class SoftmaxWindow(NamedTuple):
+    """What ``kernelized_attention(..., softmax_window=...)`` needs besides the feature-mapped
+    queries and keys to compute the sliding-window hybrid.
+
+    Attributes:
+        q: ``(B, H, N, Dk)`` raw (projected, not feature-mapped) queries.
+        k: ``(B, H, N, Dk)`` raw keys.
+        window: ``W >= 1``: each query weighs the last ``W`` keys (causal; itself included) or the
+            keys within ``|j - i| < W`` (bidirectional) by ``exp(scale q . k)``.
+        scale: the softmax scale; None: ``Dk ** -0.5``.
+        window_weight: None or ``(H,)`` positive per-head weight ``a_h`` of the window part.
+        linear_weight: None or ``(H,)`` positive per-head weight ``b_h`` of the kernelized part.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    window: int
+    scale: Optional[float] = None
+    window_weight: Optional[torch.Tensor] = None
+    linear_weight: Optional[torch.Tensor] = None
 
 
 class HybridState(NamedTuple):
@@ -204,3 +232,21 @@ def hybrid_attention_reference(
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     weights = torch.where(inwin & allowed, a_w * exact, torch.where(allowed, b_l * kernel, zero))
     return (weights @ v) / (weights.sum(dim=-1, keepdim=True) + eps)
+
+
+def hybrid_attention(q_feat, k_feat, v, *, softmax_window: SoftmaxWindow, causal: bool, key_mask=None, eps: float = 1e-6,
+                     initial_state: Optional[AttentionState] = None, output_final_state: bool = False):
+    """The ``hybrid`` backend: :func:`hybrid_window_attention` with the feature-mapped ``q, k``
+    and ``v`` of ``kernelized_attention`` and the raw queries and keys of ``softmax_window``; its
+    state an ``AttentionState`` holding the :class:`HybridState` tensors (same order)."""
+    sw = softmax_window
+    state = None if initial_state is None else HybridState(*initial_state)
+    result = hybrid_window_attention(
+        sw.q, sw.k, q_feat, k_feat, v, window=sw.window, causal=causal, scale=sw.scale, key_mask=key_mask,
+        window_weight=sw.window_weight, linear_weight=sw.linear_weight, eps=eps, initial_state=state,
+        output_final_state=output_final_state,
+    )
+    if not output_final_state:
+        return result
+    out, final = result
+    return out, AttentionState(*final)

@@ -95,7 +95,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
             check_attn_backend(
                 self.backend, rpe="learned" if self.rpe is not None else "none",
                 max_relative_position=self.rpe.max_relative_position if self.rpe is not None else 0,
-                position_embedding_type=self._position_embedding_type,
+                position_embedding_type=self._position_embedding_type, softmax_window=self.softmax_window,
             )
             self._checked_backend = spec
         return "auto" if continuing and not spec.state else self.backend
@@ -219,6 +219,7 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
 
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
+        self._init_window_weights(module)
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
@@ -305,6 +306,14 @@ def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> 
         raise ValueError(
             f"past_key_values was made by a model with {describe(window)}; this model has "
             f"{describe(attn.window)}: a decoding state only continues in the model that made it"
+        )
+    hybrid = cache.layers[0].softmax_window
+    if window != UNSET and hybrid != attn.softmax_window:
+        def describe_hybrid(w: Optional[int]) -> str:
+            return f"a softmax window of W={w} keys" if w is not None else "no softmax window"
+        raise ValueError(
+            f"past_key_values was made by a model with {describe_hybrid(hybrid)}; this model has "
+            f"{describe_hybrid(attn.softmax_window)}: a decoding state only continues in the model that made it"
         )
     rows = cache.layers[0].batch_size
     if rows is not None and rows != batch:
@@ -414,7 +423,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         if self.gradient_checkpointing and self.training and use_cache:
             use_cache = False
         if use_cache and past_key_values is None:
-            past_key_values = LinearGPTCache(cfg.num_hidden_layers, self.h[0].attn.window)
+            past_key_values = LinearGPTCache(cfg.num_hidden_layers, self.h[0].attn.window, self.h[0].attn.softmax_window)
         cache = past_key_values if use_cache or past_key_values is not None else None
         past = cache.get_seq_length() if cache is not None else 0
 

@@ -273,6 +273,7 @@ class NPRFBertPreTrainedModel(KernelizedPreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
+        self._init_window_weights(module)
         if isinstance(module, nn.Linear):
             init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:

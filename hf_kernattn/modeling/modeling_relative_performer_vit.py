@@ -214,6 +214,7 @@ class RelativePerformerViTPreTrainedModel(KernelizedPreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         std = self.config.initializer_range
+        self._init_window_weights(module)
         if isinstance(module, (nn.Linear, nn.Conv2d)):
             init.trunc_normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:

@@ -32,6 +32,7 @@ from transformers import PreTrainedModel
 from transformers.dynamic_module_utils import custom_object_save
 from transformers.utils import logging
 
+from .attention import WINDOW_WEIGHTS
 from .attention_config import CONFIG_ATTENTIONS_IGNORED, NO_ATTENTION_WEIGHTS
 from .feature_maps import LEARNED_WEIGHTS, FeatureMap
 
@@ -146,6 +147,16 @@ class KernelizedPreTrainedModel(PreTrainedModel):
         wanted = (self.lora_attention_modules if attention else ()) + (self.lora_mlp_modules if mlp else ())
         present = {name.rsplit(".", 1)[-1] for name, module in self.named_modules() if isinstance(module, torch.nn.Linear)}
         return [name for name in wanted if name in present]
+
+    @torch.no_grad()
+    def _init_window_weights(self, module: torch.nn.Module) -> None:
+        """The sliding-window hybrid's mixing weights of an attention layer (``softmax_window``),
+        where they were not loaded: log-weights 0, so both parts start with weight 1. Nothing for
+        other modules."""
+        for name in WINDOW_WEIGHTS:
+            param = module._parameters.get(name)
+            if param is not None and not getattr(param, "_is_hf_initialized", False):
+                param.zero_()
 
     @torch.no_grad()
     def _init_feature_map(self, module: FeatureMap) -> None:

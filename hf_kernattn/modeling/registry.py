@@ -2,8 +2,8 @@
 
 Each backend declares at registration what it can do (causal / non-causal, 1D or 2D
 relative-position bias, key padding masks, carrying a state, separate denominator features,
-step-wise decoding, a symbolic length, devices), whether it is exact or approximate (an
-``error_bound``), and which keyword arguments it takes.
+step-wise decoding, a softmax window over raw queries and keys, a symbolic length, devices),
+whether it is exact or approximate (an ``error_bound``), and which keyword arguments it takes.
 
 ``backend="auto"`` (:func:`auto_candidates`, :func:`choose_backend`) reads only those
 declarations and data: the declared capabilities filter the backends that can run a call, and a
@@ -29,6 +29,7 @@ DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu")
 # The keyword arguments a backend may take (declared at registration as ``takes``).
 BACKEND_ARGUMENTS = (
     "rpe_bias", "causal", "key_mask", "grid", "eps", "rpe_clip", "q_den", "k_den", "initial_state", "output_final_state",
+    "softmax_window",
 )
 # What a backend registered without ``takes`` receives (plus ``rpe_clip`` when it needs one).
 DEFAULT_TAKES = ("rpe_bias", "causal", "key_mask", "grid", "eps")
@@ -58,6 +59,9 @@ class BackendSpec:
             beyond ``+-K``, or a 2D bias of the clipped Manhattan distance. A backend that takes
             ``rpe_clip`` receives a clipped 1D bias as its table ``(H, 2K+1)`` and a clipped 2D
             bias as its per-distance table ``(H, K+1)``.
+        softmax_window: runs exactly the calls that carry ``softmax_window`` (exact softmax
+            weights over a window of raw queries and keys, kernelized beyond: the sliding-window
+            hybrid); every other backend refuses such calls.
         symbolic_n: runs a symbolic N (``torch.export`` with a dynamic sequence or grid: one
             program serves every length): its work does not depend on N through Python loops.
         error_bound: None for a backend exact up to ordinary floating-point summation; for an
@@ -81,6 +85,7 @@ class BackendSpec:
     state: bool = False
     split_denominator: bool = False
     needs_rpe_clip: bool = False
+    softmax_window: bool = False
     symbolic_n: bool = False
     error_bound: Optional[Callable[..., float]] = None
     devices: tuple[str, ...] = DEVICE_TYPES
@@ -94,7 +99,7 @@ class BackendSpec:
 
     def missing(
         self, *, causal: bool, rpe: Optional[str], key_mask: bool, device: Optional[str], rpe_clip: Optional[int] = None,
-        state: bool = False, split: bool = False,
+        state: bool = False, split: bool = False, window: bool = False,
     ) -> list[str]:
         """What this backend lacks for the requested call (empty when it can do it); ``device``
         None: on any device."""
@@ -103,6 +108,10 @@ class BackendSpec:
             lacks.append("a state (initial_state / output_final_state)")
         if split and not self.split_denominator:
             lacks.append("separate denominator features (q_den, k_den)")
+        if window and not self.softmax_window:
+            lacks.append("a softmax window (softmax_window)")
+        if self.softmax_window and not window:
+            lacks.append("calls without softmax_window")
         if self.needs_rpe_clip and (rpe is None or rpe_clip is None):
             kind = "1D " if self.rpe_1d and not self.rpe_2d else "2D " if self.rpe_2d and not self.rpe_1d else ""
             lacks.append(f"calls without a {kind}rpe_bias declared clipped by rpe_clip")
@@ -137,6 +146,7 @@ def register_backend(
     state: bool = False,
     split_denominator: bool = False,
     needs_rpe_clip: bool = False,
+    softmax_window: bool = False,
     symbolic_n: bool = False,
     error_bound: Optional[Callable[..., float]] = None,
     devices: Sequence[str] = DEVICE_TYPES,
@@ -154,12 +164,14 @@ def register_backend(
     ``(B, H, N, D)``. A backend declared ``state`` takes ``initial_state`` (an
     ``AttentionState`` in the compute dtype, or None) and ``output_final_state`` and then returns
     ``(out, AttentionState)``; one declared ``split_denominator`` takes ``q_den``, ``k_den``
-    (None, or features for the denominator). Raises ``ValueError`` if the name is taken (unless
+    (None, or features for the denominator); one declared ``softmax_window`` takes
+    ``softmax_window`` (a ``kernels_hybrid.SoftmaxWindow`` of the raw queries and keys, in the
+    compute dtype, padded raw keys zero). Raises ``ValueError`` if the name is taken (unless
     ``overwrite``) or ``auto``, or if ``takes`` names an unknown argument or lacks one a declared
     capability needs (``causal`` for a backend that runs both causal and non-causal calls,
     ``rpe_bias`` for a bias, ``grid`` for a 2D bias, ``rpe_clip`` with ``needs_rpe_clip``,
     ``initial_state`` and ``output_final_state`` with ``state``, ``q_den`` and ``k_den`` with
-    ``split_denominator``); ``TypeError`` if ``fn`` or a given ``error_bound`` is not callable.
+    ``split_denominator``, ``softmax_window`` with ``softmax_window``); ``TypeError`` if ``fn`` or a given ``error_bound`` is not callable.
 
     ``backend="auto"`` considers a backend only where the calibration table ranks it (see
     :func:`choose_backend`; a table measured on your machine with ``hf-kernattn bench calibrate``
@@ -186,6 +198,7 @@ def register_backend(
     needed = {
         "causal": causal and noncausal, "rpe_bias": rpe_1d or rpe_2d, "grid": rpe_2d, "rpe_clip": needs_rpe_clip,
         "initial_state": state, "output_final_state": state, "q_den": split_denominator, "k_den": split_denominator,
+        "softmax_window": softmax_window,
     }
     lacking = [a for a, need in needed.items() if need and a not in takes]
     if lacking:
@@ -203,6 +216,7 @@ def register_backend(
         state=state,
         split_denominator=split_denominator,
         needs_rpe_clip=needs_rpe_clip,
+        softmax_window=bool(softmax_window),
         symbolic_n=bool(symbolic_n),
         error_bound=error_bound,
         devices=tuple(devices),
@@ -219,11 +233,13 @@ def available_backends() -> list[str]:
 
 
 def backends_for(
-    *, causal: bool, rpe: Optional[str] = None, rpe_clip: Optional[int] = None, split: bool = False, state: bool = False
+    *, causal: bool, rpe: Optional[str] = None, rpe_clip: Optional[int] = None, split: bool = False, state: bool = False,
+    window: bool = False,
 ) -> list[str]:
     """Names of the registered backends that can run calls of this kind (on some device, padded
     or not): e.g. what a model's configured ``attn_backend`` may be."""
-    request = dict(causal=causal, rpe=rpe, key_mask=False, device=None, rpe_clip=rpe_clip, state=state, split=split)
+    request = dict(causal=causal, rpe=rpe, key_mask=False, device=None, rpe_clip=rpe_clip, state=state, split=split,
+                   window=window)
     return [name for name, spec in _REGISTRY.items() if not spec.missing(**request)]
 
 
@@ -438,6 +454,7 @@ def _segment(ranking, n) -> tuple:
 def auto_candidates(
     *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
     state: bool = False, split: bool = False, backward: bool = False, dtype: torch.dtype = torch.float32,
+    window: bool = False,
 ) -> list[tuple[str, Optional[torch.dtype]]]:
     """``auto``'s candidates for a call, best first: ``(name, dtype to compute in, or None for
     the compute dtype)``. Every candidate can run the call (its declared capabilities).
@@ -458,7 +475,8 @@ def auto_candidates(
     ``kernelized_attention`` runs the first candidate whose bound for the data meets
     :data:`AUTO_MAX_ERROR` (an exact one always does)."""
     symbolic = isinstance(n, torch.SymInt)
-    request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split)
+    request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split,
+                   window=window)
 
     def able(spec: Optional[BackendSpec]) -> bool:
         return spec is not None and not spec.missing(**request)
@@ -492,10 +510,11 @@ def auto_candidates(
 def choose_backend(
     *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
     state: bool = False, split: bool = False, backward: bool = False, dtype: torch.dtype = torch.float32,
+    window: bool = False,
 ) -> str:
     """The backend ``auto`` ranks first for the request (:func:`auto_candidates`; a forward call
     in float32 unless ``backward`` / ``dtype`` say otherwise), before the accuracy check of an
     approximate backend, which reads the data (``kernelized_attention`` then may take the next
     candidate)."""
     return auto_candidates(n=n, causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip,
-                           state=state, split=split, backward=backward, dtype=dtype)[0][0]
+                           state=state, split=split, backward=backward, dtype=dtype, window=window)[0][0]

@@ -4,7 +4,9 @@
 ``S = sum_j k_j^T v_j (M x D)`` and ``z = sum_j k_j (M)`` (of the denominator's keys when
 separate ones are given), plus, for a 1D bias clipped at ``K``, the window of the last ``K - 1``
 keys and values, which still carry their own weights ``c_{-1} .. c_{-(K-1)}``; every key older
-than that carries ``c_{-K}`` and lives in ``S`` and ``z``. The sums are unweighted, so a state
+than that carries ``c_{-K}`` and lives in ``S`` and ``z``. The sliding-window hybrid
+(``kernels_hybrid.py``: exact softmax weights over the last ``W`` keys) keeps the same window of
+the last ``W - 1`` key features and values, plus their raw keys and a validity flag. The sums are unweighted, so a state
 does not depend on the bias: a call weighs it when it reads it. An all-zero state is the empty
 one (a zero key adds nothing), so the window has a fixed size from the first token on.
 
@@ -38,6 +40,8 @@ class StateKind:
         values: D, the value size.
         window: ``K - 1`` for a 1D bias clipped at ``K`` (the window of keys the state keeps);
             None without a bias.
+        softmax_window: ``W`` for the sliding-window hybrid (a window of ``W - 1`` keys with
+            their raw keys); None without it.
 
     A plain record (a dataclass with an instance ``__dict__``), not a tuple and not frozen:
     transformers' exporters walk a cache's attributes, rebuild the tuples they find from their
@@ -49,6 +53,7 @@ class StateKind:
     den_features: int
     values: int
     window: Optional[int]
+    softmax_window: Optional[int] = None
 
     def describe(self) -> str:
         """The kind in words, e.g. for error messages."""
@@ -56,7 +61,9 @@ class StateKind:
                if self.split else "no separate denominator features")
         bias = (f"a 1D bias clipped at K={self.window + 1} (a window of {self.window} keys)"
                 if self.window is not None else "no clipped bias (no window)")
-        return f"feature size M={self.features}, value size D={self.values}, {den}, {bias}"
+        hybrid = (f", a softmax window of W={self.softmax_window} keys" if self.softmax_window is not None
+                  else ", no softmax window")
+        return f"feature size M={self.features}, value size D={self.values}, {den}, {bias}{hybrid}"
 
     def differences(self, other: "StateKind") -> list[str]:
         """What differs between a state of kind ``self`` and a call of kind ``other``, in words."""
@@ -75,6 +82,10 @@ class StateKind:
             def bias(w):
                 return f"a bias clipped at K={w + 1}" if w is not None else "no clipped bias"
             out.append(f"relative-position bias: state {bias(self.window)}, call {bias(other.window)}")
+        if self.softmax_window != other.softmax_window:
+            def hybrid(w):
+                return f"a softmax window of W={w}" if w is not None else "no softmax window"
+            out.append(f"softmax window: state {hybrid(self.softmax_window)}, call {hybrid(other.softmax_window)}")
         return out
 
 
@@ -88,32 +99,55 @@ class _StateTensors(NamedTuple):
 class AttentionState(_StateTensors):
     """What causal attention carries from one call to the next (see the module docstring).
 
-    A tuple of its four tensors (``kv, z, window_k, window_v``; unpacking, indexing and
-    ``_asdict()`` see only these), plus the :class:`StateKind` of the call that produced it
-    (``kind``; keyword-only, None for a state built by hand, which is then trusted).
+    A tuple of its four tensors (``kv, z, window_k, window_v``), or, for the sliding-window
+    hybrid, of six (``..., window_raw, window_valid``): unpacking, indexing and ``_asdict()``
+    see only these. Plus the :class:`StateKind` of the call that produced it (``kind``;
+    keyword-only, None for a state built by hand, which is then trusted).
 
     Attributes:
         kv: ``S (B, H, M, D)``, the sum of ``k_j^T v_j`` over the keys folded in.
         z: ``(B, H, M')``, the sum of the denominator's key features over the same keys
             (``M' = M`` unless separate denominator features are used).
         window_k: ``(B, H, K - 1, M)``, the most recent keys (oldest first; zeros before the
-            first token), for a bias clipped at ``K``; None without a bias.
-        window_v: ``(B, H, K - 1, D)``, their values; None without a bias.
+            first token), for a bias clipped at ``K``; ``(B, H, W - 1, M)`` for the
+            sliding-window hybrid; None otherwise.
+        window_v: ``(B, H, K - 1, D)`` / ``(B, H, W - 1, D)``, their values; None otherwise.
+        window_raw: ``(B, H, W - 1, Dk)``, the sliding-window hybrid's raw keys of the window
+            (for the exact softmax weights); None otherwise (a tuple of four).
+        window_valid: ``(B, 1, W - 1)`` bool, the hybrid's flag of real keys in the window
+            (False for padding and for slots before the first token); None otherwise.
         kind: the :class:`StateKind` of the call that produced the state, or None.
     """
 
     kind: Optional[StateKind] = None
 
-    def __new__(cls, kv, z, window_k=None, window_v=None, *, kind: Optional[StateKind] = None):
-        self = super().__new__(cls, kv, z, window_k, window_v)
+    def __new__(cls, kv, z, window_k=None, window_v=None, window_raw=None, window_valid=None, *,
+                kind: Optional[StateKind] = None):
+        if window_raw is None and window_valid is None:
+            self = super().__new__(cls, kv, z, window_k, window_v)
+        else:  # the hybrid's six tensors (the first four read as usual by index)
+            self = tuple.__new__(cls, (kv, z, window_k, window_v, window_raw, window_valid))
         if kind is not None:
             if not isinstance(kind, StateKind):
                 raise TypeError(f"kind must be a StateKind or None, got {type(kind).__name__}")
             self.kind = kind
         return self
 
+    @property
+    def window_raw(self) -> Optional[torch.Tensor]:
+        return self[4] if len(self) > 4 else None
+
+    @property
+    def window_valid(self) -> Optional[torch.Tensor]:
+        return self[5] if len(self) > 5 else None
+
+    def _asdict(self) -> dict:
+        names = self._fields + (("window_raw", "window_valid") if len(self) > 4 else ())
+        return dict(zip(names, self))
+
     def __repr__(self) -> str:
-        return super().__repr__()[:-1] + f", kind={self.kind!r})"
+        return type(self).__name__ + "(" + ", ".join(f"{k}={v!r}" for k, v in self._asdict().items()) + \
+            f", kind={self.kind!r})"
 
 
 def fold_into_state(

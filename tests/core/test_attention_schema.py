@@ -54,6 +54,7 @@ BAD_VALUES = {
     "feature_map": "softmax",
     "num_random_features": 0,
     "num_learned_features": 0,
+    "softmax_window": 0,
     "feature_projection": "uniform",
     "normalize_qk": "yes",
     "feature_redraw_interval": -1,
@@ -206,6 +207,9 @@ def test_config_json_written_before_the_schema_loads_with_the_same_values(name, 
     # width (None: unused by the maps these configs name)
     assert config.num_learned_features is None
     added.discard("num_learned_features")
+    # and the sliding-window hybrid's W (None: off)
+    assert config.softmax_window is None
+    added.discard("softmax_window")
     assert added == (set() if name.startswith("nprf") else {"recompute_attention"})
     assert all(getattr(config, key) is False for key in added)
     # the saved file again has every old key with the same value

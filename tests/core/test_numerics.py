@@ -14,6 +14,7 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling.backends import get_backend
+from hf_kernattn.modeling.kernels_hybrid import SoftmaxWindow
 
 from tests.conftest import tiny_attention_config, tiny_linear_gpt_config, tiny_nprf_bert_config
 
@@ -26,15 +27,18 @@ from tests.reference import literal_reference
 MODULE_CASES = [
     ("dense", False, True), ("linear", False, False), ("causal_chunked", True, False),
     ("fft", False, True), ("fft", True, True), ("windowed", False, True), ("recurrent", True, True),
-    ("manhattan", False, "2d"),
+    ("manhattan", False, "2d"), ("hybrid", True, "window"), ("hybrid", False, "window"),
 ]
 
 
 def _bias(rpe, n: int, heads: int = 2):
     """The case's bias arguments: a 1D table clipped at 3, or a 2D bias of the Manhattan
-    distance clipped at 2 on a grid of n tokens, as a module (its parameter gets the gradient)."""
+    distance clipped at 2 on a grid of n tokens, as a module (its parameter gets the gradient);
+    none for the sliding-window hybrid ("window")."""
     from hf_kernattn.modeling.kernels_manhattan import manhattan_table
 
+    if rpe == "window":
+        return None, lambda: {}
     if rpe == "2d":
         grid = {9: (3, 3), 40: (5, 8)}[n]
         table = torch.nn.Parameter(0.5 * torch.randn(heads, 3, generator=torch.Generator().manual_seed(5)))
@@ -60,8 +64,9 @@ def test_attention_module_forward_backward_under_bf16_autocast(backend, causal, 
     reaches the features at most amplified by |W||u| ~ 3 for prf/trf at these scales; 0.1 in
     relative norm is ~4x that, and far below the error of a wrong computation (order 1)."""
     torch.manual_seed(0)
+    window = dict(softmax_window=3) if rpe == "window" else {}
     attn = hf_kernattn.KernelizedSelfAttention(
-        _module_config(feature_map=feature_map, attn_backend=backend), causal=causal
+        _module_config(feature_map=feature_map, attn_backend=backend, **window), causal=causal
     )
     n = 9
     table, bias = _bias(rpe, n)
@@ -71,13 +76,14 @@ def test_attention_module_forward_backward_under_bf16_autocast(backend, causal, 
     results = []
     for autocast in (False, True):
         attn.zero_grad()
-        table.grad = None
+        if table is not None:
+            table.grad = None
         xs = x.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = attn(xs, attention_mask=mask, **bias())
             loss = out.float().pow(2).sum()
         loss.backward()
-        grads = [xs.grad, attn.q_proj.weight.grad, attn.v_proj.weight.grad] + ([table.grad] if rpe else [])
+        grads = [xs.grad, attn.q_proj.weight.grad, attn.v_proj.weight.grad] + ([table.grad] if rpe and rpe != "window" else [])
         results.append((out.detach().float(), [g.clone() for g in grads]))
     (ref, ref_grads), (out, grads) = results
     for got, want in [(out, ref)] + list(zip(grads, ref_grads)):
@@ -98,10 +104,11 @@ def test_attention_core_ignores_autocast(backend, causal, rpe):
     k = torch.rand(2, 2, n, 6, generator=g).requires_grad_(True)
     v = torch.randn(2, 2, n, 5, generator=g).requires_grad_(True)
     _, bias = _bias(rpe, n)
+    window = dict(softmax_window=SoftmaxWindow(q, k, 3)) if rpe == "window" else {}  # q, k serve as the raw ones
     results = []
     for autocast in (False, True):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = hf_kernattn.kernelized_attention(q, k, v, causal=causal, backend=backend, **bias())
+            out = hf_kernattn.kernelized_attention(q, k, v, causal=causal, backend=backend, **bias(), **window)
         assert out.dtype == torch.float32
         grads = torch.autograd.grad(out.pow(2).sum(), [q, k, v])
         results.append((out, grads))
