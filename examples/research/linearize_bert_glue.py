@@ -1,13 +1,15 @@
 #!/usr/bin/env python
 """Linearize a BERT classifier on a GLUE-style task: today's conversion against attention transfer.
 
-1. Data: by default a local sentence-pair task built from Python's own documentation (the
-   ``pydoc`` topics and the standard library's docstrings, on every machine, offline), written
-   as GLUE-style CSV files (``sentence1``, ``sentence2``, ``label``) in ``OUTPUT_DIR/data``:
-   sentence 2 is an edited copy of sentence 1 (label 1) or of another sentence of the same
-   document (label 0); an edit replaces about a quarter of the words with words of the other
-   sentence and drops one. Whole documents go to training or validation (about a tenth of the
-   sentences validate), so validation sentences are never seen in training. Or
+1. Data: by default a local task built from Python's own documentation (the ``pydoc`` topics,
+   i.e. the language reference, and the standard library's docstrings; on every machine,
+   offline), written as GLUE-style CSV files in ``OUTPUT_DIR/data``. ``--local_task origin``
+   (default, single sentences like SST-2): was the sentence written for the language reference
+   (label 0) or as a library docstring (label 1)? ``--local_task pairs`` (like MRPC): is sentence
+   2 an edited copy of sentence 1 (label 1) or of another sentence of the same document (label
+   0; an edit replaces about a quarter of the words with words of the other sentence and drops
+   one)? Whole documents go to training or validation (about a tenth of the sentences
+   validate), so validation sentences are never seen in training. Or
    ``--train_file/--validation_file`` (CSV/JSON as ``examples/run_glue.py`` reads them) or
    ``--task_name`` (a GLUE task through ``datasets``; online).
 2. Teacher: ``--model_name_or_path`` (a BERT checkpoint with its tokenizer), or a small BERT
@@ -16,16 +18,17 @@
 3. (i) Today's recipe: ``hf_kernattn.convert`` (as ``run_glue.py`` converts a BERT source:
    NPRF-BERT, positive random features) and full fine-tuning for ``--finetune_steps``.
 4. (ii) Attention transfer: ``hf_kernattn.convert.linearize.linearize`` on the fine-tuned
-   teacher and the task's own training inputs (sentence pairs, padded batches, both models
-   reading the padding mask; ``--transfer_steps``; only the learned feature maps train), then
+   teacher and the task's own training inputs (one sequence per example, sentence pairs as
+   pairs, padded batches, both models reading the padding mask; ``--transfer_steps``; only the
+   learned feature maps train), then
    fine-tuning for ``--finetune_steps`` with LoRA (``hf_kernattn.lora_config``: the attention and
    MLP projections, the classifier in full; ``--student_finetune full`` fine-tunes every weight
    instead); the adapters are merged and the model saved Hub-ready.
-5. Accuracy and F1 (scikit-learn) on the validation split for the teacher and every stage, the
+5. (iii) As (ii) with the sliding-window hybrid (``--softmax_window W``, 0 = off): exact
+   ``exp(q . k / sqrt(d))`` over the keys within W positions, the learned feature map beyond, one
+   normaliser, learned per-head mixing weights (trained with the feature maps).
+6. Accuracy and F1 (scikit-learn) on the validation split for the teacher and every stage, the
    majority class as baseline: ``results.json`` and ``results.md`` in ``--output_dir``.
-
-The sliding-window hybrid (exact softmax over nearby keys, linear attention beyond) is not part
-of this comparison.
 
     python examples/research/linearize_bert_glue.py --output_dir out/linearize_bert_glue
 """
@@ -64,6 +67,10 @@ from hf_kernattn.training import NUM_THREADS_HELP, configure_threads  # noqa: E4
 
 logger = logging.get_logger("linearize_bert_glue")
 SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+LOCAL_TASKS = {
+    "origin": "local single sentences (Python documentation: language reference or library docstring?)",
+    "pairs": "local sentence pairs (Python documentation: is sentence 2 an edited copy of sentence 1?)",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -73,8 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--task_name", default=None, help=f"a GLUE task through datasets (online): {sorted(TASK_TO_KEYS)}")
     p.add_argument("--train_file", default=None, help="CSV/JSON training file as run_glue.py reads it")
     p.add_argument("--validation_file", default=None, help="CSV/JSON validation file (with --train_file)")
+    p.add_argument("--local_task", choices=sorted(LOCAL_TASKS), default="origin",
+                   help="the local task (without --task_name/--train_file): origin (default; one sentence: language "
+                        "reference or library docstring?) or pairs (is sentence 2 an edited copy of sentence 1?)")
     p.add_argument("--max_sentences", type=int, default=6000,
-                   help="sentences of the local documentation text to use (default task)")
+                   help="sentences of the local documentation text to use (local tasks; half of each origin at most)")
     p.add_argument("--model_name_or_path", default=None,
                    help="a BERT checkpoint with its tokenizer as the teacher's start instead of the one trained here")
     p.add_argument("--vocab_size", type=int, default=4000, help="WordPiece vocabulary of the BERT trained here")
@@ -82,15 +92,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num_layers", type=int, default=4, help="layers of the BERT trained here")
     p.add_argument("--num_heads", type=int, default=4, help="attention heads of the BERT trained here")
     p.add_argument("--max_seq_length", type=int, default=64, help="tokens per example ([CLS] and [SEP]s included)")
-    p.add_argument("--mlm_steps", type=int, default=400, help="masked-language-model steps of the BERT trained here")
+    p.add_argument("--mlm_steps", type=int, default=300, help="masked-language-model steps of the BERT trained here")
     p.add_argument("--mlm_learning_rate", type=float, default=1e-3, help="learning rate of the masked-LM training")
-    p.add_argument("--finetune_steps", type=int, default=300,
+    p.add_argument("--finetune_steps", type=int, default=250,
                    help="task fine-tuning steps of the teacher and of each kernelized model")
-    p.add_argument("--learning_rate", type=float, default=3e-4,
+    p.add_argument("--learning_rate", type=float, default=5e-4,
                    help="full fine-tuning learning rate (the teacher and today's recipe)")
-    p.add_argument("--transfer_steps", type=int, default=150, help="attention-transfer steps")
+    p.add_argument("--transfer_steps", type=int, default=100, help="attention-transfer steps")
     p.add_argument("--transfer_learning_rate", type=float, default=1e-2, help="attention-transfer learning rate")
     p.add_argument("--feature_map", default="hedgehog", help="the learned feature map of attention transfer")
+    p.add_argument("--softmax_window", type=int, default=8,
+                   help="W of (iii), the sliding-window hybrid: exact softmax over the keys within W positions, "
+                        "the learned feature map beyond (default 8; 0 leaves (iii) out)")
     p.add_argument("--student_finetune", choices=("lora", "full"), default="lora",
                    help="how the attention-transferred model is fine-tuned (default: lora)")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank")
@@ -110,6 +123,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  "transfer_steps", "batch_size", "lora_r", "num_random_features"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.softmax_window < 0:
+        p.error(f"--softmax_window must be >= 0 (0: off), got {args.softmax_window}")
     if args.mlm_steps < 0:
         p.error(f"--mlm_steps must be >= 0, got {args.mlm_steps}")
     if args.max_seq_length < 8:
@@ -129,34 +144,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
 
 
-def documentation_documents(max_sentences: int) -> list[list[str]]:
-    """Documents (lists of English sentences of 6-24 words) from Python's own documentation: the
-    ``pydoc`` topics, then the standard library's docstrings (files sorted by name), up to
-    ``max_sentences`` sentences."""
-    texts: list[str] = []
+def documentation_documents(max_sentences: int) -> list[tuple[int, list[str]]]:
+    """Documents (lists of English sentences of 6-24 words) from Python's own documentation, each
+    with its origin: 0 for the language reference (the ``pydoc`` topics), 1 for the standard
+    library's docstrings (files sorted by name); at most ``max_sentences // 2`` sentences of each
+    origin, and no more docstring sentences than reference ones (balanced classes)."""
     try:
         from pydoc_data.topics import topics
-
-        texts += [topics[k] for k in sorted(topics)]
     except ImportError:  # some distributions ship Python without pydoc_data
-        pass
-    docs, count = [], 0
+        topics = {}
+    docs: list[tuple[int, list[str]]] = []
+    count = [0, 0]
+    limit = [max_sentences // 2, max_sentences // 2]
 
-    def add(text: str) -> None:
-        nonlocal count
+    def add(origin: int, text: str) -> None:
         sents = [s for s in _SENTENCE_END.split(re.sub(r"\s+", " ", text))
                  if 6 <= len(s.split()) <= 24 and sum(c.isalpha() for c in s) > 0.7 * len(s.replace(" ", ""))]
-        sents = sents[: max_sentences - count]
+        sents = sents[: limit[origin] - count[origin]]
         if sents:
-            docs.append(sents)
-            count += len(sents)
+            docs.append((origin, sents))
+            count[origin] += len(sents)
 
-    for text in texts:
-        if count >= max_sentences:
-            return docs
-        add(text)
+    for key in sorted(topics):
+        if count[0] < limit[0]:
+            add(0, topics[key])
+    limit[1] = min(limit[1], count[0])
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        if count >= max_sentences:
+        if count[1] >= limit[1]:
             break
         try:
             tree = ast.parse(path.read_text(encoding="utf-8", errors="replace"))
@@ -165,10 +179,11 @@ def documentation_documents(max_sentences: int) -> list[list[str]]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
-                if doc and count < max_sentences:
-                    add(doc)
-    if count < 20:
-        raise ValueError(f"Python's documentation gave only {count} sentences; pass --train_file/--validation_file")
+                if doc and count[1] < limit[1]:
+                    add(1, doc)
+    if min(count) < 10:
+        raise ValueError(f"Python's documentation gave only {count[0]} reference and {count[1]} docstring sentences "
+                         "(is pydoc_data missing?); pass --train_file/--validation_file")
     return docs
 
 
@@ -197,34 +212,43 @@ def pair_examples(docs: list[list[str]], rng: random.Random) -> list[dict]:
     return rows
 
 
-def write_local_task(folder: Path, max_sentences: int, seed: int) -> tuple[Path, Path, list[str]]:
-    """The default task's ``train.csv`` / ``validation.csv`` in ``folder``; also the training
-    documents' sentences (the masked-LM text)."""
+def write_local_task(folder: Path, kind: str, max_sentences: int, seed: int) -> tuple[Path, Path, list[str]]:
+    """The local task's ``train.csv`` / ``validation.csv`` in ``folder`` (``kind``: ``origin``,
+    single sentences, or ``pairs``); also the training documents' sentences (the masked-LM text)."""
     import csv
 
     docs = documentation_documents(max_sentences)
-    train_docs, valid_docs, seen, held = [], [], 0, 0
-    for doc in docs:  # whole documents to validation while it holds less than a tenth of the sentences
-        seen += len(doc)
-        if held + len(doc) <= 0.1 * seen:
-            valid_docs.append(doc)
-            held += len(doc)
-        else:
-            train_docs.append(doc)
-    if not valid_docs or not train_docs:
+    train_docs, valid_docs = [], []
+    for origin in (0, 1):  # whole documents to validation while they hold less than a tenth of the sentences
+        seen = held = 0
+        for o, doc in docs:
+            if o != origin:
+                continue
+            seen += len(doc)
+            if held + len(doc) <= 0.1 * seen:
+                valid_docs.append((o, doc))
+                held += len(doc)
+            else:
+                train_docs.append((o, doc))
+    if {o for o, _ in valid_docs} != {0, 1} or {o for o, _ in train_docs} != {0, 1}:
         raise ValueError(f"the documentation text ({len(docs)} documents) cannot be split into training and "
-                         "validation documents; raise --max_sentences")
+                         "validation documents of both origins; raise --max_sentences")
     rng = random.Random(seed)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, split in (("train", train_docs), ("validation", valid_docs)):
+        if kind == "pairs":
+            rows, fields = pair_examples([d for _, d in split], rng), ["sentence1", "sentence2", "label"]
+        else:
+            rows, fields = [{"sentence": s, "label": o} for o, d in split for s in d], ["sentence", "label"]
+            rng.shuffle(rows)
         path = folder / f"{name}.csv"
         with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=["sentence1", "sentence2", "label"])
+            writer = csv.DictWriter(f, fieldnames=fields)
             writer.writeheader()
-            writer.writerows(pair_examples(split, rng))
+            writer.writerows(rows)
         paths.append(path)
-    return paths[0], paths[1], [s for d in train_docs for s in d]
+    return paths[0], paths[1], [s for _, d in train_docs for s in d]
 
 
 # ----------------------------------------------------------------------------- models
@@ -330,8 +354,8 @@ def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
     if args.train_file or args.task_name:
         train_file, valid_file, task = args.train_file, args.validation_file, args.task_name or Path(args.train_file).name
     else:
-        train_file, valid_file, mlm_text = write_local_task(out / "data", args.max_sentences, args.seed)
-        task = "local sentence pairs (Python documentation: edited copy or not)"
+        train_file, valid_file, mlm_text = write_local_task(out / "data", args.local_task, args.max_sentences, args.seed)
+        task = LOCAL_TASKS[args.local_task]
     data_args = DataArguments(task_name=args.task_name, train_file=str(train_file) if train_file else None,
                               validation_file=str(valid_file) if valid_file else None)
     raw = load_raw(data_args, cache_dir=None)
@@ -418,33 +442,43 @@ def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
     tokenizer.save_pretrained(out / "converted_finetuned")
     del converted
 
-    # 4. (ii) attention transfer on the task's own inputs, then fine-tuning (LoRA or full)
+    # 4. (ii) attention transfer on the task's own inputs, then fine-tuning (LoRA or full);
+    #    (iii) the same with the sliding-window hybrid: exact softmax over the keys within W
     data = dict(dataset="nyu-mll/glue", dataset_config=args.task_name) if args.task_name else dict(train_files=[str(train_file)])
-    wall, cpu = time.perf_counter(), time.process_time()
-    linear = linearize(teacher_dir, out / "linearized", **data, text_column=key1, text_pair_column=key2,
-                       line_by_line=True, feature_map=args.feature_map, steps=args.transfer_steps,
-                       batch_size=args.batch_size, block_size=max_len, learning_rate=args.transfer_learning_rate,
-                       seed=args.seed, progress=False)
-    times["transfer"] = {"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu}
-    report = linear.linearize_report
-    rows.append({"model": f"(ii) attention transfer ({args.feature_map}), before fine-tuning",
-                 "trained": f"feature maps, {args.transfer_steps} steps",
-                 "trainable_parameters": report["trainable_parameter_count"], **evaluate(linear), **times["transfer"]})
-    linear.train()
-    if args.student_finetune == "lora":
-        model = peft.get_peft_model(linear, hf_kernattn.lora_config(linear, r=args.lora_r, lora_alpha=2 * args.lora_r))
-        lr, what = args.lora_learning_rate, f"LoRA r={args.lora_r} + classifier"
-    else:
-        model, lr, what = linear, args.learning_rate, "all weights"
-    n_trainable = trainable(model)
-    times["student"] = train(model, train_set, collator, args.finetune_steps, lr, args, scratch / "student")
-    if args.student_finetune == "lora":
-        model = model.merge_and_unload()
-    rows.append({"model": f"(ii) attention transfer + {args.student_finetune} fine-tuning",
-                 "trained": f"{what}, {args.finetune_steps} steps", "trainable_parameters": n_trainable,
-                 **evaluate(model), **times["student"]})
-    model.save_pretrained(out / "linearized_finetuned")
-    tokenizer.save_pretrained(out / "linearized_finetuned")
+    variants = [("(ii)", "linearized", {})]
+    if args.softmax_window:
+        variants.append(("(iii)", f"linearized_window{args.softmax_window}",
+                         {"softmax_window": args.softmax_window, "rpe": "none"}))
+    transfer = {}
+    for tag, folder, extra in variants:
+        wall, cpu = time.perf_counter(), time.process_time()
+        linear = linearize(teacher_dir, out / folder, **data, text_column=key1, text_pair_column=key2,
+                           line_by_line=True, feature_map=args.feature_map, steps=args.transfer_steps,
+                           batch_size=args.batch_size, block_size=max_len, learning_rate=args.transfer_learning_rate,
+                           seed=args.seed, progress=False, **extra)
+        spent = {"seconds": time.perf_counter() - wall, "cpu_seconds": time.process_time() - cpu}
+        report = linear.linearize_report
+        transfer[tag] = {"layer_loss_before": report["layer_loss_before"], "layer_loss_after": report["layer_loss_after"],
+                         **spent}
+        name = f"attention transfer ({args.feature_map}" + (f", softmax window {args.softmax_window})" if extra else ")")
+        rows.append({"model": f"{tag} {name}, before fine-tuning", "trained": f"feature maps, {args.transfer_steps} steps",
+                     "trainable_parameters": report["trainable_parameter_count"], **evaluate(linear), **spent})
+        linear.train()
+        if args.student_finetune == "lora":
+            model = peft.get_peft_model(linear, hf_kernattn.lora_config(linear, r=args.lora_r, lora_alpha=2 * args.lora_r))
+            lr, what = args.lora_learning_rate, f"LoRA r={args.lora_r} + classifier"
+        else:
+            model, lr, what = linear, args.learning_rate, "all weights"
+        n_trainable = trainable(model)
+        spent = train(model, train_set, collator, args.finetune_steps, lr, args, scratch / folder)
+        if args.student_finetune == "lora":
+            model = model.merge_and_unload()
+        rows.append({"model": f"{tag} {name} + {args.student_finetune} fine-tuning",
+                     "trained": f"{what}, {args.finetune_steps} steps", "trainable_parameters": n_trainable,
+                     **evaluate(model), **spent})
+        model.save_pretrained(out / f"{folder}_finetuned")
+        tokenizer.save_pretrained(out / f"{folder}_finetuned")
+        del model, linear
 
     labels = np.asarray(eval_set["labels"])
     majority = np.bincount(labels).argmax()
@@ -454,9 +488,7 @@ def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
     results = {
         "task": task, "examples": {"train": len(train_set), "validation": len(eval_set)}, "rows": rows,
         "majority_class": baseline, "mlm": times.get("mlm"),
-        "attention_transfer": {"layer_loss_before": report["layer_loss_before"],
-                               "layer_loss_after": report["layer_loss_after"]},
-        "not_compared": "the sliding-window hybrid (softmax over nearby keys) is not part of this comparison",
+        "attention_transfer": transfer,
         "settings": {k: v for k, v in vars(args).items() if k != "output_dir"},
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},

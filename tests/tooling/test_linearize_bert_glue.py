@@ -21,33 +21,47 @@ TOY = ["--max_sentences", "400", "--vocab_size", "300", "--hidden_size", "32", "
 def test_local_task_end_to_end(tmp_path):
     script = load_script("linearize_bert_glue")
     out = tmp_path / "out"
-    results = script.main(["--output_dir", str(out), *TOY])
+    results = script.main(["--output_dir", str(out), *TOY, "--softmax_window", "4"])
     rows = results["rows"]
-    assert [r["model"].split(" ")[0] for r in rows] == ["BERT", "(i)", "(i)", "(ii)", "(ii)"]
+    assert [r["model"].split(" ")[0] for r in rows] == ["BERT", "(i)", "(i)", "(ii)", "(ii)", "(iii)", "(iii)"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and 0.0 <= r["f1"] <= 1.0 for r in rows)
     assert rows[3]["trainable_parameters"] == 2 * 2 * 2 * 16 * 16  # layers x (query, key) x heads x d x m
+    assert rows[5]["trainable_parameters"] == rows[3]["trainable_parameters"] + 2 * 2 * 2  # + mixing weights
     assert 0 < rows[4]["trainable_parameters"] < rows[2]["trainable_parameters"]  # LoRA + classifier only
     assert results["examples"] == {"train": 64, "validation": 12}
     assert json.loads((out / "results.json").read_text())["rows"] == rows
     table = (out / "results.md").read_text().splitlines()
     assert table[2].startswith("| model | trained |") and len(table) == 4 + len(rows) + 1
     assert f"{rows[4]['accuracy']:.4f}" in table[4 + 4] and "majority class" in table[-1]
-    # the local task: GLUE-style CSV files, labels from the rule, validation documents apart
+    # the local task: GLUE-style CSV files, labels from the sentence's origin, validation documents apart
     with open(out / "data" / "train.csv", newline="") as f:
         train = list(csv.DictReader(f))
     with open(out / "data" / "validation.csv", newline="") as f:
         valid = list(csv.DictReader(f))
-    assert {r["label"] for r in train} == {"0", "1"}
-    assert not {r["sentence1"] for r in train} & {r["sentence1"] for r in valid}
-    for r in train[:50]:  # an edited copy keeps about 3/4 of sentence 1's words, in order
-        kept = sum(a == b for a, b in zip(r["sentence1"].split(), r["sentence2"].split()))
-        assert (r["label"] == "1") or kept < len(r["sentence1"].split())
-    # the models are saved Hub-ready; the attention-transferred one with the recipe
-    for name in ("teacher", "converted_finetuned", "linearized", "linearized_finetuned"):
+    assert {r["label"] for r in train} == {r["label"] for r in valid} == {"0", "1"}
+    assert not {r["sentence"] for r in train} & {r["sentence"] for r in valid}
+    # the models are saved Hub-ready; the attention-transferred ones with the recipe
+    for name in ("teacher", "converted_finetuned", "linearized", "linearized_finetuned", "linearized_window4_finetuned"):
         assert (out / name / "config.json").is_file() and (out / name / "model.safetensors").is_file(), name
     report = json.loads((out / "linearized" / "linearize_report.json").read_text())
-    assert report["recipe"]["text_pair_column"] == "sentence2" and report["recipe"]["line_by_line"]
+    assert report["recipe"]["text_column"] == "sentence" and report["recipe"]["line_by_line"]
     assert json.loads((out / "linearized_finetuned" / "config.json").read_text())["feature_map"] == "hedgehog"
+    assert json.loads((out / "linearized_window4_finetuned" / "config.json").read_text())["softmax_window"] == 4
+
+
+def test_local_pair_task(tmp_path):
+    script = load_script("linearize_bert_glue")
+    train_file, valid_file, text = script.write_local_task(tmp_path, "pairs", 400, seed=0)
+    with open(train_file, newline="") as f:
+        train = list(csv.DictReader(f))
+    with open(valid_file, newline="") as f:
+        valid = list(csv.DictReader(f))
+    assert {r["label"] for r in train} == {"0", "1"} and len(text) == len(train)
+    assert not {r["sentence1"] for r in train} & {r["sentence1"] for r in valid}
+    for r in train:  # an edited copy keeps sentence 1's words in order but for the edits
+        a, b = r["sentence1"].split(), r["sentence2"].split()
+        assert len(b) == len(a) - 1 if r["label"] == "1" else True
+    assert script.write_local_task(tmp_path / "again", "pairs", 400, seed=0)[2] == text
 
 
 def test_bad_data_is_refused_before_anything_is_written(tmp_path):
