@@ -147,7 +147,10 @@ def _bert_batch(folder, pairs):
     return pad_sequences(token_sequences(tok, pairs, 64), tok.pad_token_id)
 
 
-def test_bert_student_layers_read_the_teachers_input_and_the_padding_mask(bert):
+@pytest.mark.parametrize("window", [None, 3], ids=["linear", "window3"])
+def test_bert_student_layers_read_the_teachers_input_and_the_padding_mask(bert, window):
+    """Also with the bidirectional sliding-window hybrid: padded keys count neither inside the
+    window nor beyond it."""
     from transformers import BertModel
 
     from hf_kernattn.convert import convert
@@ -160,11 +163,14 @@ def test_bert_student_layers_read_the_teachers_input_and_the_padding_mask(bert):
     assert (mask == 0).any() and (mask.sum(1) < mask.shape[1]).sum() == 3  # padded: all but the longest
     assert batch["token_type_ids"].max() == 1  # second segments marked
     teacher = BertModel.from_pretrained(folder, attn_implementation="eager").eval()
-    student = convert(folder, None, feature_map="hedgehog_exp", normalize_qk=False).eval()
-    with torch.no_grad():  # make the learned map non-trivial
-        for m in student.modules():
-            if hasattr(m, "query_weight"):
-                m.query_weight.add_(0.3 * torch.randn_like(m.query_weight))
+    kw = {} if window is None else {"softmax_window": window, "rpe": "none"}
+    student = convert(folder, None, feature_map="hedgehog_exp", normalize_qk=False, **kw).eval()
+    assert student.config.softmax_window == window
+    torch.manual_seed(1)
+    with torch.no_grad():  # make the learned map and the mixing weights non-trivial
+        for name, p in student.named_parameters():
+            if name.endswith(("query_weight", "window_log_weight", "linear_log_weight")):
+                p.add_(0.3 * torch.randn_like(p))
     tpairs = attention_pairs(teacher, student, "bert")
     with torch.no_grad(), transfer_hooks(tpairs) as (t_out, s_out):
         teacher(**batch)
