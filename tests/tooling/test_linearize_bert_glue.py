@@ -32,6 +32,7 @@ def test_local_task_end_to_end(tmp_path):
     assert json.loads((out / "results.json").read_text())["rows"] == rows
     table = (out / "results.md").read_text().splitlines()
     assert table[2].startswith("| model | trained |") and len(table) == 4 + len(rows) + 1
+    assert script.render_table(results) == table
     assert f"{rows[4]['accuracy']:.4f}" in table[4 + 4] and "majority class" in table[-1]
     # the local task: GLUE-style CSV files, labels from the sentence's origin, validation documents apart
     with open(out / "data" / "train.csv", newline="") as f:
