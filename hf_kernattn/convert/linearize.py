@@ -16,9 +16,12 @@ attention it replaces:
    trains the attention's projections (T2R, Kasai et al. 2021). Everything else stays the copied
    source weights.
 
-Text: a ``datasets`` name (``dataset``, online or from the local cache) or local plain-text
-files (``train_files``), tokenized with the source's tokenizer and cut into blocks of
-``block_size`` tokens. Batches are a function of the step and the seed only, and checkpoints
+Text: a ``datasets`` name (``dataset``, online or from the local cache) or local files
+(``train_files``: plain text, or ``.csv``/``.json``/``.jsonl`` tables read from ``text_column``),
+tokenized with the source's tokenizer and cut into blocks of ``block_size`` tokens; or, with
+``line_by_line`` or ``text_pair_column`` (sentence pairs, e.g. a GLUE task for an encoder), one
+sequence per example with the tokenizer's special tokens, in padded batches whose padding mask
+both models read (the loss counts real positions only). Batches are a function of the step and the seed only, and checkpoints
 (``checkpointing_steps``; JSON and safetensors only) hold the trained weights, the optimizer,
 the scheduler and the random states: a run stopped and resumed
 (``resume_from_checkpoint="latest"``) ends bitwise where the uninterrupted run ends. The result
@@ -141,9 +144,18 @@ def transfer_hooks(pairs):
             h.remove()
 
 
-def transfer_loss(teacher_out: Sequence[torch.Tensor], student_out: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[float]]:
-    """Mean over layers of the mean squared error; also each layer's value."""
-    per_layer = [nn.functional.mse_loss(s.float(), t.float()) for t, s in zip(teacher_out, student_out)]
+def transfer_loss(teacher_out: Sequence[torch.Tensor], student_out: Sequence[torch.Tensor],
+                  attention_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, list[float]]:
+    """Mean over layers of the mean squared error; also each layer's value. With
+    ``attention_mask`` (``(B, N)``, 1 real, 0 padding) the mean runs over real positions only:
+    what either model computes at a padded position is read by nothing."""
+    if attention_mask is None:
+        per_layer = [nn.functional.mse_loss(s.float(), t.float()) for t, s in zip(teacher_out, student_out)]
+    else:
+        real = attention_mask.bool()[..., None]
+        count = real.sum() * teacher_out[0].shape[-1]
+        per_layer = [torch.where(real, (s.float() - t.float()) ** 2, 0.0).sum() / count
+                     for t, s in zip(teacher_out, student_out)]
     return torch.stack(per_layer).mean(), [float(x.detach()) for x in per_layer]
 
 
@@ -175,26 +187,79 @@ def select_trainable(student: nn.Module, train: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- data
 
+TABLE_SUFFIXES = (".csv", ".json", ".jsonl")  # train files read as tables (columns), not as plain text
+
+
+def _read_table(path: Path, columns: Sequence[str]) -> list[dict]:
+    """The rows of a CSV or JSON(-lines) file, with ``ValueError`` naming the file for what cannot
+    be read and for missing columns."""
+    import datasets
+
+    kind = "csv" if path.suffix == ".csv" else "json"
+    try:
+        data = datasets.load_dataset(kind, data_files=str(path), split="train")
+    except Exception as err:  # datasets raises many kinds for malformed files
+        raise ValueError(f"train file {str(path)!r} cannot be read as {kind.upper()}: {' '.join(str(err).split())[:300]}") from None
+    missing = [c for c in columns if c not in data.column_names]
+    if missing:
+        raise ValueError(f"train file {str(path)!r} has no column {missing[0]!r}; its columns: {data.column_names}")
+    return [dict(zip(columns, values)) for values in zip(*(data[c] for c in columns))]
+
 
 def read_texts(train_files: Optional[Sequence[str]] = None, dataset: Optional[str] = None,
-               dataset_config: Optional[str] = None, split: str = "train", text_column: str = "text") -> list[str]:
-    """The training texts: local plain-text files, or a ``datasets`` dataset's ``text_column``."""
+               dataset_config: Optional[str] = None, split: str = "train", text_column: str = "text",
+               text_pair_column: Optional[str] = None, line_by_line: bool = False) -> list:
+    """The training texts: local files or a ``datasets`` dataset's ``text_column``.
+
+    Local files are plain text (a whole file is one text; with ``line_by_line`` each non-empty
+    line is one example) or tables (``.csv``, ``.json``, ``.jsonl``: one example per row, read
+    from ``text_column``). With ``text_pair_column`` (tables and datasets) each example is a
+    ``(text, text_pair)`` pair, as sentence-pair tasks give an encoder. ``ValueError`` naming the
+    file for a missing, unreadable (not UTF-8, malformed), empty file or a missing column."""
+    from ..training.args import check_text_files
+
     if bool(train_files) == bool(dataset):
         raise ValueError("give exactly one source of text: train_files (local plain-text files) or dataset (a datasets name)")
+    columns = [text_column] + ([text_pair_column] if text_pair_column else [])
+
+    def examples_of(rows: Iterable[dict], where: str) -> list:
+        out = []
+        for i, row in enumerate(rows, 1):
+            values = [row[c] for c in columns]
+            if any(v is not None and not isinstance(v, str) for v in values):
+                raise ValueError(f"{where}, row {i}: column {columns[0]!r}"
+                                 f"{' / ' + repr(columns[1]) if len(columns) > 1 else ''} must hold text, got {values!r}")
+            if all(v and v.strip() for v in values):
+                out.append(values[0] if len(values) == 1 else tuple(values))
+        return out
+
     if train_files:
-        texts = []
+        texts: list = []
         for path in train_files:
             p = Path(path)
             if not p.is_file():
                 raise ValueError(f"train file {path!r} does not exist")
-            texts.append(p.read_text(encoding="utf-8", errors="replace"))
+            check_text_files([path], "train_files")
+            if p.suffix in TABLE_SUFFIXES:
+                texts.extend(examples_of(_read_table(p, columns), f"train file {path!r}"))
+                continue
+            if text_pair_column:
+                raise ValueError(f"text_pair_column needs table train files ({', '.join(TABLE_SUFFIXES)}) or a dataset; "
+                                 f"{path!r} is plain text")
+            text = p.read_text(encoding="utf-8")
+            texts.extend([line for line in text.splitlines() if line.strip()] if line_by_line else [text])
+        if not texts:
+            raise ValueError(f"train files {list(train_files)} hold no example with text in {columns}")
         return texts
     import datasets
 
     data = datasets.load_dataset(dataset, dataset_config, split=split)
-    if text_column not in data.column_names:
-        raise ValueError(f"dataset {dataset!r} has no column {text_column!r}; its columns: {data.column_names}")
-    return [t for t in data[text_column] if t]
+    for column in columns:
+        if column not in data.column_names:
+            raise ValueError(f"dataset {dataset!r} has no column {column!r}; its columns: {data.column_names}")
+    if text_pair_column is None and not line_by_line:
+        return [t for t in data[text_column] if t]
+    return examples_of(({c: row[c] for c in columns} for row in data), f"dataset {dataset!r}")
 
 
 def token_blocks(tokenizer, texts: Iterable[str], block_size: int) -> torch.Tensor:
@@ -212,16 +277,46 @@ def token_blocks(tokenizer, texts: Iterable[str], block_size: int) -> torch.Tens
     return torch.tensor(ids[: n * block_size], dtype=torch.long).view(n, block_size)
 
 
-def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """The batch of step ``step`` (0-based): epochs of a shuffle seeded by ``seed`` and the epoch,
-    so that a resumed run reads exactly what an uninterrupted one would."""
-    n = blocks.shape[0]
+def token_sequences(tokenizer, examples: Sequence, max_length: int) -> list[dict[str, list[int]]]:
+    """One token sequence per example (a text or a ``(text, text_pair)`` pair), with the
+    tokenizer's special tokens (BERT: ``[CLS] a [SEP] b [SEP]`` and its token types), truncated
+    to ``max_length`` tokens: what the model reads when it is used, one example at a time."""
+    keep = ("input_ids", "token_type_ids")
+    seqs = []
+    for example in examples:
+        pair = (example,) if isinstance(example, str) else tuple(example)
+        enc = tokenizer(*pair, truncation=True, max_length=max_length)
+        seqs.append({k: list(enc[k]) for k in keep if k in enc})
+    if not seqs:
+        raise ValueError("no example to train on: the text gave no sequence")
+    return seqs
+
+
+def pad_sequences(seqs: Sequence[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A batch of sequences padded on the right to the longest, with the ``attention_mask``
+    (1 real, 0 padding) the teacher and the student both read."""
+    n = max(len(s["input_ids"]) for s in seqs)
+    batch = {"input_ids": torch.tensor([s["input_ids"] + [pad_token_id] * (n - len(s["input_ids"])) for s in seqs]),
+             "attention_mask": torch.tensor([[1] * len(s["input_ids"]) + [0] * (n - len(s["input_ids"])) for s in seqs])}
+    if all("token_type_ids" in s for s in seqs):
+        batch["token_type_ids"] = torch.tensor([s["token_type_ids"] + [0] * (n - len(s["token_type_ids"])) for s in seqs])
+    return batch
+
+
+def rows_for_step(n: int, step: int, batch_size: int, seed: int) -> list[int]:
+    """The example indices of step ``step`` (0-based) among ``n``: epochs of a shuffle seeded by
+    ``seed`` and the epoch, so that a resumed run reads exactly what an uninterrupted one would."""
     rows = []
     for i in range(step * batch_size, (step + 1) * batch_size):
         epoch, pos = divmod(i, n)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         rows.append(int(order[pos]))
-    return blocks[rows]
+    return rows
+
+
+def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
+    """The batch of step ``step`` (0-based): the rows :func:`rows_for_step` picks."""
+    return blocks[rows_for_step(blocks.shape[0], step, batch_size, seed)]
 
 
 # ----------------------------------------------------------------------------- training
@@ -244,6 +339,8 @@ def linearize(
     dataset_config: Optional[str] = None,
     dataset_split: str = "train",
     text_column: str = "text",
+    text_pair_column: Optional[str] = None,
+    line_by_line: bool = False,
     feature_map: str = DEFAULT_FEATURE_MAP,
     train: str = "feature_maps",
     steps: int = 200,
@@ -267,10 +364,23 @@ def linearize(
     ``output_dir`` and returns it, with ``linearize_report`` (per-layer losses before and after,
     the recipe). ``overrides``: config fields of the converted family. ``stop_after_steps``:
     end this invocation after that many steps of this invocation (a checkpoint is written there),
-    e.g. to split a long run into jobs resumed with ``resume_from_checkpoint="latest"``."""
+    e.g. to split a long run into jobs resumed with ``resume_from_checkpoint="latest"``.
+
+    Text is packed into blocks of ``block_size`` tokens by default. With ``line_by_line`` (or
+    ``text_pair_column``) every example (a line of a plain-text file, a row of a table file or
+    dataset; a ``(text_column, text_pair_column)`` pair) is one sequence with the tokenizer's
+    special tokens, truncated to ``block_size``; the batches are padded and both models read the
+    padding mask, and the loss counts real positions only: encoders are trained on what they read
+    in use. BERT and RoBERTa students with a learned feature map default to ``normalize_qk=False``
+    (the map sees the queries' and keys' lengths, on which softmax's sharpness depends).
+
+    Nothing is written before the source, the settings and the text have been read: bad input
+    leaves ``output_dir`` untouched. The result is written in a temporary folder and then moved
+    into place, ``linearize_report.json`` last."""
     from transformers import AutoTokenizer, get_scheduler
 
     from . import convert
+    from ..modeling.feature_maps import LEARNED_FEATURE_MAPS
     from ..training import checkpoints as ckpt
     from ..training.serialization import load_tree, save_tree
 
@@ -283,9 +393,25 @@ def linearize(
     model_type = read_config(src, tuple(TEACHER_ATTENTION))["model_type"]
     if train not in TRAINABLE:
         raise ValueError(f"train must be one of {list(TRAINABLE)}, got {train!r}")
-    texts = read_texts(train_files, dataset, dataset_config, dataset_split, text_column)
+    encoder = model_type in ("bert", "roberta")
+    if encoder and feature_map in LEARNED_FEATURE_MAPS:
+        overrides.setdefault("normalize_qk", False)
+    per_example = bool(line_by_line or text_pair_column)
+    texts = read_texts(train_files, dataset, dataset_config, dataset_split, text_column, text_pair_column, per_example)
     tokenizer = AutoTokenizer.from_pretrained(src)
-    blocks = token_blocks(tokenizer, texts, block_size)
+    if per_example:
+        seqs = token_sequences(tokenizer, texts, block_size)
+        pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+        num_examples = len(seqs)
+
+        def batch_of(rows):
+            return pad_sequences([seqs[r] for r in rows], pad_id)
+    else:
+        blocks = token_blocks(tokenizer, texts, block_size)
+        num_examples = int(blocks.shape[0])
+
+        def batch_of(rows):
+            return {"input_ids": blocks[rows]}
 
     torch.manual_seed(seed)
     student = convert(src, None, feature_map=feature_map, allow_pickle=allow_pickle, **overrides)
@@ -298,11 +424,14 @@ def linearize(
     sched = get_scheduler(scheduler, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps)
 
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    settings = dict(source=str(source), model_type=model_type, texts=len(texts), blocks=int(blocks.shape[0]),
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output_dir {str(out)!r} exists and is not a folder")
+    settings = dict(source=str(source), model_type=model_type, texts=len(texts), blocks=num_examples,
                     feature_map=feature_map, train=train, steps=steps, batch_size=batch_size, block_size=block_size,
                     learning_rate=learning_rate, warmup_steps=warmup_steps, scheduler=scheduler, seed=seed,
                     overrides=overrides)
+    if per_example:  # (only when on: the fingerprints of packed runs stay what they were)
+        settings.update(line_by_line=True, text_column=text_column, text_pair_column=text_pair_column)
     fingerprint = ckpt.run_fingerprint(settings)
     start, history = 0, []
     resume = ckpt.resolve_checkpoint(resume_from_checkpoint, out, fingerprint, settings=settings)
@@ -316,24 +445,23 @@ def linearize(
 
     extra = {"use_cache": False} if model_type in ("gpt2", "llama") else {}
 
-    def evaluate_layers() -> list[float]:  # per-layer loss on the first batch (fixed), no grad
-        with torch.no_grad(), transfer_hooks(pairs) as (t_out, s_out):
-            batch = blocks[:batch_size]
-            teacher(input_ids=batch, **extra)
-            student(input_ids=batch, **extra)
-            return transfer_loss(t_out, s_out)[1]
+    def step_loss(batch: dict[str, torch.Tensor]):
+        with transfer_hooks(pairs) as (t_out, s_out):
+            with torch.no_grad():
+                teacher(**batch, **extra)
+            student(**batch, **extra)
+            return transfer_loss(t_out, s_out, batch.get("attention_mask"))
+
+    def evaluate_layers() -> list[float]:  # per-layer loss on the first examples (fixed), no grad
+        with torch.no_grad():
+            return step_loss(batch_of(list(range(min(batch_size, num_examples)))))[1]
 
     before = evaluate_layers() if start == 0 else None
     bar = logging.tqdm(total=steps, initial=start, desc="attention transfer", disable=not progress)
     step = start
     with bar:
         while step < steps:
-            batch = batch_for_step(blocks, step, batch_size, seed)
-            with transfer_hooks(pairs) as (t_out, s_out):
-                with torch.no_grad():
-                    teacher(input_ids=batch, **extra)
-                student(input_ids=batch, **extra)
-                loss, _ = transfer_loss(t_out, s_out)
+            loss, _ = step_loss(batch_of(rows_for_step(num_examples, step, batch_size, seed)))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -396,11 +524,11 @@ def _save_result(student, src: Path, out: Path, source, settings, before, after,
     from ..cards import save_model_card
     from .common import TOKENIZER_FILES
 
+    final, out = out, _result_folder(out)
     student.save_pretrained(out)
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
-    (out / "linearize_report.json").write_text(json.dumps(student.linearize_report, indent=1, default=str))
 
     def fmt(xs):
         return "n/a (resumed)" if xs is None else ", ".join(f"{x:.3g}" for x in xs)
@@ -419,6 +547,39 @@ def _save_result(student, src: Path, out: Path, source, settings, before, after,
         "per-layer loss before": fmt(before),
         "per-layer loss after": fmt(after),
     })
+    (out / REPORT_FILE).write_text(json.dumps(student.linearize_report, indent=1, default=str))
+    _publish_result(out, final)
+
+
+REPORT_FILE = "linearize_report.json"  # written last: a folder with it holds a complete result
+_RESULT_TMP = ".linearize-result.tmp"
+
+
+def _result_folder(out: Path) -> Path:
+    """A fresh temporary folder the result is written in before :func:`_publish_result` moves it to ``out``:
+    beside ``out`` when ``out`` does not exist yet, else inside it (beside the run's checkpoints)."""
+    tmp = out.parent / f".{out.name}{_RESULT_TMP}" if not out.exists() else out / _RESULT_TMP
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _publish_result(tmp: Path, out: Path) -> None:
+    """Move the complete result from ``tmp`` to ``out``: one rename when ``out`` does not exist,
+    else file by file with the report last (an earlier result's report removed first)."""
+    import os
+
+    if tmp.parent != out:
+        os.replace(tmp, out)
+        return
+    (out / REPORT_FILE).unlink(missing_ok=True)
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in sorted(names, key=lambda n: n == REPORT_FILE):
+        target = out / name
+        if target.is_dir():
+            shutil.rmtree(target)
+        os.replace(tmp / name, target)
+    tmp.rmdir()
 
 
 # ----------------------------------------------------------------------------- command line
@@ -432,7 +593,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default=None, help="a datasets name to read the text from (instead of --train_file)")
     parser.add_argument("--dataset_config", default=None, help="the dataset's configuration name")
     parser.add_argument("--dataset_split", default="train", help="the split to read (default: train)")
-    parser.add_argument("--text_column", default="text", help="the dataset's text column (default: text)")
+    parser.add_argument("--text_column", default="text",
+                        help="the text column of a dataset or of .csv/.json/.jsonl train files (default: text)")
+    parser.add_argument("--text_pair_column", default=None,
+                        help="a second text column: every example is a (text, text pair) sequence, as sentence-pair "
+                             "tasks give an encoder (implies --line_by_line)")
+    parser.add_argument("--line_by_line", action="store_true",
+                        help="one sequence per example (a line of a plain-text file, a row of a table or dataset) with "
+                             "the tokenizer's special tokens, in padded batches, instead of packed blocks")
     parser.add_argument("--feature_map", default=DEFAULT_FEATURE_MAP,
                         help=f"the student's feature map (default: {DEFAULT_FEATURE_MAP}, a learned map)")
     parser.add_argument("--softmax_window", type=int, default=None,
@@ -465,6 +633,7 @@ def run(args: argparse.Namespace) -> int:
     model = linearize(
         args.source, args.output_dir, train_files=args.train_file, dataset=args.dataset,
         dataset_config=args.dataset_config, dataset_split=args.dataset_split, text_column=args.text_column,
+        text_pair_column=args.text_pair_column, line_by_line=args.line_by_line,
         feature_map=args.feature_map, train=args.train, steps=args.steps, batch_size=args.batch_size,
         block_size=args.block_size, learning_rate=args.learning_rate, warmup_steps=args.warmup_steps,
         scheduler=args.lr_scheduler_type, seed=args.seed, checkpointing_steps=args.checkpointing_steps,
