@@ -60,6 +60,13 @@ class BackendSpec:
             bias as its per-distance table ``(H, K+1)``.
         symbolic_n: runs a symbolic N (``torch.export`` with a dynamic sequence or grid: one
             program serves every length): its work does not depend on N through Python loops.
+        propagates_non_finite: every NaN/inf entry of ``q``, ``k`` or ``v`` at a real position (a
+            query anywhere, a key or value not padded) makes at least one entry of its output
+            NaN/inf, so that the output alone tells whether the inputs were finite: the entry
+            point then runs the backend first and checks its output with one sum (one read of
+            the output instead of one of each input), isolating non-finite rows and running it
+            again only when the output is not finite (separate denominator features are still
+            summed: an inf there can vanish in a division). False when unknown.
         error_bound: None for a backend exact up to ordinary floating-point summation; for an
             approximate one, ``error_bound(q, k, *, rpe_bias, causal, key_mask, dtype) -> float``,
             a bound on its error relative to the values when computed in ``dtype`` (``inf`` when
@@ -86,6 +93,7 @@ class BackendSpec:
     devices: tuple[str, ...] = DEVICE_TYPES
     complexity: str = ""
     description: str = ""
+    propagates_non_finite: bool = False
 
     @property
     def exact(self) -> bool:
@@ -143,6 +151,7 @@ def register_backend(
     complexity: str = "",
     description: str = "",
     overwrite: bool = False,
+    propagates_non_finite: bool = False,
     takes: Optional[Sequence[str]] = None,
 ) -> BackendSpec:
     """Register an attention backend under ``name`` with its declared capabilities.
@@ -208,6 +217,7 @@ def register_backend(
         devices=tuple(devices),
         complexity=complexity,
         description=description,
+        propagates_non_finite=bool(propagates_non_finite),
     )
     _REGISTRY[name] = spec
     return spec
