@@ -27,8 +27,8 @@ rows, the output dtype, the state). A backend declared ``propagates_non_finite``
 not finite whenever a real input entry is not) runs before the guard instead: one sum of its
 output (and of separate denominator features) answers whether anything was not finite; only
 then does the guard run and, when it isolates rows, the backend run again on the isolated inputs
-(the first result, and its autograd graph, dropped). While compiling or tracing the branch-free isolation runs first,
-as before.
+(the first result, and its autograd graph, dropped). While compiling or tracing the
+branch-free isolation runs first, as before.
 
 Causal calls carry a state (``initial_state``, ``output_final_state``; see
 ``state.AttentionState``): prefill, continuation with many new tokens and one-token
@@ -438,7 +438,12 @@ def _bias_for(spec, call: _Call, rpe_bias, full, dt):
 def _finish(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place):
     """Stage 5, finish: rows that saw a non-finite input made NaN, the output in the dtype of
     ``v``, a state that saw a non-finite key made NaN, written into the given tensors when
-    ``in_place``, and recorded with the call's kind."""
+    ``in_place``, and recorded with the call's kind (autocast off, as for the backend)."""
+    with autocast_disabled(out.device.type):
+        return _finish_rows(call, out, state, poisoned, bad_key, out_dtype, in_place)
+
+
+def _finish_rows(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place):
     nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
     if poisoned is not None:
         out = torch.where(poisoned[..., None], nan, out)
