@@ -184,8 +184,7 @@ def test_the_public_call_gives_what_the_guard_before_the_kernel_gives(name, pois
             state = AttentionState(torch.rand(2, 2, 4, 3, dtype=torch.float64, generator=gen),
                                    torch.rand(2, 2, q_den.shape[-1] if q_den is not None else 4, dtype=torch.float64,
                                               generator=gen))
-        args = (q, k, v, xs["q_den"] if target == "q_den" else q_den, xs["k_den"] if target == "k_den" else k_den, mask,
-                state)
+        args = (q, k, v, q_den, k_den, mask, state)
         calls = []
         out, final, grads = _public(name, True, *args, calls=calls)
         want_out, want_final, want_grads = _public(name, False, *args)
