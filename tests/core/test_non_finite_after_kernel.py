@@ -18,6 +18,7 @@ import math
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import hf_kernattn
 from hf_kernattn.modeling.registry import _REGISTRY
@@ -288,3 +289,27 @@ def test_a_one_token_step_from_a_state_reads_nothing_on_the_host(monkeypatch, na
     finally:
         _REGISTRY[name] = spec
     assert reads == [] and len(calls) == 1
+
+
+@pytest.mark.parametrize("name", DECLARED)
+def test_a_checkpointed_call_recomputes_the_same_path(name):
+    """Under non-reentrant activation checkpointing (as ``recompute_attention`` runs it) a call
+    with an inf value runs the kernel twice in the forward and again in the recomputation: the
+    gradients equal those of the guard before the kernel."""
+    q, k, v, _, _ = _inputs(64)
+    v[1, 0, 3, 1] = math.inf
+    spec = _REGISTRY[name]
+    results = []
+    for capable in (True, False):
+        _REGISTRY[name] = _spied(name, [], capable)
+        try:
+            xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+            out = torch.utils.checkpoint.checkpoint(
+                lambda *a: hf_kernattn.kernelized_attention(*a, causal=_causal(name), backend=name), *xs, use_reentrant=False)
+            grads = torch.autograd.grad(torch.where(torch.isfinite(out), out, 0).pow(2).sum(), xs)
+        finally:
+            _REGISTRY[name] = spec
+        results.append((out.detach(), grads))
+    _same(results[0][0], results[1][0])
+    for g, w in zip(results[0][1], results[1][1]):
+        _same(g, w)
