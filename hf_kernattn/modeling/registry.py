@@ -170,6 +170,12 @@ def register_backend(
     ``initial_state`` and ``output_final_state`` with ``state``, ``q_den`` and ``k_den`` with
     ``split_denominator``); ``TypeError`` if ``fn`` or a given ``error_bound`` is not callable.
 
+    ``propagates_non_finite=True`` (see :class:`BackendSpec`) lets the entry point run ``fn``
+    before checking the inputs and check its output instead (cheaper by the inputs' size);
+    ``fn`` then also receives non-finite inputs. Declare it only for a backend whose output is
+    provably not finite whenever a real entry of ``q``, ``k`` or ``v`` is not: otherwise a
+    non-finite input could pass unisolated.
+
     ``backend="auto"`` considers a backend only where the calibration table ranks it (see
     :func:`choose_backend`; a table measured on your machine with ``hf-kernattn bench calibrate``
     ranks every registered backend that can run each measured kind of call), or where no ranked
