@@ -224,6 +224,14 @@ def test_in_place_writes_the_state_of_the_guard_before_the_kernel(name, target):
     assert len(calls) == (1 if target == "none" else 2)
 
 
+def _record_host_reads(monkeypatch, reads):
+    """Append the name of every host read (``bool()`` of a tensor, ``.item()``, ``.tolist()``) to ``reads``."""
+    for attr in ("__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, attr)
+        monkeypatch.setattr(torch.Tensor, attr,
+                            lambda self, *a, _r=real, _n=attr, **kw: reads.append(_n) or _r(self, *a, **kw))
+
+
 @pytest.mark.parametrize("name", DECLARED)
 def test_finite_inputs_reach_the_kernel_once_uncopied_with_one_host_read(monkeypatch, name):
     """Every input finite: the backend runs once on the caller's tensors (float32, nothing
@@ -235,9 +243,7 @@ def test_finite_inputs_reach_the_kernel_once_uncopied_with_one_host_read(monkeyp
     spec = _REGISTRY[name]
     _REGISTRY[name] = _spied(name, calls)
     try:
-        for attr in ("__bool__", "item", "tolist"):
-            real = getattr(torch.Tensor, attr)
-            monkeypatch.setattr(torch.Tensor, attr, lambda self, *a, _r=real, _n=attr, **kw: reads.append(_n) or _r(self, *a, **kw))
+        _record_host_reads(monkeypatch, reads)
         out = hf_kernattn.kernelized_attention(*xs, causal=_causal(name), backend=name)
         monkeypatch.undo()
     finally:
@@ -281,9 +287,7 @@ def test_a_one_token_step_from_a_state_reads_nothing_on_the_host(monkeypatch, na
     spec = _REGISTRY[name]
     _REGISTRY[name] = _spied(name, calls)
     try:
-        for attr in ("__bool__", "item", "tolist"):
-            real = getattr(torch.Tensor, attr)
-            monkeypatch.setattr(torch.Tensor, attr, lambda self, *a, _r=real, _n=attr, **kw: reads.append(_n) or _r(self, *a, **kw))
+        _record_host_reads(monkeypatch, reads)
         hf_kernattn.kernelized_attention(q, k, v, causal=True, backend=name, initial_state=state, output_final_state=True)
         monkeypatch.undo()
     finally:
