@@ -16,6 +16,14 @@ from .kernels_windowed import windowed_attention
 from .registry import register_backend
 
 STATE_ARGUMENTS = ("initial_state", "output_final_state")
+# propagates_non_finite (linear, causal_chunked): a NaN/inf entry of a real key or value makes a
+# row of S = sum_j k_j^T v_j non-finite (k_jm * x and x * v_jd are NaN/inf for every x, 0 * inf
+# = NaN included), every query reads every row of S (q_i S: a sum holding a NaN/inf term is
+# NaN/inf), and a NaN/inf query entry makes its own numerator q_i S non-finite; causal_chunked
+# reads its own key and value exactly (the diagonal of the chunk's block), so the row of the
+# query at that position is non-finite. The quotient by a finite denominator keeps it so, and
+# without separate denominator features an inf numerator meets an inf or NaN denominator (NaN).
+# Not covered: q_den, k_den (an inf there gives finite / inf = 0), which the entry point sums.
 SPLIT_ARGUMENTS = ("q_den", "k_den")
 register_backend(
     "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps") + SPLIT_ARGUMENTS, causal=True, noncausal=True,
@@ -24,11 +32,11 @@ register_backend(
 )
 register_backend(
     "linear", linear_attention, takes=("eps",) + SPLIT_ARGUMENTS, causal=False, noncausal=True, split_denominator=True,
-    symbolic_n=True, complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
+    symbolic_n=True, propagates_non_finite=True, complexity="O(N M D)", description="non-causal linear attention q (k^T v)",
 )
 register_backend(
     "causal_chunked", causal_chunked_attention, takes=("eps",) + SPLIT_ARGUMENTS + STATE_ARGUMENTS, causal=True,
-    noncausal=False, split_denominator=True, state=True,
+    noncausal=False, split_denominator=True, state=True, propagates_non_finite=True,
     complexity="O(N C (M + D) + N M D)", description="causal linear attention, exact chunks plus running state",
 )
 register_backend(

@@ -18,11 +18,17 @@ measured faster).
 The work common to every backend happens here, once, in stages of one job each: check
 (:func:`_check`, with the checks of ``attention_inputs.py``), prepare (the dtype rule: float32
 at least, float64 stays float64, the bias and a state too; key masking: padded keys and their
-values zeroed; the non-finite guard, ``kernels_common.guard_non_finite``: in eager mode one sum
-per tensor and one host sync, and only when a sum is not finite the isolation of the non-finite
-rows; the inputs reach the backend uncopied otherwise), choose (:func:`_choose`), run (the backend
-receives exactly the keyword arguments it declared at registration, ``takes``, and nothing
-else) and finish (:func:`_finish`: non-finite rows, the output dtype, the state).
+values zeroed), choose (:func:`_choose`), the non-finite guard
+(``kernels_common.guard_non_finite``: in eager mode one sum per tensor and one host sync, and
+only when a sum is not finite the isolation of the non-finite rows; the inputs reach the backend
+uncopied otherwise), run (:func:`_run`: the backend receives exactly the keyword arguments it
+declared at registration, ``takes``, and nothing else) and finish (:func:`_finish`: non-finite
+rows, the output dtype, the state). A backend declared ``propagates_non_finite`` (its output is
+not finite whenever a real input entry is not) runs before the guard instead: one sum of its
+output (and of separate denominator features) answers whether anything was not finite; only
+then does the guard run and, when it isolates rows, the backend run again on the isolated inputs
+(the first result, and its autograd graph, dropped). While compiling or tracing the
+branch-free isolation runs first, as before.
 
 Causal calls carry a state (``initial_state``, ``output_final_state``; see
 ``state.AttentionState``): prefill, continuation with many new tokens and one-token
@@ -60,7 +66,9 @@ from .attention_inputs import (
     normalize_mask,
 )
 from .builtin_backends import recurrent_attention
-from .kernels_common import autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys
+from .kernels_common import (
+    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys, tracing,
+)
 from .kernels_hybrid import SoftmaxWindow
 from .kernels_linear import recurrent_step
 from .kernels_manhattan import manhattan_distances, manhattan_table
@@ -184,7 +192,10 @@ def kernelized_attention(
 
     Host syncs: the mask values and a clipped bias are checked in eager mode, except in a
     one-token step from a state (decoding), whose mask is used unchecked; the non-finite guard
-    reads one sum per input tensor, together (one sync; not in a one-token step from a state).
+    reads one sum per input tensor, together (one sync; not in a one-token step from a state),
+    or, for a backend declared ``propagates_non_finite`` (``linear``, ``causal_chunked``), one sum
+    of its output (and of ``q_den``, ``k_den``) after it ran: only when that is not finite are
+    the inputs checked and, if one is not finite, its rows isolated and the backend run again.
     """
     if (in_place is True and rpe_bias is None and grid is None and rpe_clip is None and softmax_window is None
             and backend in ("auto", "recurrent")):
@@ -194,14 +205,38 @@ def kernelized_attention(
     call = _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
                   initial_state, output_final_state, in_place, softmax_window)
     q, k, v, q_den, k_den, sw = _prepare(call, compute_dtype_for(q), q, k, v, q_den, k_den)
+    chosen = _choose(call, backend, q, k, rpe_bias, output_final_state)
+    run = (call, rpe_bias, causal, eps, output_final_state)
     poisoned = bad_key = None
     if call.initial_state is None or call.n > 1:  # a one-token step's only row sees all it reads: nothing to isolate
+        first = None
+        if chosen[0].propagates_non_finite and call.b and call.h and not tracing() and q.device.type != "meta":
+            # the output tells whether the inputs were finite (one sum over it instead of one over each input)
+            first = _run(*run, chosen, q, k, v, q_den, k_den, sw)
+            if _finite(first[0], q_den, k_den):
+                return _finish(call, *first, None, None, call.out_dtype, in_place)
         q, k, v, q_den, k_den, sw, poisoned, bad_key = _guard(call, q, k, v, q_den, k_den, sw, causal)
-    spec, dt, fold, full = _choose(call, backend, q, k, rpe_bias, output_final_state)
+        if poisoned is None and first is not None:  # nothing to isolate (a non-finite state, an overflow): as run
+            return _finish(call, *first, None, None, call.out_dtype, in_place)
+        first = None  # a first run's graph is dropped here
+        if poisoned is not None and not tracing():  # auto chooses on what the backend will receive
+            chosen = _choose(call, backend, q, k, rpe_bias, output_final_state)
+    if (call.b == 0 or call.h == 0) and sw is None:
+        with autocast_disabled(q.device.type):
+            q, k, v, q_den, k_den, sw, state = _in_dtype(call, chosen[1], q, k, v, q_den, k_den, sw)
+            return _empty(call, q, k, v, k_den, rpe_bias, state, output_final_state, chosen[1])
+    out, state = _run(*run, chosen, q, k, v, q_den, k_den, sw)
+    return _finish(call, out, state, poisoned, bad_key, call.out_dtype, in_place)
+
+
+def _run(call, rpe_bias, causal, eps, output_final_state, chosen, q, k, v, q_den, k_den, sw):
+    """Stage 4, run: the chosen backend (``chosen`` from :func:`_choose`) receives exactly the
+    keyword arguments it declared (``takes``), in the dtype it computes in, autocast off.
+    Returns ``(out, state)`` (state None unless ``output_final_state``; folded from the keys
+    and values for a backend that carries none), before :func:`_finish`."""
+    spec, dt, fold, full = chosen
     with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
         q, k, v, q_den, k_den, sw, state = _in_dtype(call, dt, q, k, v, q_den, k_den, sw)
-        if (call.b == 0 or call.h == 0) and sw is None:
-            return _empty(call, q, k, v, k_den, rpe_bias, state, output_final_state, dt)
         bias = _bias_for(spec, call, rpe_bias, full, dt)
         given = dict(
             rpe_bias=bias, causal=causal, key_mask=call.key_mask, grid=call.grid, eps=float(eps), rpe_clip=call.rpe_clip,
@@ -210,8 +245,17 @@ def kernelized_attention(
         result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
         if fold:  # a backend without a state: the final state folded from this call's keys and values
             result = result, fold_into_state(None, k, v, k if k_den is None else k_den, call.window)
-        out, state = result if output_final_state else (result, None)
-        return _finish(call, out, state, poisoned, bad_key, call.out_dtype, in_place)
+    return result if output_final_state else (result, None)
+
+
+def _finite(out: torch.Tensor, q_den: Optional[torch.Tensor], k_den: Optional[torch.Tensor]) -> bool:
+    """Whether the output of a backend declared ``propagates_non_finite`` and the denominator
+    features (which it does not cover) are finite: one sum each (a NaN/inf entry, or finite
+    entries whose sum overflows, gives a sum that is not finite), read on the host together
+    (the call's one sync)."""
+    with torch.no_grad():
+        flags = torch.stack([torch.isfinite(x.sum()) for x in (out, q_den, k_den) if x is not None])
+        return all(flags.tolist())
 
 
 @dataclass
@@ -444,7 +488,12 @@ def _bias_for(spec, call: _Call, rpe_bias, full, dt):
 def _finish(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place):
     """Stage 5, finish: rows that saw a non-finite input made NaN, the output in the dtype of
     ``v``, a state that saw a non-finite key made NaN, written into the given tensors when
-    ``in_place``, and recorded with the call's kind."""
+    ``in_place``, and recorded with the call's kind (autocast off, as for the backend)."""
+    with autocast_disabled(out.device.type):
+        return _finish_rows(call, out, state, poisoned, bad_key, out_dtype, in_place)
+
+
+def _finish_rows(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place):
     nan = torch.full((), math.nan, dtype=out.dtype, device=out.device)
     if poisoned is not None:
         out = torch.where(poisoned[..., None], nan, out)

@@ -14,8 +14,9 @@ What happens once, before a kernel runs (``dispatch.kernelized_attention``): inp
 validated, q, k, v and the bias cast to the compute dtype (:func:`compute_dtype_for`: float32
 at least, float64 stays float64), padded keys zeroed with their values (:func:`mask_keys`) and
 non-finite entries isolated (:func:`guard_non_finite`, which costs one sum per tensor when all
-are finite). A kernel therefore receives inputs of one dtype in which a padded key contributes
-nothing, and takes no key mask.
+are finite; for a backend declared ``propagates_non_finite`` the entry point sums its output
+instead and runs the guard only when that is not finite). A kernel therefore receives inputs of
+one dtype in which a padded key contributes nothing, and takes no key mask.
 
 Mixed precision: inside ``torch.autocast`` the attention core (feature maps, every kernel, the
 hand-written autograd ops' forward and backward) runs with autocast switched off

@@ -64,6 +64,13 @@ class BackendSpec:
             hybrid); every other backend refuses such calls.
         symbolic_n: runs a symbolic N (``torch.export`` with a dynamic sequence or grid: one
             program serves every length): its work does not depend on N through Python loops.
+        propagates_non_finite: every NaN/inf entry of ``q``, ``k`` or ``v`` at a real position (a
+            query anywhere, a key or value not padded) makes at least one entry of its output
+            NaN/inf, so that the output alone tells whether the inputs were finite: the entry
+            point then runs the backend first and checks its output with one sum (one read of
+            the output instead of one of each input), isolating non-finite rows and running it
+            again only when the output is not finite (separate denominator features are still
+            summed: an inf there can vanish in a division). False when unknown.
         error_bound: None for a backend exact up to ordinary floating-point summation; for an
             approximate one, ``error_bound(q, k, *, rpe_bias, causal, key_mask, dtype) -> float``,
             a bound on its error relative to the values when computed in ``dtype`` (``inf`` when
@@ -91,6 +98,7 @@ class BackendSpec:
     devices: tuple[str, ...] = DEVICE_TYPES
     complexity: str = ""
     description: str = ""
+    propagates_non_finite: bool = False
 
     @property
     def exact(self) -> bool:
@@ -153,6 +161,7 @@ def register_backend(
     complexity: str = "",
     description: str = "",
     overwrite: bool = False,
+    propagates_non_finite: bool = False,
     takes: Optional[Sequence[str]] = None,
 ) -> BackendSpec:
     """Register an attention backend under ``name`` with its declared capabilities.
@@ -172,6 +181,12 @@ def register_backend(
     ``rpe_bias`` for a bias, ``grid`` for a 2D bias, ``rpe_clip`` with ``needs_rpe_clip``,
     ``initial_state`` and ``output_final_state`` with ``state``, ``q_den`` and ``k_den`` with
     ``split_denominator``, ``softmax_window`` with ``softmax_window``); ``TypeError`` if ``fn`` or a given ``error_bound`` is not callable.
+
+    ``propagates_non_finite=True`` (see :class:`BackendSpec`) lets the entry point run ``fn``
+    before checking the inputs and check its output instead (cheaper by the inputs' size);
+    ``fn`` then also receives non-finite inputs. Declare it only for a backend whose output is
+    provably not finite whenever a real entry of ``q``, ``k`` or ``v`` is not: otherwise a
+    non-finite input could pass unisolated.
 
     ``backend="auto"`` considers a backend only where the calibration table ranks it (see
     :func:`choose_backend`; a table measured on your machine with ``hf-kernattn bench calibrate``
@@ -222,6 +237,7 @@ def register_backend(
         devices=tuple(devices),
         complexity=complexity,
         description=description,
+        propagates_non_finite=bool(propagates_non_finite),
     )
     _REGISTRY[name] = spec
     return spec
