@@ -91,10 +91,12 @@ class DensePlan:
         return c.as_strided((c.shape[0], rows // wg, wg, hg, wg), (p, q, 1, q, 1), off + (s // wg) * q)
 
     def skewed(self, heads: int, rows: int, kend: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A zeroed buffer ``z (heads, rows, width)`` and its view ``(heads, *score_shape)`` in which
-        each query's row of pair values sits at the query's shift: ``i'`` (1D) or ``y_i' Q + x_i'``
-        (2D) entries to the right, so that ``z.sum(1)`` adds every pair into the entry of its
-        offset, the table's entry ``s`` (1D) or ``(s / Wg) Q`` (2D) onwards."""
+        """A zeroed buffer ``z`` and its view ``(heads, *score_shape)`` in which each query's pair
+        values sit shifted by the query's position, so that :meth:`offset_sums` of ``z`` adds every
+        pair into the entry of its offset. 1D: ``z (heads, rows, kend + rows - 1)``, row ``i'``
+        shifted ``i'`` entries. 2D: ``z (heads, r, Hg, Wg, Q)`` (``Q = 2Wg-1``), the keys of grid
+        row ``y`` for query ``(y', x')`` at row ``(y', y, x')`` shifted ``x'`` entries (about twice
+        the block's scores; the rows are then summed along ``y' + y`` on ``Wg`` times fewer values)."""
         if self.grid is None:
             width = kend + rows - 1
             z = like.new_zeros(heads, rows, width)
@@ -102,9 +104,19 @@ class DensePlan:
         hg, wg = self.grid
         q = 2 * wg - 1
         r = rows // wg
-        width = (hg + r - 1) * q
-        z = like.new_zeros(heads, rows, width)
-        return z, z.as_strided((heads, r, wg, hg, wg), (rows * width, wg * width + q, width + 1, q, 1))
+        z = like.new_zeros(heads, r, hg, wg, q)
+        return z, z.as_strided((heads, r, wg, hg, wg), (r * hg * wg * q, hg * wg * q, q + 1, wg * q, 1))
+
+    def offset_sums(self, z: torch.Tensor) -> torch.Tensor:
+        """The sums of a :meth:`skewed` buffer per offset: ``(heads, width)``, entry ``o`` the
+        table's entry ``table_start(s) + o`` (1D width ``kend + rows - 1``, 2D ``(Hg + r - 1) Q``)."""
+        if self.grid is None:
+            return z.sum(1)
+        heads, r, hg, _, q = z.shape
+        by_row = z.sum(3)  # (heads, r, Hg, Q): x offsets summed
+        y = by_row.new_zeros(heads, r, hg + r - 1, q)  # query grid row y' shifted y' rows
+        y.as_strided(by_row.shape, (r * (hg + r - 1) * q, (hg + r) * q, q, 1)).copy_(by_row)
+        return y.sum(1).view(heads, -1)
 
     def table_start(self, s: int) -> int:
         return s if self.grid is None else (s // self.grid[1]) * (2 * self.grid[1] - 1)
@@ -202,8 +214,9 @@ class DenseBlockProduct(torch.autograd.Function):
                 else:  # several batch rows, or several heads sharing the table: sum those first
                     pair = (da * scores).view(-1, heads, *zv.shape[1:])
                     zv.copy_(pair.sum((0, 1))[None] if shared else pair.sum(0))
+                sums = plan.offset_sums(z)
                 start = plan.table_start(s)
-                dc[slice(0, 1) if shared else slice(h0, h1), start : start + z.shape[-1]] += z.sum(1)
+                dc[slice(0, 1) if shared else slice(h0, h1), start : start + sums.shape[-1]] += sums
             if coef is not None:
                 _weigh(da, coef, plan, rows, kend)  # d(scores)
             if need_q:
