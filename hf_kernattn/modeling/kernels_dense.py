@@ -38,6 +38,8 @@ from .kernels_common import (dense_bias_matrix, full_precision, shifted_bias, tr
 DENSE_BLOCK_SCORES = 1 << 18
 # fewest queries per block in 1D (products of fewer rows run far below the machine's matrix rate)
 DENSE_MIN_ROWS = 32
+# 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
+DENSE_SHORT_RUN = 32
 
 
 class DensePlan:
@@ -195,6 +197,8 @@ class DenseBlockProduct(torch.autograd.Function):
             q_blk, g_blk = qr[pairs, s:t], gr[pairs, s:t]
             k_blk, w_blk = k3[pairs, :kend], w3[pairs, :kend]
             coef = None if c is None else _coefficients(c, plan, h0, h1, rows, s, kend)
+            if coef is not None and plan.grid is not None and plan.grid[1] < DENSE_SHORT_RUN:
+                coef = coef.contiguous()  # short runs of keys: one strided pass here, not two below
             scores = torch.bmm(q_blk, k_blk.transpose(1, 2))  # (pairs, rows, kend)
             if need_w:
                 a = scores if coef is None else _weigh(scores, coef, plan, rows, kend, out=torch.empty_like(scores))
