@@ -19,8 +19,9 @@ each block's pair gradients along their offsets (a copy into a skewed buffer and
 
 Cost: time O(N^2 (M + D)) (causal: half); memory O(N (M + D)) besides one block of scores
 (the forward and backward keep no N x N matrix). Traced calls (``torch.export``, ``torch.compile``,
-symbolic sizes) run the same formula unblocked (:func:`dense_attention_unblocked`), which
-materialises the ``N x N`` matrix.
+symbolic sizes) and small calls with a backward (at most :data:`DENSE_UNBLOCKED_SCORES` scores
+in all) run the same formula unblocked (:func:`dense_attention_unblocked`), which materialises
+the ``N x N`` matrix.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from .kernels_common import (dense_bias_matrix, full_precision, shifted_bias, tr
 DENSE_BLOCK_SCORES = 1 << 18
 # fewest queries per block in 1D (products of fewer rows run far below the machine's matrix rate)
 DENSE_MIN_ROWS = 32
+# forward+backward of fewer scores than this (batch x heads x N^2; 4 MB in float32) runs unblocked:
+# the whole matrix is then cheaper than the blocks' bookkeeping (measured: 12 heads, 14 x 14 to 16 x 16)
+DENSE_UNBLOCKED_SCORES = 1 << 20
 # 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
 DENSE_SHORT_RUN = 32
 
@@ -248,12 +252,15 @@ def dense_attention(
     """Exact quadratic reference: ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype, padded
     keys and values already zero (``kernels_common.mask_keys``); ``rpe_bias`` ``(H, 2N-1)`` or,
     with ``grid = (Hg, Wg)``, ``(H, 2Hg-1, 2Wg-1)``; ``q_den, k_den`` ``(B, H, N, M')`` or None.
-    Returns ``(B, H, N, D)``. Blocked (:class:`DenseBlockProduct`) in eager mode; traced calls run
+    Returns ``(B, H, N, D)``. Blocked (:class:`DenseBlockProduct`) in eager mode; traced calls, and
+    forward+backward of at most :data:`DENSE_UNBLOCKED_SCORES` scores, run
     :func:`dense_attention_unblocked`."""
     b, h, n = q.shape[:3]
     if grid is not None and causal:
         raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
-    if _traced(b, h, n, q.shape[-1], v.shape[-1], *(grid or ())):
+    small = b * h * n * n <= DENSE_UNBLOCKED_SCORES and torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, rpe_bias, q_den, k_den))
+    if small or _traced(b, h, n, q.shape[-1], v.shape[-1], *(grid or ())):
         return dense_attention_unblocked(q, k, v, rpe_bias=rpe_bias, causal=causal, grid=grid, eps=eps,
                                          q_den=q_den, k_den=k_den)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -19,6 +19,13 @@ from tests.reference import literal_reference
 B, H, M, D = 2, 3, 4, 5
 
 
+@pytest.fixture(autouse=True)
+def blocked_at_every_size(monkeypatch):
+    """The small calls of these tests take the blocked form too (by default a forward+backward of
+    a few thousand scores runs unblocked)."""
+    monkeypatch.setattr(kernels_dense, "DENSE_UNBLOCKED_SCORES", 0)
+
+
 def _inputs(n, grid, seed, bias=True, dtype=torch.float64):
     g = torch.Generator().manual_seed(seed)
     q = torch.rand(B, H, n, M, generator=g, dtype=dtype) + 0.1
@@ -200,6 +207,21 @@ def test_runs_on_the_meta_device():
     assert q.grad.device.type == "meta" and table.grad.shape == (3, 5, 7)
     causal = dense_attention(q, k, v, rpe_bias=torch.empty(3, 2 * n - 1, device="meta"), causal=True)
     assert causal.shape == (2, 3, n, 5)
+
+
+def test_small_calls_with_a_backward_run_unblocked(monkeypatch):
+    """Forward+backward of at most DENSE_UNBLOCKED_SCORES scores takes the unblocked form; a
+    forward without autograd, or a larger call, the blocked one."""
+    monkeypatch.setattr(kernels_dense, "DENSE_UNBLOCKED_SCORES", B * H * 12 * 12)
+    calls = []
+    monkeypatch.setattr(kernels_dense, "dense_attention_unblocked", lambda *a, **kw: calls.append("unblocked"))
+    q, k, v, table, _ = _inputs(12, (3, 4), seed=0)
+    dense_attention(q, k, v.requires_grad_(True), rpe_bias=table, grid=(3, 4))
+    with torch.no_grad():
+        dense_attention(q, k, v, rpe_bias=table, grid=(3, 4))
+    q, k, v, table, _ = _inputs(13, None, seed=0)
+    dense_attention(q, k, v.requires_grad_(True), rpe_bias=table)
+    assert calls == ["unblocked"]
 
 
 def test_causal_with_a_grid_is_refused():
