@@ -28,7 +28,7 @@ SPLIT_ARGUMENTS = ("q_den", "k_den")
 register_backend(
     "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps") + SPLIT_ARGUMENTS, causal=True, noncausal=True,
     rpe_1d=True, rpe_2d=True, split_denominator=True, symbolic_n=True,
-    complexity="O(N^2 M)", description="exact quadratic reference (materialises the N x N matrix)",
+    complexity="O(N^2 M)", description="exact quadratic form in blocks of queries (keeps no N x N matrix)",
 )
 register_backend(
     "linear", linear_attention, takes=("eps",) + SPLIT_ARGUMENTS, causal=False, noncausal=True, split_denominator=True,
