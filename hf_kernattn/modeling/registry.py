@@ -435,12 +435,24 @@ def _segment(ranking, n) -> tuple:
     return ()
 
 
+# auto's candidates per kind of call and N, valid for one active table and one set of registered
+# backends (``_AUTO_CACHE_FOR``): a call whose kind was seen costs a dict lookup instead of the
+# table's ranking and the capability checks. Cleared when another table becomes active
+# (``load_auto_table``, ``HF_KERNATTN_AUTO_TABLE`` read on the first choice) or a backend is
+# registered, replaced or removed; bounded (cleared when full).
+_AUTO_CACHE: dict[tuple, tuple] = {}
+_AUTO_CACHE_FOR: tuple = (None, ())
+AUTO_CACHE_SIZE = 4096
+
+
 def auto_candidates(
     *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
     state: bool = False, split: bool = False, backward: bool = False, dtype: torch.dtype = torch.float32,
 ) -> list[tuple[str, Optional[torch.dtype]]]:
     """``auto``'s candidates for a call, best first: ``(name, dtype to compute in, or None for
     the compute dtype)``. Every candidate can run the call (its declared capabilities).
+    The answer is cached per kind of call and ``n`` (every argument here) for the active table
+    and the registered backends: loading a table or registering a backend starts afresh.
 
     1. One new token from a state (decoding): the backends declared ``decoding`` first.
     2. The calibration table's ranking (:func:`active_auto_table`) for the kind of call: mode
@@ -457,6 +469,28 @@ def auto_candidates(
     An approximate backend (declared ``error_bound``) is a candidate here whatever its error:
     ``kernelized_attention`` runs the first candidate whose bound for the data meets
     :data:`AUTO_MAX_ERROR` (an exact one always does)."""
+    global _AUTO_CACHE_FOR
+    if type(n) is not int or torch.compiler.is_compiling():  # a symbolic length, or tracing: no cache
+        return _auto_candidates(active_auto_table(), n, causal, rpe, key_mask, device, rpe_clip, state, split,
+                                backward, dtype)
+    table = _ACTIVE_TABLE if _ACTIVE_TABLE is not None else active_auto_table()
+    specs = tuple(_REGISTRY.values())
+    valid_for = _AUTO_CACHE_FOR
+    if valid_for[0] is not table or valid_for[1] != specs:  # another table or other backends
+        _AUTO_CACHE.clear()
+        _AUTO_CACHE_FOR = (table, specs)
+    key = (n, causal, rpe, key_mask, device, rpe_clip, state, split, backward, dtype)
+    found = _AUTO_CACHE.get(key)
+    if found is None:
+        found = tuple(_auto_candidates(table, n, causal, rpe, key_mask, device, rpe_clip, state, split, backward, dtype))
+        if len(_AUTO_CACHE) >= AUTO_CACHE_SIZE:
+            _AUTO_CACHE.clear()
+        _AUTO_CACHE[key] = found
+    return list(found)
+
+
+def _auto_candidates(table, n, causal, rpe, key_mask, device, rpe_clip, state, split, backward, dtype):
+    """:func:`auto_candidates` without the cache, from ``table`` (the checked form)."""
     symbolic = isinstance(n, torch.SymInt)
     request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split)
 
@@ -471,7 +505,7 @@ def auto_candidates(
         clip = min(clip, n - 1)  # offsets beyond N - 1 never occur
     mode = TABLE_MODES[1] if backward else TABLE_MODES[0]
     kind_dtype = "float64" if dtype == torch.float64 else "float32"
-    ranking = _table_ranking(active_auto_table(), mode, rpe or "none", causal, clip if rpe else None, kind_dtype)
+    ranking = _table_ranking(table, mode, rpe or "none", causal, clip if rpe else None, kind_dtype)
     for name, want in _segment(ranking, n):
         spec = _REGISTRY.get(name)
         want_dt = None if want is None else getattr(torch, want)
