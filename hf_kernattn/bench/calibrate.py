@@ -27,8 +27,12 @@ Writes ``auto_table.json`` (load it with ``hf_kernattn.load_auto_table(path)`` o
 ``--check`` instead times ``backend="auto"`` (with the active table: the shipped one, or
 ``--table PATH``) against every backend that meets the accuracy target on the same inputs (an
 approximate backend only where its error bound in the dtype it runs in is at most 1e-4) over
-the same grid, and reports per grid point auto's time / the fastest accurate backend's, per
-round median [min-max], wall and CPU time (``check.csv``).
+the same grid, alternated as above, and reports per grid point auto's CPU time / the fastest
+accurate backend's (the fastest by median CPU time), per round median [min-max], with wall-time
+ratios beside (``check.csv``, ``check_summary.csv``). A backend more than ``--check-drop`` times
+slower than the fastest in the first round cannot be the fastest and is not timed again at that
+point. A point above ``--check-limit`` (1.15x) is measured again in a fresh process
+(``--rounds-again`` rounds) before it counts as above: both measurements are reported.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ QUICK_SIDES = (8, 16, 32)
 FULL_CLIPS_1D = (64, 512)
 FULL_CLIPS_2D = (16,)
 CHECK = "auto"
+CHECK_LIMIT = 1.15  # auto / the fastest accurate backend a check point may reach
 PRUNE_FROM_N = 2048  # below, timings of a few milliseconds are too noisy to stop timing a backend on
 
 
@@ -208,6 +213,7 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
     check = spec.get("check", False)
     stopped: dict[str, str] = {}
     prev: dict[str, float] = {}
+    drop = spec.get("check_drop") if check else None
     rows = []
     points = [(s * s, s) for s in spec["sides"]] if bias == "2d" else [(n, None) for n in spec["ns"]]
     for n, side in points:
@@ -228,10 +234,15 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
         live = [c for c in live if c not in skipped]
         runs = {c: _runner(c, q, k, v, b, extra, causal, backward) for c in live}
         times: dict[str, list[tuple[float, float]]] = {c: [] for c in live}
+        slow: set[str] = set()  # --check: too slow in the first round to be the fastest at this N
         for rnd in range(spec["rounds"]):
             order = live if rnd % 2 == 0 else live[::-1]
+            if drop and rnd == 1:
+                first = {c: times[c][0][1] for c in live if times[c]}
+                fastest = min(first.values(), default=math.inf)
+                slow = {c for c, t in first.items() if c != CHECK and t > drop * fastest}
             for c in order:
-                if c in stopped:
+                if c in stopped or c in slow:
                     continue
                 try:
                     if rnd == 0:
@@ -419,6 +430,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ship", action="store_true", help="also write the table into hf_kernattn/modeling/auto_table.py")
     parser.add_argument("--check", action="store_true", help="time auto against the fastest accurate backend instead")
     parser.add_argument("--table", default=None, help="with --check: a table (JSON) to load instead of the shipped one")
+    parser.add_argument("--check-limit", type=float, default=CHECK_LIMIT,
+                        help="with --check: a point above this ratio is measured again before it counts as above")
+    parser.add_argument("--rounds-again", type=int, default=5, help="with --check: rounds of a point measured again (0: none)")
+    parser.add_argument("--check-drop", type=float, default=2.0,
+                        help="with --check: a backend this many times slower than the fastest in the first round is not timed again at that N")
     parser.add_argument("--from-csv", default=None,
                         help="measure nothing: derive the table from the calibrate.csv of an earlier run")
 
@@ -431,36 +447,106 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     table = str(Path(args.table).resolve()) if args.table else None
     common = dict(ns=ns, sides=sides, heads=args.heads, features=args.features, head_dim=args.head_dim, rounds=args.rounds,
                   min_time=args.min_time, max_call_seconds=args.max_call_seconds, max_nn_mb=args.max_nn_mb,
-                  prune=args.prune, threads=args.threads, device=args.device, check=args.check, table=table)
+                  prune=args.prune, threads=args.threads, device=args.device, check=args.check, table=table,
+                  check_drop=args.check_drop)
     return [dict(common, mode=mode, **kind) for mode in args.modes for kind in kinds(clips_1d, clips_2d)]
 
 
+def _point(r: dict[str, Any]) -> tuple:
+    """A check point's key: ``(mode, bias, causal, clip, n)``."""
+    return (r["mode"], r["bias"], str(r["causal"]), r["clip"] if r["clip"] is not None else -1, int(r["n"]))
+
+
 def _check_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per grid point: auto / the fastest accurate backend (by median wall time), per round,
-    median [min-max], wall and CPU."""
+    """Per grid point: auto / the fastest accurate backend (by median CPU time over rounds), per
+    round, median [min-max], CPU and wall; ``ratio`` is the median CPU ratio."""
     from itertools import groupby
 
     from .common import format_spread
 
     out = []
-    key = lambda r: (r["mode"], r["bias"], str(r["causal"]), r["clip"] if r["clip"] is not None else -1, r["n"])  # noqa: E731
-    for (mode, bias, causal, clip, n), group in groupby(sorted(rows, key=key), key=key):
+    for (mode, bias, causal, clip, n), group in groupby(sorted(rows, key=_point), key=_point):
         group = [r for r in group if r["status"] == "ok"]
         per = {}
         for r in group:
             per.setdefault(r["backend"], {})[r["round"]] = r
-        row = dict(mode=mode, bias=bias, causal=causal, clip=None if clip == -1 else clip, n=n)
+        side = next((r.get("side") for r in group if r.get("side") not in (None, "")), None)
+        row = dict(mode=mode, bias=bias, causal=causal, clip=None if clip == -1 else clip, n=n,
+                   side=None if side is None else int(side))
         others = {c: t for c, t in per.items() if c != CHECK}
         if CHECK not in per or not others:
-            out.append(dict(row, best="", wall="not measured", cpu="", worst=math.nan))
+            out.append(dict(row, best="", auto_ms=math.nan, best_ms=math.nan, cpu="not measured", wall="", ratio=math.nan))
             continue
-        best = min(others, key=lambda c: statistics.median(r["wall_s"] for r in others[c].values()))
+        best = min(others, key=lambda c: statistics.median(r["cpu_s"] for r in others[c].values()))
         rounds = sorted(set(per[CHECK]) & set(per[best]))
         wall = [per[CHECK][i]["wall_s"] / per[best][i]["wall_s"] for i in rounds]
         cpu = [per[CHECK][i]["cpu_s"] / per[best][i]["cpu_s"] for i in rounds if per[best][i]["cpu_s"] > 0]
-        out.append(dict(row, best=best, wall=format_spread(wall), cpu=format_spread(cpu),
-                        worst=statistics.median(wall)))
+        out.append(dict(row, best=best, auto_ms=1e3 * statistics.median(r["cpu_s"] for r in per[CHECK].values()),
+                        best_ms=1e3 * statistics.median(r["cpu_s"] for r in others[best].values()),
+                        cpu=format_spread(cpu), wall=format_spread(wall),
+                        ratio=statistics.median(cpu) if cpu else math.nan))
     return out
+
+
+def _again_specs(summary: list[dict[str, Any]], specs: list[dict[str, Any]], limit: float, rounds: int):
+    """One spec per check point above ``limit``: that point alone, ``rounds`` rounds."""
+    out = []
+    for r in summary:
+        if not r["ratio"] > limit:
+            continue
+        for s in specs:
+            if _point(dict(s, n=r["n"])) == _point(r):
+                size = dict(sides=[r["side"]]) if r["bias"] == "2d" else dict(ns=[r["n"]])
+                out.append(dict(s, **size, rounds=max(rounds, 1)))
+    return out
+
+
+def _merge_again(summary: list[dict[str, Any]], again: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first measurement with the second beside (``cpu_again``, ``ratio_again``, ``best_again``)."""
+    second = {_point(r): r for r in again}
+    out = []
+    for r in summary:
+        a = second.get(_point(r))
+        out.append(dict(r, best_again=a["best"] if a else "", cpu_again=a["cpu"] if a else "",
+                        ratio_again=a["ratio"] if a else math.nan))
+    return out
+
+
+def _verdict(r: dict[str, Any], limit: float = CHECK_LIMIT) -> float:
+    """A point's ratio: the re-measured one where the first was above ``limit``."""
+    return r["ratio_again"] if r.get("ratio_again") == r.get("ratio_again") and r["ratio"] > limit else r["ratio"]
+
+
+def _report_check(args: argparse.Namespace, specs, rows, out: Path, start: float) -> int:
+    """``--check``: the summary, the points above the limit measured again, the counts."""
+    from .common import format_table, write_csv
+
+    path = write_csv(rows, out / "check.csv")
+    summary = _check_summary(rows)
+    again_rows: list[dict[str, Any]] = []
+    again = [] if args.from_csv else _again_specs(summary, specs, args.check_limit, args.rounds_again)
+    if again and args.rounds_again > 0:
+        _info(f"measuring again {len(again)} point(s) above {args.check_limit:g}x")
+        for spec in again:
+            again_rows += measure_kind(spec) if args.quick else _run_worker(spec, args.timeout)
+        write_csv(again_rows, out / "check_again.csv")
+    summary = _merge_again(summary, _check_summary(again_rows) if again_rows else [])
+    write_csv(summary, out / "check_summary.csv")
+    shown = [dict(r, auto_ms=f"{r['auto_ms']:.3g}", best_ms=f"{r['best_ms']:.3g}") for r in summary]
+    print(format_table(shown, ["mode", "bias", "causal", "clip", "n", "best", "auto_ms", "best_ms", "cpu", "wall",
+                               "best_again", "cpu_again"]))
+    measured = [r for r in summary if r["ratio"] == r["ratio"]]
+    final = [_verdict(r, args.check_limit) for r in measured]
+    above = [r for r in measured if _verdict(r, args.check_limit) > args.check_limit]
+    if final:
+        print(f"\nauto / the fastest accurate backend (CPU time, median over rounds): {len(final) - len(above)} of "
+              f"{len(final)} points within {args.check_limit:g}x (a point above measured again before it counts), "
+              f"median {statistics.median(final):.3f}x, max {max(final):.3f}x")
+    for r in above:
+        print(f"  above: {r['mode']} bias {r['bias']} causal {r['causal']} clip {r['clip']} N {r['n']}: "
+              f"{r['cpu']} vs {r['best']}, again {r['cpu_again']} vs {r['best_again']}")
+    print(f"({time.perf_counter() - start:.0f} s; wrote {path} and {out / 'check_summary.csv'})")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -488,14 +574,7 @@ def run(args: argparse.Namespace) -> int:
             rows += _run_worker(spec, args.timeout)
     elapsed = time.perf_counter() - start
     if args.check:
-        path = write_csv(rows, out / "check.csv")
-        summary = _check_summary(rows)
-        write_csv(summary, out / "check_summary.csv")
-        print(format_table(summary, ["mode", "bias", "causal", "clip", "n", "best", "wall", "cpu"]))
-        worst = max((r["worst"] for r in summary if r["worst"] == r["worst"]), default=math.nan)
-        print(f"\nauto / fastest accurate backend, median over rounds, worst grid point: {worst:.2f}x "
-              f"({elapsed:.0f} s; wrote {path} and {out / 'check_summary.csv'})")
-        return 0
+        return _report_check(args, specs, rows, out, start)
     command = ("hf-kernattn bench calibrate" + (" --quick" if args.quick else "") +
                f" --threads {args.threads} --heads {args.heads} --features {args.features} --head-dim {args.head_dim}")
     source = dict(command=command, threads=args.threads, heads=args.heads, features=args.features,

@@ -339,7 +339,7 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     fold = output_final_state and call.initial_state is None and not spec.state
     if fold:
         request["state"] = False
-    lacks = spec.missing(**request)
+    lacks = spec.missing(**request) if backend != "auto" else ()  # auto's candidates can run the call
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")

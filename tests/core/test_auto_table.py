@@ -279,3 +279,24 @@ def test_bench_calibrate_quick_writes_a_table_that_loads(tmp_path):
         for _, names in entry["ranking"]:
             assert {x.partition("@")[0] for x in names} <= set(able)
     assert choose_backend(n=16, **PLAIN) in ("dense", "linear", "fft")
+
+
+def test_bench_calibrate_check_measures_a_point_above_the_limit_again_and_reports_both(tmp_path, capsys):
+    import csv
+
+    from hf_kernattn.cli import main
+
+    out = tmp_path / "check"
+    # a limit of 0: every point is above it, so every point is measured a second time
+    code = main(["-q", "bench", "calibrate", "--quick", "--check", "--ns", "16", "--sides", "4", "--modes", "fwd",
+                 "--clips-1d", "4", "--clips-2d", "2", "--rounds", "1", "--min-time", "0", "--check-limit", "0",
+                 "--rounds-again", "1", "--out", str(out)])
+    assert code == 0
+    with open(out / "check_summary.csv", newline="") as f:
+        summary = list(csv.DictReader(f))
+    assert len(summary) == 8  # one point per kind of call
+    for row in summary:
+        assert row["best"] and row["best_again"] and float(row["ratio"]) > 0 and float(row["ratio_again"]) > 0
+    assert (out / "check_again.csv").exists()
+    printed = capsys.readouterr().out
+    assert "0 of 8 points within 0x" in printed and printed.count("above:") == 8
