@@ -88,6 +88,18 @@ def kinds(clips_1d=FULL_CLIPS_1D, clips_2d=FULL_CLIPS_2D) -> list[dict[str, Any]
     return out
 
 
+def parse_kind(text: str) -> dict[str, Any]:
+    """``"none"``, ``"1d-causal"``, ``"1d@64"``, ``"2d@16"``... -> ``dict(bias, causal, clip)``
+    (``-causal``: causal; ``@K``: a bias clipped at K)."""
+    head, _, clip = text.partition("@")
+    bias, _, causal = head.partition("-")
+    if bias not in ("none", "1d", "2d") or causal not in ("", "causal") or (clip and not clip.isdigit()) \
+            or (clip and bias == "none") or (causal and bias == "2d"):
+        raise ValueError(f"--kinds: {text!r} is not a kind of call: none|1d|2d, then -causal (not 2d), then @K "
+                         f"(a clipped bias), e.g. none-causal, 1d@64, 2d@16")
+    return dict(bias=bias, causal=bool(causal), clip=int(clip) if clip else None)
+
+
 def candidates(bias: str, causal: bool, clip: Optional[int], device: str = "cpu") -> list[str]:
     """Every registered whole-sequence backend that can run this kind of call, plus the float64
     variant of each approximate one (``name@float64``)."""
@@ -417,6 +429,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sides", type=int, nargs="+", default=None, help=f"2D grid sides (default {FULL_SIDES})")
     parser.add_argument("--clips-1d", type=int, nargs="+", default=None, help=f"K of the clipped 1D biases (default {FULL_CLIPS_1D})")
     parser.add_argument("--clips-2d", type=int, nargs="+", default=None, help=f"K of the clipped Manhattan biases (default {FULL_CLIPS_2D})")
+    parser.add_argument("--kinds", nargs="+", default=None,
+                        help="only these kinds of call, e.g. none none-causal 1d 1d-causal 1d@64 1d-causal@512 2d 2d@16 "
+                             "(default: every kind, with the --clips-1d / --clips-2d given)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="fwd, fwdbwd (forward+backward)")
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--features", type=int, default=64, help="M, feature size of q and k")
@@ -449,7 +464,8 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
                   min_time=args.min_time, max_call_seconds=args.max_call_seconds, max_nn_mb=args.max_nn_mb,
                   prune=args.prune, threads=args.threads, device=args.device, check=args.check, table=table,
                   check_drop=args.check_drop)
-    return [dict(common, mode=mode, **kind) for mode in args.modes for kind in kinds(clips_1d, clips_2d)]
+    chosen = [parse_kind(k) for k in args.kinds] if args.kinds else kinds(clips_1d, clips_2d)
+    return [dict(common, mode=mode, **kind) for mode in args.modes for kind in chosen]
 
 
 def _point(r: dict[str, Any]) -> tuple:
