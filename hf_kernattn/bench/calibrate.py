@@ -231,7 +231,7 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
     for n, side in points:
         if check and CHECK in stopped:
             rows += [dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=CHECK, round=-1,
-                          wall_s=math.nan, cpu_s=math.nan, status=stopped[CHECK])]
+                          wall_s=math.nan, cpu_s=math.nan, status=stopped[CHECK], heads=spec["heads"])]
             continue
         q, k, v, b, extra = _inputs(n, side, bias, clip, spec["heads"], spec["features"], spec["head_dim"], spec["device"])
         live = [c for c in names if c not in stopped]
@@ -280,10 +280,10 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
             base = dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=c)
             if c in times and times[c]:
                 for rnd, (wall, cpu) in enumerate(times[c]):
-                    rows.append(dict(base, round=rnd, wall_s=wall, cpu_s=cpu, status="ok"))
+                    rows.append(dict(base, round=rnd, wall_s=wall, cpu_s=cpu, status="ok", heads=spec["heads"]))
             else:
                 why = skipped.get(c) or stopped.get(c) or ("not accurate" if check else "not timed")
-                rows.append(dict(base, round=-1, wall_s=math.nan, cpu_s=math.nan, status=why))
+                rows.append(dict(base, round=-1, wall_s=math.nan, cpu_s=math.nan, status=why, heads=spec["heads"]))
         _info(f"  {mode:6s} bias={bias:4s} causal={causal!s:5s} clip={clip!s:4s} N={n:6d}  CPU " +
               "  ".join(f"{c} {medians[c] * 1e3:.3g}ms" for c in sorted(medians, key=medians.get)))
     return rows
@@ -327,17 +327,21 @@ def _run_worker(spec: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- the table
 
 
-def rankings(rows: list[dict[str, Any]], names_of) -> list[dict[str, Any]]:
+def rankings(rows: list[dict[str, Any]], names_of, heads: int = 1) -> list[dict[str, Any]]:
     """Table entries from the timing rows: per kind of call, at each N the timed backends by
     median CPU time (one thread: the wall time a call takes on an idle machine; a busy machine
     lengthens wall times at random), then the others in the previous N's order (a backend whose
     cost grows with N^2 last); consecutive N with the same order merge into one segment whose bound
-    lies at the geometric mean of the last N of one order and the first N of the next."""
+    lies at the geometric mean of the last N of one order and the first N of the next. One entry
+    per kind of call and head count (a row without ``heads``: ``heads``)."""
     from itertools import groupby
 
-    key = lambda r: (r["mode"], r["bias"], r["causal"], r["clip"] if r["clip"] is not None else -1)  # noqa: E731
+    def key(r):
+        return (r["mode"], r["bias"], r["causal"], r["clip"] if r["clip"] is not None else -1,
+                int(r.get("heads") or heads))
+
     entries = []
-    for (mode, bias, causal, clip), group in groupby(sorted(rows, key=key), key=key):
+    for (mode, bias, causal, clip, h), group in groupby(sorted(rows, key=key), key=key):
         group = list(group)
         clip = None if clip == -1 else clip
         names = names_of(bias, causal, clip)
@@ -363,7 +367,7 @@ def rankings(rows: list[dict[str, Any]], names_of) -> list[dict[str, Any]]:
             if segments:
                 segments[-1][0] = int(math.sqrt(points[i - 1][0] * n))
             segments.append([None, ranked])
-        entries.append(dict(mode=mode, bias=bias, causal=causal, clip=clip, dtype="float32", ranking=segments))
+        entries.append(dict(mode=mode, bias=bias, causal=causal, clip=clip, dtype="float32", heads=h, ranking=segments))
     return entries
 
 
@@ -375,12 +379,12 @@ def read_rows(path) -> list[dict[str, Any]]:
         rows = list(csv.DictReader(f))
     for r in rows:
         r.update(causal=r["causal"] == "True", clip=int(r["clip"]) if r["clip"] else None, n=int(r["n"]),
-                 wall_s=float(r["wall_s"]), cpu_s=float(r["cpu_s"]))
+                 wall_s=float(r["wall_s"]), cpu_s=float(r["cpu_s"]), heads=int(r["heads"]) if r.get("heads") else None)
     return rows
 
 
-def table_from_rows(rows: list[dict[str, Any]], source: dict[str, Any], names_of) -> dict[str, Any]:
-    return {"format": 1, "source": source, "entries": rankings(rows, names_of)}
+def table_from_rows(rows: list[dict[str, Any]], source: dict[str, Any], names_of, heads: int = 1) -> dict[str, Any]:
+    return {"format": 1, "source": source, "entries": rankings(rows, names_of, heads)}
 
 
 def _table_literal(table: dict[str, Any]) -> str:
@@ -388,7 +392,7 @@ def _table_literal(table: dict[str, Any]) -> str:
     lines = ["{", f'    "format": {table["format"]!r},', f'    "source": {table.get("source", {})!r},', '    "entries": [']
     for e in table["entries"]:
         head = ", ".join(f"{json.dumps(k)}: {e[k]!r}" if not isinstance(e[k], str) else f"{json.dumps(k)}: {json.dumps(e[k])}"
-                         for k in ("mode", "bias", "causal", "clip", "dtype"))
+                         for k in ("mode", "bias", "causal", "clip", "dtype", "heads") if k in e)
         lines.append(f'        {{{head}, "ranking": [')
         lines += [f"            [{n_max!r}, {json.dumps(names)}]," for n_max, names in e["ranking"]]
         lines.append("        ]},")
@@ -450,8 +454,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds-again", type=int, default=5, help="with --check: rounds of a point measured again (0: none)")
     parser.add_argument("--check-drop", type=float, default=2.0,
                         help="with --check: a backend this many times slower than the fastest in the first round is not timed again at that N")
-    parser.add_argument("--from-csv", default=None,
-                        help="measure nothing: derive the table from the calibrate.csv of an earlier run")
+    parser.add_argument("--from-csv", nargs="+", default=None,
+                        help="measure nothing: derive the table from the calibrate.csv of earlier runs (rows measured "
+                             "at several head counts give an entry per head count; rows without heads count as --heads)")
 
 
 def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -581,7 +586,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     if args.from_csv:
-        rows = read_rows(args.from_csv)
+        rows = [r for path in args.from_csv for r in read_rows(path)]
     elif args.quick:  # one process for every kind: seconds, not a process start-up per kind
         for spec in specs:
             rows += measure_kind(spec)
@@ -597,8 +602,9 @@ def run(args: argparse.Namespace) -> int:
                   head_dim=args.head_dim, batch=1, device=args.device, rounds=args.rounds,
                   cpus=os.cpu_count(), seconds=round(elapsed), date=time.strftime("%Y-%m-%d"))
     if args.from_csv:  # the timings are an earlier run's
-        source.update(seconds=None, from_csv=str(args.from_csv))
-    table = table_from_rows(rows, source, lambda bias, causal, clip: candidates(bias, causal, clip, args.device))
+        source.update(seconds=None, from_csv=[str(p) for p in args.from_csv])
+    table = table_from_rows(rows, source, lambda bias, causal, clip: candidates(bias, causal, clip, args.device),
+                            args.heads)
     _, registry = _modeling()
     registry.check_auto_table(table)  # what we write loads
     csv_path = write_csv(rows, out / "calibrate.csv")

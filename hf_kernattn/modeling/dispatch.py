@@ -321,7 +321,7 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     if backend == "auto":
         # forward+backward when autograd records through the inputs: the table ranks each mode
         backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, rpe_bias))
-        candidates = auto_candidates(n=call.n, **request, backward=backward, dtype=dt)
+        candidates = auto_candidates(n=call.n, **request, backward=backward, dtype=dt, heads=call.h)
         made = []
 
         def full_bias():  # made at most once, and only for an approximate backend's bound

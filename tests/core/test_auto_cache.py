@@ -1,4 +1,4 @@
-"""``auto`` caches its candidates per kind of call and N: the cached answer is the uncached one for
+"""``auto`` caches its candidates per kind of call, head count and N: the cached answer is the uncached one for
 every kind the table tells apart, and it is dropped when another table becomes active
 (``load_auto_table``, ``HF_KERNATTN_AUTO_TABLE``) or the registered backends change
 (``register_backend``, a replaced or removed backend)."""
@@ -46,15 +46,16 @@ NS = (1, 2, 64, 181, 182, 256, 362, 363, 576, 1024, 2896, 2897, 4096, 5792, 5793
 
 
 def _uncached(n, **kind):
-    args = {**dict(rpe_clip=None, state=False, split=False, backward=False, dtype=torch.float32), **kind}
+    args = {**dict(rpe_clip=None, state=False, split=False, backward=False, dtype=torch.float32, heads=None), **kind}
     return registry._auto_candidates(registry.active_auto_table(), n, args["causal"], args["rpe"], args["key_mask"],
                                      args["device"], args["rpe_clip"], args["state"], args["split"], args["backward"],
-                                     args["dtype"])
+                                     args["dtype"], args["heads"])
 
 
 def test_the_cached_candidates_are_the_uncached_ones_for_every_kind_and_n():
     registry._AUTO_CACHE.clear()
-    for kind in _kinds():
+    for kind, heads in itertools.product(_kinds(), (None, 1, 4, 12)):
+        kind = dict(kind, heads=heads)
         for n in NS:
             want = _uncached(n, **kind)
             first = auto_candidates(n=n, **kind)  # computed and stored

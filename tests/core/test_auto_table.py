@@ -300,3 +300,53 @@ def test_bench_calibrate_check_measures_a_point_above_the_limit_again_and_report
     assert (out / "check_again.csv").exists()
     printed = capsys.readouterr().out
     assert "0 of 8 points within 0x" in printed and printed.count("above:") == 8
+
+
+def test_a_call_reads_the_entry_measured_at_the_nearest_head_count(monkeypatch):
+    """Crossovers move with the head count (per-call costs weigh more at few heads): a table may
+    hold a kind's entry per head count measured, and a call reads the one nearest its own (log
+    scale, a tie to the fewer); an entry without ``heads`` was measured at one head."""
+    few = _entry([[None, ["dense", "linear"]]])
+    many = dict(_entry([[None, ["linear", "dense"]]]), heads=12)
+    load_auto_table(_table(few, many))
+    assert choose_backend(n=300, **PLAIN) == "dense"  # heads not given: the fewest measured
+    assert choose_backend(n=300, **PLAIN, heads=1) == "dense"
+    assert choose_backend(n=300, **PLAIN, heads=3) == "dense"  # |log 3| < |log 3/12|
+    assert choose_backend(n=300, **PLAIN, heads=4) == "linear"  # |log 4| > |log 4/12|
+    assert choose_backend(n=300, **PLAIN, heads=12) == "linear"
+    assert choose_backend(n=300, **PLAIN, heads=96) == "linear"
+    # kernelized_attention passes the call's head count
+    seen = _spy(monkeypatch, "dense", "linear")
+    for h, want in ((1, "dense"), (12, "linear"), (2, "dense")):
+        seen.clear()
+        q, k, v = _qkv(n=16, h=h)
+        hf_kernattn.kernelized_attention(q, k, v)
+        assert [name for name, _ in seen] == [want]
+    # a loaded entry replaces the shipped ones of its kind at every head count
+    load_auto_table(_table(many))
+    load_auto_table(_table(_entry([[None, ["dense", "linear"]]], causal=True)))
+    assert choose_backend(n=300, **PLAIN, heads=12) == "linear"  # another kind: the shipped entries serve it
+    load_auto_table(None)
+    shipped = registry.active_auto_table()
+    load_auto_table(_table(few))
+    assert all(key[:5] != ("fwd", "none", False, None, "float32") or key[5] == 1 for key in registry.active_auto_table())
+    assert len(registry.active_auto_table()) <= len(shipped)
+    with pytest.raises(ValueError, match="heads must be the head count"):
+        load_auto_table(_table(dict(few, heads=0)))
+    with pytest.raises(ValueError, match=r"entries\[1\]: a second entry .* heads 12"):
+        load_auto_table(_table(many, many))
+
+
+def test_calibration_rows_at_several_head_counts_give_an_entry_per_head_count():
+    from hf_kernattn.bench.calibrate import rankings
+
+    def row(n, backend, cpu, heads):
+        return dict(mode="fwd", bias="none", causal=False, clip=None, n=n, side=None, backend=backend, round=0,
+                    wall_s=cpu, cpu_s=cpu, status="ok", heads=heads)
+
+    rows = [row(128, "dense", 1.0, 1), row(128, "linear", 2.0, 1), row(512, "dense", 3.0, 1), row(512, "linear", 2.0, 1),
+            row(128, "dense", 2.0, None), row(128, "linear", 1.0, None)]  # no heads: the given default (12)
+    entries = rankings(rows, lambda bias, causal, clip: ["dense", "linear"], heads=12)
+    by_heads = {e["heads"]: e["ranking"] for e in entries}
+    assert by_heads == {1: [[256, ["dense", "linear"]], [None, ["linear", "dense"]]], 12: [[None, ["linear", "dense"]]]}
+    load_auto_table({"format": 1, "entries": entries})  # what it writes loads
