@@ -58,6 +58,7 @@ FULL_CLIPS_1D = (64, 512)
 FULL_CLIPS_2D = (16,)
 CHECK = "auto"
 CHECK_LIMIT = 1.15  # auto / the fastest accurate backend a check point may reach
+CHECK_PRUNE = 10.0  # --check: a backend this many times slower than the fastest at two N (from 2048) is not timed further
 PRUNE_FROM_N = 2048  # below, timings of a few milliseconds are too noisy to stop timing a backend on
 
 
@@ -275,6 +276,10 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 slower = t >= spec["prune"] * medians[best] and prev[c] >= spec["prune"] * prev[best]
                 if slower and t / prev[c] >= medians[best] / prev[best]:
                     stopped.setdefault(c, f"pruned at N={n}: {t / medians[best]:.1f}x the fastest and growing as fast")
+                elif check and t >= CHECK_PRUNE * medians[best] and prev[c] >= CHECK_PRUNE * prev[best]:
+                    # --check: so far behind at two N that it cannot be the fastest later (spares the machine
+                    # the largest calls of e.g. a float64 FFT)
+                    stopped.setdefault(c, f"pruned at N={n}: {t / medians[best]:.1f}x the fastest")
         prev = medians
         for c in names + ([CHECK] if check else []):
             base = dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=c)
