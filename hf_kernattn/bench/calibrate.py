@@ -405,13 +405,31 @@ def _table_literal(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _entry_key(e: dict[str, Any]) -> tuple:
+    return (e["mode"], e["bias"], e["causal"], e["clip"], e["dtype"], e.get("heads", 1))
+
+
+def merge_tables(new: dict[str, Any], old: dict[str, Any]) -> dict[str, Any]:
+    """``new``'s entries, and ``old``'s of the kinds and head counts ``new`` did not measure (e.g.
+    one kind re-measured, or another head count); the sources of both kept."""
+    measured = {_entry_key(e) for e in new["entries"]}
+    kept = [e for e in old["entries"] if _entry_key(e) not in measured]
+    if not kept:
+        return new
+    source = dict(new.get("source", {}), earlier=old.get("source", {}))
+    entries = sorted(new["entries"] + kept, key=lambda e: tuple(str(x) for x in _entry_key(e)))
+    return {"format": new["format"], "source": source, "entries": entries}
+
+
 def write_table_module(table: dict[str, Any], path: Path, command: str) -> Path:
     """The table as ``modeling/auto_table.py``: a dict literal (a checkpoint carries it; the
     modeling folder imports only torch, transformers and the standard library)."""
     text = (
         '"""The calibration table ``backend="auto"`` ranks backends by (data; see ``registry.check_auto_table``).\n\n'
-        "Measured on the machine and with the settings in ``AUTO_TABLE[\"source\"]``; regenerate it with\n"
-        f"``{command} --ship``. Users load a table measured on their own machine with\n"
+        "Measured on the machine and with the settings in ``AUTO_TABLE[\"source\"]`` (entries per kind of call\n"
+        "and the head count they were measured at); re-measure entries with\n"
+        f"``{command} --ship`` (``--kinds``, ``--heads``: only those entries are replaced). Users load a table\n"
+        "measured on their own machine with\n"
         "``hf_kernattn.load_auto_table(path)`` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable.\n"
         '"""\n\n'
         f"AUTO_TABLE = {_table_literal(table)}\n"
@@ -602,7 +620,8 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         return _report_check(args, specs, rows, out, start)
     command = ("hf-kernattn bench calibrate" + (" --quick" if args.quick else "") +
-               f" --threads {args.threads} --heads {args.heads} --features {args.features} --head-dim {args.head_dim}")
+               f" --threads {args.threads} --heads {args.heads} --features {args.features} --head-dim {args.head_dim}" +
+               (f" --kinds {' '.join(args.kinds)}" if args.kinds else ""))
     source = dict(command=command, threads=args.threads, heads=args.heads, features=args.features,
                   head_dim=args.head_dim, batch=1, device=args.device, rounds=args.rounds,
                   cpus=os.cpu_count(), seconds=round(elapsed), date=time.strftime("%Y-%m-%d"))
@@ -620,8 +639,10 @@ def run(args: argparse.Namespace) -> int:
                          for n_max, names in entry["ranking"])
         print(f"{entry['mode']:6s} bias {entry['bias']:4s} causal {entry['causal']!s:5s} clip {entry['clip']!s:4s}  {segs}")
     print(f"\n{elapsed:.0f} s; wrote {json_path} (load it with hf_kernattn.load_auto_table) and {csv_path}")
-    if args.ship:
+    if args.ship:  # the entries measured replace those of their kind and head count; the others stay
         shipped = Path(__file__).resolve().parents[1] / "modeling" / "auto_table.py"
-        write_table_module(table, shipped, command)
+        from ..modeling.auto_table import AUTO_TABLE
+
+        write_table_module(merge_tables(table, AUTO_TABLE), shipped, command)
         print(f"wrote {shipped}")
     return 0

@@ -350,3 +350,22 @@ def test_calibration_rows_at_several_head_counts_give_an_entry_per_head_count():
     by_heads = {e["heads"]: e["ranking"] for e in entries}
     assert by_heads == {1: [[256, ["dense", "linear"]], [None, ["linear", "dense"]]], 12: [[None, ["linear", "dense"]]]}
     load_auto_table({"format": 1, "entries": entries})  # what it writes loads
+
+
+def test_shipping_a_partial_calibration_replaces_only_the_entries_it_measured(tmp_path):
+    from hf_kernattn.bench.calibrate import merge_tables, write_table_module
+
+    old = _table(_entry([[None, ["dense"]]]), _entry([[None, ["linear"]]], causal=True),
+                 dict(_entry([[None, ["linear"]]]), heads=12))
+    old["source"] = {"run": "old"}
+    new = _table(_entry([[64, ["dense", "linear"]], [None, ["linear", "dense"]]]))
+    new["source"] = {"run": "new"}
+    merged = merge_tables(new, old)
+    assert merged["source"] == {"run": "new", "earlier": {"run": "old"}}
+    got = {(e["causal"], e.get("heads", 1)): e["ranking"] for e in merged["entries"]}
+    assert got == {(False, 1): new["entries"][0]["ranking"], (True, 1): [[None, ["linear"]]], (False, 12): [[None, ["linear"]]]}
+    path = write_table_module(merged, tmp_path / "auto_table.py", "hf-kernattn bench calibrate --kinds none")
+    namespace: dict = {}
+    exec(path.read_text(), namespace)  # a plain dict literal, as checkpoints carry it
+    assert namespace["AUTO_TABLE"]["entries"] == merged["entries"]
+    load_auto_table(namespace["AUTO_TABLE"])
