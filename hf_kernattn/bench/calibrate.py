@@ -235,7 +235,7 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
                           wall_s=math.nan, cpu_s=math.nan, status=stopped[CHECK], heads=spec["heads"])]
             continue
         q, k, v, b, extra = _inputs(n, side, bias, clip, spec["heads"], spec["features"], spec["head_dim"], spec["device"])
-        live = [c for c in names if c not in stopped]
+        live = [c for c in names if c not in stopped and c not in spec.get("skip", ())]
         if check:
             live = [c for c in live if _accurate(c, q, k, b, extra, causal)]
             live = ([CHECK] if CHECK not in stopped else []) + live
@@ -459,6 +459,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", nargs="+", default=None,
                         help="only these kinds of call, e.g. none none-causal 1d 1d-causal 1d@64 1d-causal@512 2d 2d@16 "
                              "(default: every kind, with the --clips-1d / --clips-2d given)")
+    parser.add_argument("--skip-backends", nargs="+", default=(),
+                        help="do not time these candidates (e.g. fft fft@float64 where they are far behind); a table "
+                             "ranks them after the timed ones")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="fwd, fwdbwd (forward+backward)")
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--features", type=int, default=64, help="M, feature size of q and k")
@@ -491,7 +494,7 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     common = dict(ns=ns, sides=sides, heads=args.heads, features=args.features, head_dim=args.head_dim, rounds=args.rounds,
                   min_time=args.min_time, max_call_seconds=args.max_call_seconds, max_nn_mb=args.max_nn_mb,
                   prune=args.prune, threads=args.threads, device=args.device, check=args.check, table=table,
-                  check_drop=args.check_drop)
+                  check_drop=args.check_drop, skip=list(args.skip_backends))
     chosen = [parse_kind(k) for k in args.kinds] if args.kinds else kinds(clips_1d, clips_2d)
     return [dict(common, mode=mode, **kind) for mode in args.modes for kind in chosen]
 
@@ -599,6 +602,8 @@ def run(args: argparse.Namespace) -> int:
     for name in ("heads", "features", "head_dim", "rounds", "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(args, name)!r}")
+    if args.check and args.skip_backends:
+        raise ValueError("--skip-backends cannot be combined with --check: auto is checked against every accurate backend")
     if args.table and not args.check:
         raise ValueError("--table is read by --check only (load a table for your runs with hf_kernattn.load_auto_table)")
     if args.quick:
