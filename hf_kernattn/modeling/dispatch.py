@@ -397,7 +397,7 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     if backend == "auto":
         # forward+backward when autograd records through the inputs: the table ranks each mode
         backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, rpe_bias))
-        candidates = auto_candidates(n=call.n, **request, backward=backward, dtype=dt)
+        candidates = auto_candidates(n=call.n, **request, backward=backward, dtype=dt, heads=call.h)
         made = []
 
         def full_bias():  # made at most once, and only for an approximate backend's bound
@@ -415,7 +415,7 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     fold = output_final_state and call.initial_state is None and not spec.state
     if fold:
         request["state"] = False
-    lacks = spec.missing(**request)
+    lacks = spec.missing(**request) if backend != "auto" else ()  # auto's candidates can run the call
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")

@@ -258,9 +258,11 @@ def dense_attention(
     b, h, n = q.shape[:3]
     if grid is not None and causal:
         raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
-    small = b * h * n * n <= DENSE_UNBLOCKED_SCORES and torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, rpe_bias, q_den, k_den))
-    if small or _traced(b, h, n, q.shape[-1], v.shape[-1], *(grid or ())):
+    # traced first: comparing symbolic sizes would add a guard that pins them
+    if _traced(b, h, n, q.shape[-1], v.shape[-1], *(grid or ())) or (
+        b * h * n * n <= DENSE_UNBLOCKED_SCORES and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (q, k, v, rpe_bias, q_den, k_den))
+    ):
         return dense_attention_unblocked(q, k, v, rpe_bias=rpe_bias, causal=causal, grid=grid, eps=eps,
                                          q_den=q_den, k_den=k_den)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

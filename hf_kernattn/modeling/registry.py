@@ -283,6 +283,10 @@ CLIP_REACH = 2
 # The environment variable naming a user's table (JSON), loaded on the first automatic choice.
 AUTO_TABLE_ENV = "HF_KERNATTN_AUTO_TABLE"
 _ENTRY_KEYS = ("mode", "bias", "causal", "clip", "dtype", "ranking")
+# An entry may also say at how many heads it was measured (``"heads"``, default 1): a call reads
+# the entry of its kind measured at the head count nearest to its own (log scale; per-call costs
+# weigh more at few heads, so crossovers move with H).
+_OPTIONAL_KEYS = ("heads",)
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
@@ -307,11 +311,15 @@ def _check_entry(i: int, entry: object) -> tuple[tuple, tuple]:
     where = f"entries[{i}]"
     if not isinstance(entry, dict):
         raise _table_error(where, f"must be an object with keys {list(_ENTRY_KEYS)}, got {type(entry).__name__}")
-    if set(entry) != set(_ENTRY_KEYS):
-        raise _table_error(where, f"must have exactly the keys {list(_ENTRY_KEYS)}; missing "
-                                  f"{sorted(set(_ENTRY_KEYS) - set(entry))}, unknown {sorted(set(entry) - set(_ENTRY_KEYS))}")
+    if set(entry) - set(_OPTIONAL_KEYS) != set(_ENTRY_KEYS):
+        raise _table_error(where, f"must have exactly the keys {list(_ENTRY_KEYS)} (and optionally {list(_OPTIONAL_KEYS)}); "
+                                  f"missing {sorted(set(_ENTRY_KEYS) - set(entry))}, "
+                                  f"unknown {sorted(set(entry) - set(_ENTRY_KEYS) - set(_OPTIONAL_KEYS))}")
     mode, bias, causal, clip, dtype = (entry[k] for k in _ENTRY_KEYS[:5])
-    where = f"{where} ({mode}, bias {bias}, causal {causal}, clip {clip}, {dtype})"
+    heads = entry.get("heads", 1)
+    where = f"{where} ({mode}, bias {bias}, causal {causal}, clip {clip}, {dtype}, heads {heads})"
+    if type(heads) is not int or heads < 1:
+        raise _table_error(where, f"heads must be the head count it was measured at (an int >= 1), got {heads!r}")
     if mode not in TABLE_MODES:
         raise _table_error(where, f"mode must be one of {list(TABLE_MODES)}, got {mode!r}")
     if bias not in TABLE_BIASES:
@@ -345,21 +353,23 @@ def _check_entry(i: int, entry: object) -> tuple[tuple, tuple]:
             raise _table_error(at, f"ranks a backend twice: {list(names)}")
         segments.append((n_max, ranked))
         previous = n_max if n_max is not None else previous
-    return (mode, bias, causal, clip, dtype), tuple(segments)
+    return (mode, bias, causal, clip, dtype, heads), tuple(segments)
 
 
 def check_auto_table(table: object) -> dict[tuple, tuple]:
     """Validate a calibration table (the dict a JSON table file holds) and return it in the form
-    :func:`choose_backend` reads, ``{(mode, bias, causal, clip, dtype): ((n_max, ((name, dtype
-    or None), ...)), ...)}``. ``ValueError`` naming the entry and what is wrong.
+    :func:`choose_backend` reads, ``{(mode, bias, causal, clip, dtype, heads): ((n_max, ((name,
+    dtype or None), ...)), ...)}``. ``ValueError`` naming the entry and what is wrong.
 
     A table is ``{"format": 1, "entries": [...], ...}`` (other top-level keys, e.g. ``"source"``,
     are kept as a record and not read). Each entry is ``{"mode": "fwd" | "fwdbwd", "bias": "none"
     | "1d" | "2d", "causal": bool, "clip": null | K, "dtype": "float32" | "float64", "ranking":
     [[n_max, [backend, ...]], ..., [null, [backend, ...]]]}``: for inputs of at most ``n_max``
     tokens (the first segment that holds them) the backends in order of measured time, fastest
-    first; ``"name@float64"`` ranks backend ``name`` computed in float64. Backend names are not
-    looked up here (a table may rank a backend registered later)."""
+    first; ``"name@float64"`` ranks backend ``name`` computed in float64. An entry may add
+    ``"heads": H``, the head count it was measured at (default 1): a call reads the entry of its
+    kind measured nearest to its own head count. Backend names are not looked up here (a table may
+    rank a backend registered later)."""
     if not isinstance(table, dict):
         raise _table_error("the table", f"must be an object {{'format': {TABLE_FORMAT}, 'entries': [...]}}, "
                                         f"got {type(table).__name__}")
@@ -373,7 +383,7 @@ def check_auto_table(table: object) -> dict[tuple, tuple]:
         key, ranking = _check_entry(i, entry)
         if key in checked:
             raise _table_error(f"entries[{i}]", f"a second entry for mode {key[0]}, bias {key[1]}, causal {key[2]}, "
-                                                f"clip {key[3]}, dtype {key[4]}")
+                                                f"clip {key[3]}, dtype {key[4]}, heads {key[5]}")
         checked[key] = ranking
     return checked
 
@@ -403,7 +413,7 @@ def load_auto_table(source=None, *, replace: bool = False) -> dict:
     """Load a calibration table for ``backend="auto"`` (e.g. the ``auto_table.json`` that
     ``hf-kernattn bench calibrate`` wrote on this machine): a path to a JSON file or the table as
     a dict (see :func:`check_auto_table` for its form). Its entries replace the shipped table's
-    entries of the same kind of call; the shipped table keeps serving the others (``replace=True``:
+    entries of the same kind of call (measured at any head count); the shipped table keeps serving the others (``replace=True``:
     only the given table is used). ``source=None`` restores the shipped table. ``ValueError``
     naming the problem for a table that cannot be read or is malformed (the active table is then
     unchanged). Returns the active table in the checked form. The environment variable
@@ -420,7 +430,10 @@ def load_auto_table(source=None, *, replace: bool = False) -> dict:
     else:
         raise TypeError(f"source must be a path to a JSON table, a dict or None, got {type(source).__name__}")
     checked = check_auto_table(table)
-    _ACTIVE_TABLE = checked if replace else {**shipped, **checked}
+    if not replace:  # the given entries replace the shipped ones of their kind, at every head count
+        given = {key[:5] for key in checked}
+        checked = {**{key: r for key, r in shipped.items() if key[:5] not in given}, **checked}
+    _ACTIVE_TABLE = checked
     return dict(_ACTIVE_TABLE)
 
 
@@ -441,10 +454,22 @@ def active_auto_table() -> dict[tuple, tuple]:
     return _ACTIVE_TABLE
 
 
-def _table_ranking(table: dict, mode: str, bias: str, causal: bool, clip: Optional[int], dtype: str):
+def _nearest_heads(table: dict, kind: tuple, heads: Optional[int]):
+    """The ranking of ``kind`` (mode, bias, causal, clip, dtype) measured at the head count
+    nearest to ``heads`` (log scale; a tie or ``heads`` None: the fewer), or None."""
+    measured = [key[5] for key in table if key[:5] == kind]
+    if not measured:
+        return None
+    h = heads if type(heads) is int and heads >= 1 else 1
+    return table[kind + (min(measured, key=lambda m: (abs(math.log(h / m)), m)),)]
+
+
+def _table_ranking(table: dict, mode: str, bias: str, causal: bool, clip: Optional[int], dtype: str,
+                   heads: Optional[int] = None):
     """The ranking segments for a kind of call: the entry of its mode and compute dtype (else
     float32, else the other mode); a clipped bias takes the entry of the nearest measured K
-    (log scale) while ``K <= CLIP_REACH *`` the largest one, the unclipped entry otherwise."""
+    (log scale) while ``K <= CLIP_REACH *`` the largest one, the unclipped entry otherwise; of
+    those, the one measured at the head count nearest to ``heads``."""
     modes = (mode,) + tuple(m for m in TABLE_MODES if m != mode)
     for dt in dict.fromkeys((dtype, "float32")):
         for md in modes:
@@ -452,9 +477,10 @@ def _table_ranking(table: dict, mode: str, bias: str, causal: bool, clip: Option
                 measured = [key[3] for key in table if key[:3] == (md, bias, causal) and key[4] == dt and key[3] is not None]
                 if measured and clip <= CLIP_REACH * max(measured):
                     nearest = min(measured, key=lambda c: (abs(math.log((clip + 1) / (c + 1))), c))
-                    return table[(md, bias, causal, nearest, dt)]
-            if (md, bias, causal, None, dt) in table:
-                return table[(md, bias, causal, None, dt)]
+                    return _nearest_heads(table, (md, bias, causal, nearest, dt), heads)
+            found = _nearest_heads(table, (md, bias, causal, None, dt), heads)
+            if found is not None:
+                return found
     return ()
 
 
@@ -467,18 +493,32 @@ def _segment(ranking, n) -> tuple:
     return ()
 
 
+# auto's candidates per kind of call and N, valid for one active table and one set of registered
+# backends (``_AUTO_CACHE_FOR``): a call whose kind was seen costs a dict lookup instead of the
+# table's ranking and the capability checks. Cleared when another table becomes active
+# (``load_auto_table``, ``HF_KERNATTN_AUTO_TABLE`` read on the first choice) or a backend is
+# registered, replaced or removed; bounded (cleared when full).
+_AUTO_CACHE: dict[tuple, tuple] = {}
+_AUTO_CACHE_FOR: tuple = (None, ())
+AUTO_CACHE_SIZE = 4096
+
+
 def auto_candidates(
     *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
     state: bool = False, split: bool = False, backward: bool = False, dtype: torch.dtype = torch.float32,
     window: bool = False,
+    heads: Optional[int] = None,
 ) -> list[tuple[str, Optional[torch.dtype]]]:
     """``auto``'s candidates for a call, best first: ``(name, dtype to compute in, or None for
     the compute dtype)``. Every candidate can run the call (its declared capabilities).
+    The answer is cached per kind of call and ``n`` (every argument here) for the active table
+    and the registered backends: loading a table or registering a backend starts afresh.
 
     1. One new token from a state (decoding): the backends declared ``decoding`` first.
     2. The calibration table's ranking (:func:`active_auto_table`) for the kind of call: mode
        (``backward``: forward+backward), bias (none / 1D / 2D, clipped at ``rpe_clip`` or not),
-       causality and compute dtype, at ``n`` tokens; backends declared ``decoding`` never for a
+       causality and compute dtype, measured at the head count nearest to ``heads`` (None: the
+       fewest measured), at ``n`` tokens; backends declared ``decoding`` never for a
        sequence, float64 variants not on ``mps``. A backend the table does not rank is not
        considered, unless no ranked one can run the call: then every able backend, in the order
        of registration (those declared ``decoding`` last).
@@ -490,6 +530,31 @@ def auto_candidates(
     An approximate backend (declared ``error_bound``) is a candidate here whatever its error:
     ``kernelized_attention`` runs the first candidate whose bound for the data meets
     :data:`AUTO_MAX_ERROR` (an exact one always does)."""
+    global _AUTO_CACHE_FOR
+    if type(n) is not int or (heads is not None and type(heads) is not int) or torch.compiler.is_compiling():
+        # a symbolic length or head count, or tracing: no cache
+        return _auto_candidates(active_auto_table(), n, causal, rpe, key_mask, device, rpe_clip, state, split,
+                                backward, dtype, heads, window)
+    table = _ACTIVE_TABLE if _ACTIVE_TABLE is not None else active_auto_table()
+    specs = tuple(_REGISTRY.values())
+    valid_for = _AUTO_CACHE_FOR
+    if valid_for[0] is not table or valid_for[1] != specs:  # another table or other backends
+        _AUTO_CACHE.clear()
+        _AUTO_CACHE_FOR = (table, specs)
+    key = (n, causal, rpe, key_mask, device, rpe_clip, state, split, backward, dtype, heads, window)
+    found = _AUTO_CACHE.get(key)
+    if found is None:
+        found = tuple(_auto_candidates(table, n, causal, rpe, key_mask, device, rpe_clip, state, split, backward, dtype,
+                                       heads, window))
+        if len(_AUTO_CACHE) >= AUTO_CACHE_SIZE:
+            _AUTO_CACHE.clear()
+        _AUTO_CACHE[key] = found
+    return list(found)
+
+
+def _auto_candidates(table, n, causal, rpe, key_mask, device, rpe_clip, state, split, backward, dtype, heads=None,
+                     window=False):
+    """:func:`auto_candidates` without the cache, from ``table`` (the checked form)."""
     symbolic = isinstance(n, torch.SymInt)
     request = dict(causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip, state=state, split=split,
                    window=window)
@@ -505,7 +570,8 @@ def auto_candidates(
         clip = min(clip, n - 1)  # offsets beyond N - 1 never occur
     mode = TABLE_MODES[1] if backward else TABLE_MODES[0]
     kind_dtype = "float64" if dtype == torch.float64 else "float32"
-    ranking = _table_ranking(active_auto_table(), mode, rpe or "none", causal, clip if rpe else None, kind_dtype)
+    ranking = _table_ranking(table, mode, rpe or "none", causal, clip if rpe else None, kind_dtype,
+                             heads if type(heads) is int else None)
     for name, want in _segment(ranking, n):
         spec = _REGISTRY.get(name)
         want_dt = None if want is None else getattr(torch, want)
@@ -527,10 +593,12 @@ def choose_backend(
     *, n: int, causal: bool, rpe: Optional[str], key_mask: bool, device: str, rpe_clip: Optional[int] = None,
     state: bool = False, split: bool = False, backward: bool = False, dtype: torch.dtype = torch.float32,
     window: bool = False,
+    heads: Optional[int] = None,
 ) -> str:
     """The backend ``auto`` ranks first for the request (:func:`auto_candidates`; a forward call
-    in float32 unless ``backward`` / ``dtype`` say otherwise), before the accuracy check of an
+    in float32 unless ``backward`` / ``dtype`` say otherwise; ``heads``: the call's head count),
+    before the accuracy check of an
     approximate backend, which reads the data (``kernelized_attention`` then may take the next
     candidate)."""
     return auto_candidates(n=n, causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip,
-                           state=state, split=split, backward=backward, dtype=dtype, window=window)[0][0]
+                           state=state, split=split, backward=backward, dtype=dtype, window=window, heads=heads)[0][0]

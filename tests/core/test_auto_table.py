@@ -279,3 +279,93 @@ def test_bench_calibrate_quick_writes_a_table_that_loads(tmp_path):
         for _, names in entry["ranking"]:
             assert {x.partition("@")[0] for x in names} <= set(able)
     assert choose_backend(n=16, **PLAIN) in ("dense", "linear", "fft")
+
+
+def test_bench_calibrate_check_measures_a_point_above_the_limit_again_and_reports_both(tmp_path, capsys):
+    import csv
+
+    from hf_kernattn.cli import main
+
+    out = tmp_path / "check"
+    # a limit of 0: every point is above it, so every point is measured a second time
+    code = main(["-q", "bench", "calibrate", "--quick", "--check", "--ns", "16", "--sides", "4", "--modes", "fwd",
+                 "--clips-1d", "4", "--clips-2d", "2", "--rounds", "1", "--min-time", "0", "--check-limit", "0",
+                 "--rounds-again", "1", "--out", str(out)])
+    assert code == 0
+    with open(out / "check_summary.csv", newline="") as f:
+        summary = list(csv.DictReader(f))
+    assert len(summary) == 8  # one point per kind of call
+    for row in summary:
+        assert row["best"] and row["best_again"] and float(row["ratio"]) > 0 and float(row["ratio_again"]) > 0
+    assert (out / "check_again.csv").exists()
+    printed = capsys.readouterr().out
+    assert "0 of 8 points within 0x" in printed and printed.count("above:") == 8
+
+
+def test_a_call_reads_the_entry_measured_at_the_nearest_head_count(monkeypatch):
+    """Crossovers move with the head count (per-call costs weigh more at few heads): a table may
+    hold a kind's entry per head count measured, and a call reads the one nearest its own (log
+    scale, a tie to the fewer); an entry without ``heads`` was measured at one head."""
+    few = _entry([[None, ["dense", "linear"]]])
+    many = dict(_entry([[None, ["linear", "dense"]]]), heads=12)
+    load_auto_table(_table(few, many))
+    assert choose_backend(n=300, **PLAIN) == "dense"  # heads not given: the fewest measured
+    assert choose_backend(n=300, **PLAIN, heads=1) == "dense"
+    assert choose_backend(n=300, **PLAIN, heads=3) == "dense"  # |log 3| < |log 3/12|
+    assert choose_backend(n=300, **PLAIN, heads=4) == "linear"  # |log 4| > |log 4/12|
+    assert choose_backend(n=300, **PLAIN, heads=12) == "linear"
+    assert choose_backend(n=300, **PLAIN, heads=96) == "linear"
+    # kernelized_attention passes the call's head count
+    seen = _spy(monkeypatch, "dense", "linear")
+    for h, want in ((1, "dense"), (12, "linear"), (2, "dense")):
+        seen.clear()
+        q, k, v = _qkv(n=16, h=h)
+        hf_kernattn.kernelized_attention(q, k, v)
+        assert [name for name, _ in seen] == [want]
+    # a loaded entry replaces the shipped ones of its kind at every head count
+    load_auto_table(_table(many))
+    load_auto_table(_table(_entry([[None, ["dense", "linear"]]], causal=True)))
+    assert choose_backend(n=300, **PLAIN, heads=12) == "linear"  # another kind: the shipped entries serve it
+    load_auto_table(None)
+    shipped = registry.active_auto_table()
+    load_auto_table(_table(few))
+    assert all(key[:5] != ("fwd", "none", False, None, "float32") or key[5] == 1 for key in registry.active_auto_table())
+    assert len(registry.active_auto_table()) <= len(shipped)
+    with pytest.raises(ValueError, match="heads must be the head count"):
+        load_auto_table(_table(dict(few, heads=0)))
+    with pytest.raises(ValueError, match=r"entries\[1\]: a second entry .* heads 12"):
+        load_auto_table(_table(many, many))
+
+
+def test_calibration_rows_at_several_head_counts_give_an_entry_per_head_count():
+    from hf_kernattn.bench.calibrate import rankings
+
+    def row(n, backend, cpu, heads):
+        return dict(mode="fwd", bias="none", causal=False, clip=None, n=n, side=None, backend=backend, round=0,
+                    wall_s=cpu, cpu_s=cpu, status="ok", heads=heads)
+
+    rows = [row(128, "dense", 1.0, 1), row(128, "linear", 2.0, 1), row(512, "dense", 3.0, 1), row(512, "linear", 2.0, 1),
+            row(128, "dense", 2.0, None), row(128, "linear", 1.0, None)]  # no heads: the given default (12)
+    entries = rankings(rows, lambda bias, causal, clip: ["dense", "linear"], heads=12)
+    by_heads = {e["heads"]: e["ranking"] for e in entries}
+    assert by_heads == {1: [[256, ["dense", "linear"]], [None, ["linear", "dense"]]], 12: [[None, ["linear", "dense"]]]}
+    load_auto_table({"format": 1, "entries": entries})  # what it writes loads
+
+
+def test_shipping_a_partial_calibration_replaces_only_the_entries_it_measured(tmp_path):
+    from hf_kernattn.bench.calibrate import merge_tables, write_table_module
+
+    old = _table(_entry([[None, ["dense"]]]), _entry([[None, ["linear"]]], causal=True),
+                 dict(_entry([[None, ["linear"]]]), heads=12))
+    old["source"] = {"run": "old"}
+    new = _table(_entry([[64, ["dense", "linear"]], [None, ["linear", "dense"]]]))
+    new["source"] = {"run": "new"}
+    merged = merge_tables(new, old)
+    assert merged["source"] == {"run": "new", "earlier": {"run": "old"}}
+    got = {(e["causal"], e.get("heads", 1)): e["ranking"] for e in merged["entries"]}
+    assert got == {(False, 1): new["entries"][0]["ranking"], (True, 1): [[None, ["linear"]]], (False, 12): [[None, ["linear"]]]}
+    path = write_table_module(merged, tmp_path / "auto_table.py", "hf-kernattn bench calibrate --kinds none")
+    namespace: dict = {}
+    exec(path.read_text(), namespace)  # a plain dict literal, as checkpoints carry it
+    assert namespace["AUTO_TABLE"]["entries"] == merged["entries"]
+    load_auto_table(namespace["AUTO_TABLE"])

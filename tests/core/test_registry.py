@@ -122,7 +122,8 @@ def test_auto_choice_follows_the_shipped_table():
             n = n_max if n_max is not None else (bounds[-1] + 1 if bounds else 4096)
             first = names[0].partition("@")[0]
             got = choose(n=n, causal=entry["causal"], rpe=rpe, key_mask=False, device="cpu", rpe_clip=entry["clip"],
-                         backward=entry["mode"] == "fwdbwd", dtype=getattr(torch, entry["dtype"]))
+                         backward=entry["mode"] == "fwdbwd", dtype=getattr(torch, entry["dtype"]),
+                         heads=entry.get("heads", 1))  # an entry serves the head count it was measured at
             if entry["clip"] is None or entry["bias"] == "2d" or entry["clip"] < n:
                 assert got == first, (entry, n)
 
