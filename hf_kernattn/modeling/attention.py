@@ -31,6 +31,8 @@ from torch import nn
 
 from .attention_config import complete_attention_fields
 from .dispatch import get_backend, kernelized_attention
+from .kernels_common import compute_dtype_for
+from .registry import choose_backend
 from .feature_maps import FeatureMap
 from .kernels_hybrid import SoftmaxWindow
 from .positional import apply_rotary
@@ -263,8 +265,10 @@ class KernelizedSelfAttention(nn.Module):
             recompute: for calls without an earlier state, recompute the feature maps and the
                 kernel in the backward pass instead of storing their intermediates (see
                 ``recompute_attention``; the linear projections are kept, not recomputed). None:
-                the module's configured ``recompute_attention``; False: never (e.g. when an
-                enclosing layer is already gradient-checkpointed, so the work is not done three
+                the module's configured ``recompute_attention``, skipped where the backend the call
+                runs keeps only its inputs for the backward (declared ``keeps_inputs``: ``dense``,
+                ``manhattan``), so that recomputing would save no memory; False: never (e.g. when
+                an enclosing layer is already gradient-checkpointed, so the work is not done three
                 times); True: always. Calls that continue from a state never recompute.
             projection: the random-feature projection to use; None: the feature map's current
                 buffer, read once here. The recomputation receives that tensor explicitly, and a
@@ -286,7 +290,8 @@ class KernelizedSelfAttention(nn.Module):
             raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
         layer = past_key_values
         initial_state = layer.get_state() if layer is not None else None
-        recompute = (self.recompute if recompute is None else recompute) and initial_state is None
+        configured = recompute is None
+        recompute = (self.recompute if configured else recompute) and initial_state is None
         if projection is None:
             projection = self.feature_map.projection
         if rpe_bias is None and self.rpe is not None:
@@ -305,7 +310,7 @@ class KernelizedSelfAttention(nn.Module):
             q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
             args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary if self.rotary else None,
                     initial_state, layer is not None)
-            if recompute and torch.is_grad_enabled():
+            if recompute and torch.is_grad_enabled() and (not configured or self._recomputing_saves_memory(*args)):
                 out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
             else:
                 out, state = self._attend(*args)
@@ -314,6 +319,21 @@ class KernelizedSelfAttention(nn.Module):
         if self.dropout.training and self.dropout.p > 0:
             out = self.dropout(out)
         return self.output(out, hidden_states.dtype)
+
+    def _recomputing_saves_memory(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary,
+                                  initial_state, output_final_state) -> bool:
+        """Whether running the feature maps and kernel again in the backward pass keeps less than
+        running them once: not when the backend the call runs (``auto``'s first choice for it)
+        declares ``keeps_inputs`` (its backward needs only its inputs; ``dense``, ``manhattan``).
+        A wrong guess costs memory or time, never a different result."""
+        name = self.call_backend(continuing=False)
+        if name == "auto":
+            name = choose_backend(
+                n=q.shape[2], causal=self.causal, rpe=None if rpe_bias is None else ("2d" if grid is not None else "1d"),
+                key_mask=attention_mask is not None, device=q.device.type, rpe_clip=rpe_clip, state=output_final_state,
+                split=rotary is not None, backward=True, dtype=compute_dtype_for(q),
+                window=self.softmax_window is not None, heads=self.num_heads)
+        return not get_backend(name).keeps_inputs
 
     def _attend(
         self,

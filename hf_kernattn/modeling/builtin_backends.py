@@ -27,7 +27,7 @@ STATE_ARGUMENTS = ("initial_state", "output_final_state")
 SPLIT_ARGUMENTS = ("q_den", "k_den")
 register_backend(
     "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps") + SPLIT_ARGUMENTS, causal=True, noncausal=True,
-    rpe_1d=True, rpe_2d=True, split_denominator=True, symbolic_n=True,
+    rpe_1d=True, rpe_2d=True, split_denominator=True, symbolic_n=True, keeps_inputs=True,
     complexity="O(N^2 M)", description="exact quadratic form in blocks of queries (keeps no N x N matrix)",
 )
 register_backend(
@@ -51,7 +51,7 @@ register_backend(
 )
 register_backend(
     "manhattan", manhattan_attention, takes=("rpe_bias", "grid", "rpe_clip", "eps"), causal=False, noncausal=True,
-    rpe_2d=True, needs_rpe_clip=True, symbolic_n=True, complexity="O(N K^2 (M + D) + N M D)",
+    rpe_2d=True, needs_rpe_clip=True, symbolic_n=True, keeps_inputs=True, complexity="O(N K^2 (M + D) + N M D)",
     description="exact for a 2D bias of the clipped Manhattan distance: matrix products over tiles near the diagonal, all keys beyond",
 )
 register_backend(

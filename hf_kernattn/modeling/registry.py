@@ -71,6 +71,10 @@ class BackendSpec:
             the output instead of one of each input), isolating non-finite rows and running it
             again only when the output is not finite (separate denominator features are still
             summed: an inf there can vanish in a division). False when unknown.
+        keeps_inputs: its backward pass needs only its inputs (and the bias table): it keeps no
+            intermediate of size N x N or N x M x D for it, so recomputing it in the backward
+            pass (the models' ``recompute_attention``) would save no memory; the models then run
+            it once. False when unknown.
         error_bound: None for a backend exact up to ordinary floating-point summation; for an
             approximate one, ``error_bound(q, k, *, rpe_bias, causal, key_mask, dtype) -> float``,
             a bound on its error relative to the values when computed in ``dtype`` (``inf`` when
@@ -99,6 +103,7 @@ class BackendSpec:
     complexity: str = ""
     description: str = ""
     propagates_non_finite: bool = False
+    keeps_inputs: bool = False
 
     @property
     def exact(self) -> bool:
@@ -162,6 +167,7 @@ def register_backend(
     description: str = "",
     overwrite: bool = False,
     propagates_non_finite: bool = False,
+    keeps_inputs: bool = False,
     takes: Optional[Sequence[str]] = None,
 ) -> BackendSpec:
     """Register an attention backend under ``name`` with its declared capabilities.
@@ -238,6 +244,7 @@ def register_backend(
         complexity=complexity,
         description=description,
         propagates_non_finite=bool(propagates_non_finite),
+        keeps_inputs=bool(keeps_inputs),
     )
     _REGISTRY[name] = spec
     return spec

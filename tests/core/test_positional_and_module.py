@@ -8,6 +8,7 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling.attention_config import validate_attention_fields
+from hf_kernattn.modeling.registry import get_backend
 
 from tests.conftest import tiny_attention_config
 
@@ -126,9 +127,11 @@ def test_validate_attention_fields_names_the_field(field, value):
 @pytest.mark.parametrize("configured", [True, False])
 def test_forward_recompute_keyword_overrides_the_configured_recompute(monkeypatch, configured):
     """recompute=None follows recompute_attention, False never checkpoints inside (an enclosing
-    checkpointed layer already recomputes), True always does; outputs and gradients agree."""
+    checkpointed layer already recomputes), True always does; outputs and gradients agree (the
+    named ``fft`` backend, which does not declare ``keeps_inputs``: see the next test)."""
     torch.manual_seed(3)
-    attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", recompute_attention=configured)).double()
+    attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", recompute_attention=configured,
+                                                       attn_backend="fft")).double()
     rpe = hf_kernattn.RelativePositionBias1D(2, 4, init_std=0.5).double()
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     calls = []
@@ -153,3 +156,31 @@ def test_forward_recompute_keyword_overrides_the_configured_recompute(monkeypatc
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     with pytest.raises(TypeError, match="recompute must be None or a bool"):
         attn(x, recompute="no")
+
+
+@pytest.mark.parametrize("backend,recomputes", [("auto", False), ("dense", False), ("fft", True)])
+def test_the_configured_recompute_skips_a_backend_that_keeps_only_its_inputs(monkeypatch, backend, recomputes):
+    """With ``recompute_attention`` on, a call whose backend declares ``keeps_inputs`` (``dense``:
+    ``auto``'s choice at N = 6) runs once, since recomputing it would save no memory; an explicit
+    ``recompute=True`` still recomputes. Outputs and gradients are the same either way."""
+    assert get_backend("dense").keeps_inputs and get_backend("manhattan").keeps_inputs
+    assert not get_backend("fft").keeps_inputs and not get_backend("linear").keeps_inputs
+    torch.manual_seed(4)
+    attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", attn_backend=backend)).double()
+    rpe = hf_kernattn.RelativePositionBias1D(2, 4, init_std=0.5).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    results = []
+    for recompute, expect in ((None, recomputes), (True, True), (False, False)):
+        attn.zero_grad()
+        xs = x.clone().requires_grad_(True)
+        calls.clear()
+        out = attn(xs, rpe_bias=rpe(6), recompute=recompute)
+        assert bool(calls) == expect, recompute
+        out.pow(2).sum().backward()
+        results.append((out.detach(), xs.grad, attn.q_proj.weight.grad.clone()))
+    for got in results[1:]:
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

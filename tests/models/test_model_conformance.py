@@ -95,7 +95,10 @@ def _count_projection_calls(model) -> list[int]:
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recompute_attention, use_reentrant):
     torch.manual_seed(0)
-    cfg = bert_config(recompute_attention=recompute_attention, hidden_dropout_prob=0.1, num_labels=3)
+    # windowed: a backend that keeps intermediates for its backward, so recompute_attention recomputes it
+    # (dense, auto's choice at this length, keeps only its inputs and is run once)
+    cfg = bert_config(recompute_attention=recompute_attention, hidden_dropout_prob=0.1, num_labels=3,
+                      attn_backend="windowed")
     model = NPRFBertForSequenceClassification(cfg).double().train()
     ids = ids_for("nprf_bert")
     mask = torch.ones_like(ids)
