@@ -245,7 +245,8 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
         "recompute its feature maps and kernel intermediates in the backward pass (flash "
         "attention recomputes its scores the same way): same outputs and gradients, less memory, "
         "one more run of the feature maps and kernel per layer (the projections are not redone). Off inside a layer that transformers' "
-        "gradient checkpointing already recomputes. A causal LM applies it to forwards that start "
+        "gradient checkpointing already recomputes, and for a backend whose backward needs only its inputs "
+        "(``dense``, ``manhattan``: declared ``keeps_inputs``), where it would save no memory. A causal LM applies it to forwards that start "
         "without a decoding state (training, prefill); steps that continue from a state never "
         "recompute.",
         boolean,
