@@ -98,7 +98,8 @@ def test_llama_gqa_rope_transfer_lowers_the_loss_and_reloads_without_the_package
     from transformers import AutoModelForCausalLM
 
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", trust_remote_code=True)
-    torch.testing.assert_close(again(ids, use_cache=False).logits, want, rtol=0, atol=0)
+    with torch.no_grad():  # the same mode as ``want`` (auto ranks forward and training calls apart)
+        torch.testing.assert_close(again(ids, use_cache=False).logits, want, rtol=0, atol=0)
     got = torch.tensor(causal_lm_logits_without_package("out", ids, tmp_path))
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -177,9 +178,11 @@ def test_bert_student_layers_read_the_teachers_input_and_the_padding_mask(bert, 
         student(**batch)
         loss, per_layer = transfer_loss(t_out, s_out, mask)
         hidden = teacher(**batch, output_hidden_states=True).hidden_states
+    rpe = student.nprf_bert.rpe  # the model's shared bias table, passed as the model passes it
+    bias = {} if rpe is None else dict(rpe_bias=rpe.weight, rpe_clip=student.config.max_relative_position)
     for i, (_, _, attn) in enumerate(tpairs):
         with torch.no_grad():  # the student's layer on the teacher's input to it, with the padding mask
-            again = attn(hidden[i], attention_mask=mask)
+            again = attn(hidden[i], attention_mask=mask, **bias)
         torch.testing.assert_close(s_out[i], again, rtol=0, atol=0)
     # every example alone (no padding) gives the same attention outputs at its real positions, in
     # the teacher and the student: the padded keys count for nothing in either
