@@ -106,6 +106,35 @@ def test_merged_model_reloads_with_its_loss(toy_run):
         assert loss == pytest.approx(results["recipes"][prefix]["loss"], rel=1e-5), prefix
 
 
+def test_linearized_window_model_with_merged_lora_generates_the_same_without_the_package(toy_run):
+    """(d): attention transfer with a softmax window, LoRA merged, saved Hub-ready: in a process that
+    cannot import hf_kernattn it gives the same logits and greedy tokens (and the same decoding state
+    size) as in this one."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.remote import run_without_package
+
+    _, out, _, _ = toy_run
+    model = AutoModelForCausalLM.from_pretrained(out / "d_lora_merged", trust_remote_code=True).eval()
+    assert model.config.softmax_window == 8
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]])
+    with torch.no_grad():
+        want = {"logits": model(ids, use_cache=False).logits.tolist(),
+                "tokens": model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0).tolist()}
+    code = f"""
+import json, torch, transformers
+m = transformers.AutoModelForCausalLM.from_pretrained("d_lora_merged", trust_remote_code=True).eval()
+assert type(m).__module__.startswith("transformers_modules"), type(m).__module__
+ids = torch.tensor({ids.tolist()})
+with torch.no_grad():
+    print(json.dumps({{"logits": m(ids, use_cache=False).logits.tolist(),
+                      "tokens": m.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0).tolist()}}))
+"""
+    got = json.loads(run_without_package(code, cwd=str(out)).strip().splitlines()[-1])
+    assert got == want
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--steps", "10", "--at_steps", "10"], "--at_steps"),
     (["--softmax_window", "0"], "--softmax_window"),
