@@ -124,26 +124,16 @@ def test_validate_attention_fields_names_the_field(field, value):
         validate_attention_fields(**cfg)
 
 
-@pytest.mark.parametrize("configured", [True, False])
-def test_forward_recompute_keyword_overrides_the_configured_recompute(monkeypatch, configured):
-    """recompute=None follows recompute_attention, False never checkpoints inside (an enclosing
-    checkpointed layer already recomputes), True always does; outputs and gradients agree (the
-    named ``fft`` backend, which does not declare ``keeps_inputs``: see the next test)."""
-    torch.manual_seed(3)
-    attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", recompute_attention=configured,
-                                                       attn_backend="fft")).double()
+def _check_recompute_cases(monkeypatch, attn, cases):
+    """For each ``(recompute keyword, whether a checkpoint is expected)``: the module checkpoints
+    its attention exactly then, and outputs and gradients agree across the cases (float64)."""
     rpe = hf_kernattn.RelativePositionBias1D(2, 4, init_std=0.5).double()
     x = torch.randn(2, 6, 16, dtype=torch.float64)
     calls = []
     real = torch.utils.checkpoint.checkpoint
-
-    def counting(*a, **kw):
-        calls.append(1)
-        return real(*a, **kw)
-
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", counting)
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     results = []
-    for recompute, expect in ((None, configured), (False, False), (True, True)):
+    for recompute, expect in cases:
         attn.zero_grad()
         xs = x.clone().requires_grad_(True)
         calls.clear()
@@ -154,6 +144,18 @@ def test_forward_recompute_keyword_overrides_the_configured_recompute(monkeypatc
     for got in results[1:]:
         for a, b in zip(got, results[0]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    return x
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_forward_recompute_keyword_overrides_the_configured_recompute(monkeypatch, configured):
+    """recompute=None follows recompute_attention, False never checkpoints inside (an enclosing
+    checkpointed layer already recomputes), True always does; outputs and gradients agree (the
+    named ``fft`` backend, which does not declare ``keeps_inputs``: see the next test)."""
+    torch.manual_seed(3)
+    attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", recompute_attention=configured,
+                                                       attn_backend="fft")).double()
+    x = _check_recompute_cases(monkeypatch, attn, ((None, configured), (False, False), (True, True)))
     with pytest.raises(TypeError, match="recompute must be None or a bool"):
         attn(x, recompute="no")
 
@@ -167,20 +169,4 @@ def test_the_configured_recompute_skips_a_backend_that_keeps_only_its_inputs(mon
     assert not get_backend("fft").keeps_inputs and not get_backend("linear").keeps_inputs
     torch.manual_seed(4)
     attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", attn_backend=backend)).double()
-    rpe = hf_kernattn.RelativePositionBias1D(2, 4, init_std=0.5).double()
-    x = torch.randn(2, 6, 16, dtype=torch.float64)
-    calls = []
-    real = torch.utils.checkpoint.checkpoint
-    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    results = []
-    for recompute, expect in ((None, recomputes), (True, True), (False, False)):
-        attn.zero_grad()
-        xs = x.clone().requires_grad_(True)
-        calls.clear()
-        out = attn(xs, rpe_bias=rpe(6), recompute=recompute)
-        assert bool(calls) == expect, recompute
-        out.pow(2).sum().backward()
-        results.append((out.detach(), xs.grad, attn.q_proj.weight.grad.clone()))
-    for got in results[1:]:
-        for a, b in zip(got, results[0]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    _check_recompute_cases(monkeypatch, attn, ((None, recomputes), (True, True), (False, False)))
