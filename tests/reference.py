@@ -43,3 +43,17 @@ def literal_reference(q, k, v, bias=None, causal=False, mask=None, grid=None, ep
     if q_den is not None:
         den = torch.where(allowed, q_den.double() @ k_den.double().transpose(-1, -2), torch.zeros((), dtype=a.dtype))
     return (a @ v) / (den.sum(-1, keepdim=True) + eps)
+
+
+def bytes_saved_for_backward(fn):
+    """``(result of fn(), bytes of the tensors autograd saved for the backward while it ran)``,
+    counted on their storages (what a kernel keeps alive between its forward and backward)."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(saved)

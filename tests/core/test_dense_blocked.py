@@ -14,7 +14,7 @@ from hf_kernattn.modeling import kernels_dense
 from hf_kernattn.modeling.kernels_dense import (DenseBlockProduct, DensePlan, dense_attention,
                                                 dense_attention_unblocked)
 
-from tests.reference import literal_reference
+from tests.reference import bytes_saved_for_backward, literal_reference
 
 B, H, M, D = 2, 3, 4, 5
 
@@ -183,15 +183,8 @@ def test_memory_kept_for_backward_is_linear_in_n(grid, causal):
     n = 256
     q, k, v, table, _ = _inputs(n, grid, seed=2)
     xs = [x.requires_grad_(True) for x in (q, k, v, table)]
-    saved = []
-
-    def pack(t):
-        saved.append(t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = dense_attention(*xs[:3], rpe_bias=xs[3], causal=causal, grid=grid)
-    assert sum(saved) <= 12 * B * H * n * (M + D + 1) * 8 + 8 * table.numel() * 8
+    out, saved = bytes_saved_for_backward(lambda: dense_attention(*xs[:3], rpe_bias=xs[3], causal=causal, grid=grid))
+    assert saved <= 12 * B * H * n * (M + D + 1) * 8 + 8 * table.numel() * 8
     out.sum().backward()  # and the backward runs from that
 
 

@@ -12,7 +12,7 @@ import hf_kernattn
 from hf_kernattn.modeling import kernels_manhattan
 from hf_kernattn.modeling.kernels_manhattan import ManhattanNearProduct, TilePlan, manhattan_attention, manhattan_table
 
-from tests.reference import literal_reference
+from tests.reference import bytes_saved_for_backward, literal_reference
 
 B, H, M, D = 2, 3, 4, 5
 
@@ -109,16 +109,9 @@ def test_memory_kept_for_backward_is_linear_in_n(monkeypatch):
     grid, clip = (16, 16), 8
     q, k, v, table, _ = _inputs(grid, clip, seed=1)
     xs = [x.requires_grad_(True) for x in (q, k, v, table)]
-    saved = []
-
-    def pack(t):
-        saved.append(t.untyped_storage().nbytes())
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = manhattan_attention(*xs[:3], rpe_bias=xs[3], grid=grid, rpe_clip=clip)
+    out, saved = bytes_saved_for_backward(lambda: manhattan_attention(*xs[:3], rpe_bias=xs[3], grid=grid, rpe_clip=clip))
     n = grid[0] * grid[1]
-    assert sum(saved) <= 12 * B * H * n * (M + D + 1) * 8
+    assert saved <= 12 * B * H * n * (M + D + 1) * 8
     out.sum().backward()  # and the backward runs from that
 
 
