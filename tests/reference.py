@@ -57,3 +57,42 @@ def bytes_saved_for_backward(fn):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return out, sum(saved)
+
+
+def hybrid_layer_reference(attn, x, window, key_mask, causal):
+    """A sliding-window hybrid attention layer written out from its weights: raw q, k, v by the
+    projections, features by the layer's feature map, the band (the last ``window`` keys when
+    ``causal``, else ``|j - i| < window``) weighted by ``a_h exp(q . k / sqrt(d))``, every other
+    allowed key by ``b_h phi(q) . phi(k)``, one numerator and denominator, then ``o_proj``.
+    ``key_mask``: ``(B, N)`` bool, True for real keys."""
+    b, n, _ = x.shape
+    h, d = attn.num_heads, attn.head_dim
+
+    def heads(t):
+        return t.view(b, n, h, d).transpose(1, 2)
+
+    q, k, v = heads(attn.q_proj(x)), heads(attn.k_proj(x)), heads(attn.v_proj(x))
+    qf, kf = attn.feature_map(q, is_query=True), attn.feature_map(k, is_query=False)
+    i = torch.arange(n)
+    r = i[None, :] - i[:, None]  # key minus query position
+    allowed = key_mask[:, None, None, :] & ((r <= 0) if causal else torch.ones_like(r, dtype=torch.bool))
+    inside = allowed & ((r > -window) if causal else (r.abs() < window))
+    a = attn.window_log_weight.exp()[:, None, None]
+    c = attn.linear_log_weight.exp()[:, None, None]
+    exact = a * torch.exp(q @ k.transpose(-1, -2) / d ** 0.5)
+    kernel = c * (qf @ kf.transpose(-1, -2))
+    w = torch.where(inside, exact, torch.where(allowed, kernel, torch.zeros((), dtype=x.dtype)))
+    out = (w @ v) / (w.sum(-1, keepdim=True) + attn.eps)
+    return attn.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
+
+
+def assert_float32_matches_float64(out32, out64, xs32, xs64, mask):
+    """A float32 call's outputs and gradients (with respect to ``xs32``) equal the float64
+    reference's (``xs64``) at the real query positions of ``mask`` ``(B, N)``."""
+    real = mask.bool()[:, None, :, None]
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32[real.expand_as(out32)].double(), out64[real.expand_as(out64)], rtol=1e-5, atol=1e-5)
+    g32 = torch.autograd.grad(torch.where(real, out32, 0.0).sum(), xs32)
+    g64 = torch.autograd.grad(torch.where(real, out64, 0.0).sum(), xs64)
+    for a, b in zip(g32, g64):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)

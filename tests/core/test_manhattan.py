@@ -12,7 +12,7 @@ import hf_kernattn
 from hf_kernattn.modeling import kernels_manhattan
 from hf_kernattn.modeling.kernels_manhattan import ManhattanNearProduct, TilePlan, manhattan_attention, manhattan_table
 
-from tests.reference import bytes_saved_for_backward, literal_reference
+from tests.reference import assert_float32_matches_float64, bytes_saved_for_backward, literal_reference
 
 B, H, M, D = 2, 3, 4, 5
 
@@ -82,13 +82,7 @@ def test_float32_matches_the_float64_formula():
     xs64 = [x.double().requires_grad_(True) for x in (q, k, v, table)]
     out32 = _run(xs32, grid, clip, mask, "manhattan")
     out64 = literal_reference(*xs64[:3], manhattan_table(xs64[3], *grid), False, mask, grid)
-    real = mask.bool()[:, None, :, None]
-    assert out32.dtype == torch.float32
-    torch.testing.assert_close(out32[real.expand_as(out32)].double(), out64[real.expand_as(out64)], rtol=1e-5, atol=1e-5)
-    g32 = torch.autograd.grad(torch.where(real, out32, 0.0).sum(), xs32)
-    g64 = torch.autograd.grad(torch.where(real, out64, 0.0).sum(), xs64)
-    for a, b in zip(g32, g64):
-        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+    assert_float32_matches_float64(out32, out64, xs32, xs64, mask)
 
 
 def test_the_offset_by_offset_form_for_symbolic_grids_agrees(monkeypatch):

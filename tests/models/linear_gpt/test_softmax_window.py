@@ -12,6 +12,7 @@ from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM
 from hf_kernattn.modeling.cache import LinearGPTCache
 
 from tests.conftest import tiny_linear_gpt_config
+from tests.reference import hybrid_layer_reference
 
 F64 = torch.float64
 N = 11
@@ -27,30 +28,6 @@ def _model(window=3, dtype=F64, seed=0, **kw):
     return model
 
 
-def _dense_reference(attn, x, window, key_mask):
-    """The hybrid written out from the layer's weights: raw q, k, v by the projections, features
-    by the layer's feature map, band mask, one numerator and denominator, o_proj."""
-    b, n, _ = x.shape
-    h, d = attn.num_heads, attn.head_dim
-
-    def heads(t):
-        return t.view(b, n, h, d).transpose(1, 2)
-
-    q, k, v = heads(attn.q_proj(x)), heads(attn.k_proj(x)), heads(attn.v_proj(x))
-    qf, kf = attn.feature_map(q, is_query=True), attn.feature_map(k, is_query=False)
-    i = torch.arange(n)
-    r = i[None, :] - i[:, None]  # key minus query position
-    allowed = (r <= 0) & key_mask[:, None, None, :]
-    inside = allowed & (r > -window)
-    a = attn.window_log_weight.exp()[:, None, None]
-    c = attn.linear_log_weight.exp()[:, None, None]
-    exact = a * torch.exp(q @ k.transpose(-1, -2) / d ** 0.5)
-    kernel = c * (qf @ kf.transpose(-1, -2))
-    w = torch.where(inside, exact, torch.where(allowed, kernel, torch.zeros((), dtype=x.dtype)))
-    out = (w @ v) / (w.sum(-1, keepdim=True) + attn.eps)
-    return attn.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
-
-
 @pytest.mark.parametrize("window", [1, 3, 64, N + 4])
 @pytest.mark.parametrize("feature_map", ["elu", "hedgehog"])
 def test_attention_layer_equals_dense_reference_outputs_and_gradients(window, feature_map):
@@ -60,7 +37,7 @@ def test_attention_layer_equals_dense_reference_outputs_and_gradients(window, fe
     mask = torch.ones(2, N, dtype=torch.long)
     mask[0, :3] = 0
     out = attn(x, attention_mask=mask)
-    ref = _dense_reference(attn, x, window, mask.bool())
+    ref = hybrid_layer_reference(attn, x, window, mask.bool(), causal=True)
     real = mask.bool()[..., None]
     tol = 1e-10
     torch.testing.assert_close(out * real, ref * real, rtol=tol, atol=tol)

@@ -10,6 +10,7 @@ import torch
 from hf_kernattn import NPRFBertForMaskedLM
 
 from tests.conftest import tiny_nprf_bert_config
+from tests.reference import hybrid_layer_reference
 
 F64 = torch.float64
 N = 10
@@ -25,27 +26,6 @@ def _model(window, seed=0, **kw):
     return model
 
 
-def _dense_reference(attn, x, window, key_mask):
-    """The bidirectional hybrid written out from the layer's weights (band |j - i| < W)."""
-    b, n, _ = x.shape
-    h, d = attn.num_heads, attn.head_dim
-
-    def heads(t):
-        return t.view(b, n, h, d).transpose(1, 2)
-
-    q, k, v = heads(attn.q_proj(x)), heads(attn.k_proj(x)), heads(attn.v_proj(x))
-    qf, kf = attn.feature_map(q, is_query=True), attn.feature_map(k, is_query=False)
-    i = torch.arange(n)
-    allowed = key_mask[:, None, None, :].expand(b, 1, n, n)
-    inside = allowed & ((i[None, :] - i[:, None]).abs() < window)
-    a = attn.window_log_weight.exp()[:, None, None]
-    c = attn.linear_log_weight.exp()[:, None, None]
-    w = torch.where(inside, a * torch.exp(q @ k.transpose(-1, -2) / d ** 0.5),
-                    torch.where(allowed, c * (qf @ kf.transpose(-1, -2)), torch.zeros((), dtype=x.dtype)))
-    out = (w @ v) / (w.sum(-1, keepdim=True) + attn.eps)
-    return attn.o_proj(out.transpose(1, 2).reshape(b, n, h * d))
-
-
 @pytest.mark.parametrize("window", [1, 3, 64, N + 3])
 def test_attention_layer_equals_dense_reference_outputs_and_gradients(window):
     model = _model(window)
@@ -54,7 +34,7 @@ def test_attention_layer_equals_dense_reference_outputs_and_gradients(window):
     mask = torch.ones(2, N, dtype=torch.long)
     mask[1, -3:] = 0
     out = attn(x, attention_mask=mask)
-    ref = _dense_reference(attn, x, window, mask.bool())
+    ref = hybrid_layer_reference(attn, x, window, mask.bool(), causal=False)
     real = mask.bool()[..., None]
     tol = 1e-10
     torch.testing.assert_close(out * real, ref * real, rtol=tol, atol=tol)
