@@ -381,6 +381,30 @@ class FamilyTests:
         for name, g in grads[0].items():
             torch.testing.assert_close(grads[1][name], g, rtol=1e-12, atol=1e-14, msg=name)
 
+    def test_recompute_projections_gives_the_same_loss_and_gradients_with_dropout(self):
+        """``recompute_attention="projections"`` (the whole attention block run again in the
+        backward pass, its dropout masks restored from the saved random state) against keeping
+        everything: the same loss and gradients (float64, the same operations: ulps at most)."""
+        batch = {k: v.double() if v.is_floating_point() else v for k, v in self.training_inputs(1).items()}
+        results = []
+        for recompute in (False, "projections"):
+            torch.manual_seed(0)
+            config = self.base_config(recompute_attention=recompute, **{
+                k: v for k, v in self.recompute_overrides.items() if k != "recompute_attention"})
+            for name in ("attention_probs_dropout_prob", "attn_pdrop", "hidden_dropout_prob", "resid_pdrop"):
+                if hasattr(config, name):
+                    setattr(config, name, 0.1)
+            model = self.training_class(config).double().train()
+            torch.manual_seed(1)
+            loss = model(**batch, **self.forward_kwargs).loss
+            loss.backward()
+            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        (loss_a, grads_a), (loss_b, grads_b) = results
+        torch.testing.assert_close(loss_b, loss_a, rtol=1e-12, atol=1e-14)
+        assert grads_a.keys() == grads_b.keys()
+        for name, g in grads_a.items():
+            torch.testing.assert_close(grads_b[name], g, rtol=1e-12, atol=1e-14, msg=name)
+
     # torch.export
 
     def test_torch_export_matches_eager(self):

@@ -65,13 +65,14 @@ MODES = ("fwd", "fwdbwd")
 GRIDS = (14, 32)
 LARGE_GRIDS = (64, 128)
 IMAGE_SIZE = 224
+PROJECTIONS_SUFFIX = "+projections"  # cases with recompute_attention="projections" (--recompute-projections)
 NUM_LABELS = 1000
 
 
 def workload(
     model: str, grid: int, rpe: str = "learned_2d", mode: str = "fwdbwd", layers: int = 1, hidden: int = 768,
     heads: int = 12, intermediate: int = 3072, patch: int = 16, features: Optional[int] = None, batch: int = 1,
-    classifier: bool = False, device: str = "cpu",
+    classifier: bool = False, device: str = "cpu", recompute_attention: Optional[object] = None,
 ) -> Callable[[], None]:
     """One model on a ``grid x grid`` patch grid (images of ``grid * patch`` pixels); returns a
     callable running one forward+backward (``mode="fwdbwd"``) or forward without autograd
@@ -81,6 +82,7 @@ def workload(
     field at its config default; ``features`` overrides ``num_random_features``) or ``"vit"``
     (``transformers.ViTModel``, SDPA, no pooler). ``classifier``: the image-classification model
     with a ``NUM_LABELS``-class head instead, trained through its cross-entropy loss.
+    ``recompute_attention``: the RP-ViT's setting of that name (None: the config's default).
     """
     import torch
 
@@ -99,6 +101,8 @@ def workload(
             RelativePerformerViTForImageClassification, RelativePerformerViTModel)
 
         extra = {} if features is None else dict(num_random_features=features)
+        if recompute_attention is not None:
+            extra["recompute_attention"] = recompute_attention
         cfg = RelativePerformerViTConfig(**shape, rpe=rpe, **extra, **head)
         net = RelativePerformerViTForImageClassification(cfg) if classifier else RelativePerformerViTModel(cfg)
     else:
@@ -152,6 +156,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--patch-size", type=int, default=16, help="side of the square patches in pixels (default 16)")
     parser.add_argument("--features", type=int, default=None,
                         help="random features per head of the RP-ViT (default: the config's)")
+    parser.add_argument("--recompute-projections", action="store_true",
+                        help="also every option with recompute_attention='projections' (the whole attention block "
+                             "recomputed in the backward pass: less memory, more time), rows named <rpe>+projections")
     parser.add_argument("--batch", type=int, default=1, help="images per step (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per case and round (median); one untimed run before")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (ratios: median [min-max])")
@@ -205,6 +212,10 @@ def measure_group(args: argparse.Namespace, group: dict[str, Any]) -> dict[str, 
                  classifier=group["classifier"], device=args.device)
     cases = [("vit", TARGET, dict(model="vit", **shape))]
     cases += [(f"rpvit_{rpe}", TARGET, dict(model="rpvit", rpe=rpe, features=args.features, **shape)) for rpe in args.rpe]
+    if args.recompute_projections:
+        cases += [(f"rpvit_{rpe}{PROJECTIONS_SUFFIX}", TARGET,
+                   dict(model="rpvit", rpe=rpe, features=args.features, recompute_attention="projections", **shape))
+                  for rpe in args.rpe]
     return alternate(cases, rounds=args.rounds, repeats=group["repeats"], timeout_s=args.timeout,
                      max_seconds=args.timeout / 2, threads=args.threads, max_memory_gb=args.max_memory_gb,
                      stop_failed=True)

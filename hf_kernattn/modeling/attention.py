@@ -22,7 +22,7 @@ the raw projected queries and keys go to the core beside their features (a
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,7 @@ class KernelizedSelfAttention(nn.Module):
         if self.backend != "auto":
             get_backend(self.backend)  # fail at construction on an unknown name
         self.eps = float(config.attention_eps)
-        self.recompute = bool(config.recompute_attention)
+        self.recompute: Union[bool, str] = config.recompute_attention  # True, False or "projections"
         bias = bool(config.attention_bias)
         self.q_proj = nn.Linear(hidden, hidden, bias=bias)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=bias)
@@ -267,9 +267,11 @@ class KernelizedSelfAttention(nn.Module):
                 ``recompute_attention``; the linear projections are kept, not recomputed). None:
                 the module's configured ``recompute_attention``, skipped where the backend the call
                 runs keeps only its inputs for the backward (declared ``keeps_inputs``: ``dense``,
-                ``manhattan``), so that recomputing would save no memory; False: never (e.g. when
-                an enclosing layer is already gradient-checkpointed, so the work is not done three
-                times); True: always. Calls that continue from a state never recompute.
+                ``manhattan``), so that recomputing would save no memory; configured as
+                ``"projections"``, the whole block (projections included) is recomputed from
+                ``hidden_states``; False: never (e.g. when an enclosing layer is already
+                gradient-checkpointed, so the work is not done three times); True: the feature maps
+                and the kernel, always. Calls that continue from a state never recompute.
             projection: the random-feature projection to use; None: the feature map's current
                 buffer, read once here. The recomputation receives that tensor explicitly, and a
                 redraw installs a new tensor, so a redraw before the backward changes nothing
@@ -302,23 +304,40 @@ class KernelizedSelfAttention(nn.Module):
         if initial_state is not None and hidden_states.shape[1] == 1 and extra is None and not torch.is_grad_enabled():
             out, state = self._step(hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary,
                                     initial_state)
+            out = self.output(out, hidden_states.dtype)
         else:
             # a call that is not a decoding step (training, a prefill, a continuation) ends a decoding
             # session: the next one fuses the projections afresh (weights written between generate()
             # calls through ``.data``, e.g. merging an adapter, bump no version counter)
             self._fused = None
-            q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
-            args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary if self.rotary else None,
-                    initial_state, layer is not None)
-            if recompute and torch.is_grad_enabled() and (not configured or self._recomputing_saves_memory(*args)):
-                out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
+            args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, extra, rotary, initial_state,
+                    layer is not None)
+            if recompute and configured and self.recompute == "projections" and torch.is_grad_enabled():
+                # only hidden_states is kept: the backward runs the whole block again
+                out, state = torch.utils.checkpoint.checkpoint(self._block, *args, False, False, use_reentrant=False)
             else:
-                out, state = self._attend(*args)
+                out, state = self._block(*args, bool(recompute) and torch.is_grad_enabled(), configured)
         if state is not None:
             layer.set_state(state)
+        return out
+
+    def _block(self, hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, extra, rotary, initial_state,
+               output_final_state, recompute: bool, only_if_saving: bool) -> tuple[torch.Tensor, object]:
+        """The attention block of a call that is not a decoding step: projections, feature maps
+        and kernel (through :meth:`_attend`, recomputed in the backward pass when ``recompute``,
+        with ``only_if_saving`` only where that keeps less, see :meth:`_recomputing_saves_memory`),
+        dropout, output projection. Returns ``(B, N, C)`` and the state
+        after these tokens (None unless ``output_final_state``)."""
+        q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
+        args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary if self.rotary else None,
+                initial_state, output_final_state)
+        if recompute and (not only_if_saving or self._recomputing_saves_memory(*args)):
+            out, state = torch.utils.checkpoint.checkpoint(self._attend, *args, use_reentrant=False)
+        else:
+            out, state = self._attend(*args)
         if self.dropout.training and self.dropout.p > 0:
             out = self.dropout(out)
-        return self.output(out, hidden_states.dtype)
+        return self.output(out, hidden_states.dtype), state
 
     def _recomputing_saves_memory(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary,
                                   initial_state, output_final_state) -> bool:

@@ -246,10 +246,15 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
         "attention recomputes its scores the same way): same outputs and gradients, less memory, "
         "one more run of the feature maps and kernel per layer (the projections are not redone). Off inside a layer that transformers' "
         "gradient checkpointing already recomputes, and for a backend whose backward needs only its inputs "
-        "(``dense``, ``manhattan``: declared ``keeps_inputs``), where it would save no memory. A causal LM applies it to forwards that start "
+        "(``dense``, ``manhattan``: declared ``keeps_inputs``), where it would save no memory. "
+        "``\"projections\"``: keep only the block's input and recompute the whole block (the q/k/v and "
+        "output projections too, for every backend): about 4 N C fewer values kept per layer "
+        "(q, k, v and the output projection's input) for four more N x C x C products in the backward pass, "
+        "the setting for long inputs where activations bound the batch. A causal LM applies it to forwards that start "
         "without a decoding state (training, prefill); steps that continue from a state never "
         "recompute.",
-        boolean,
+        Allowed("True, False or 'projections'", lambda v: isinstance(v, (bool, str)),
+                lambda v: isinstance(v, bool) or v == "projections", type_text="a bool or the string 'projections'"),
     ),
 )
 

@@ -170,3 +170,46 @@ def test_the_configured_recompute_skips_a_backend_that_keeps_only_its_inputs(mon
     torch.manual_seed(4)
     attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", attn_backend=backend)).double()
     _check_recompute_cases(monkeypatch, attn, ((None, recomputes), (True, True), (False, False)))
+
+
+@pytest.mark.parametrize("backend", ["auto", "fft", "windowed"])
+def test_recompute_projections_reruns_the_whole_block_with_the_same_result(monkeypatch, backend):
+    """``recompute_attention="projections"`` checkpoints the whole block (q/k/v and output
+    projections included, for every backend, also ``dense`` which ``auto`` runs at N = 6 and
+    which keeps only its inputs): the projections run again in the backward pass, and outputs
+    and gradients equal those of a run that keeps everything (float64, the same operations:
+    ulps at most). The explicit ``recompute`` keyword keeps its meaning (True: the kernel only;
+    False: nothing)."""
+    torch.manual_seed(5)
+    attn = hf_kernattn.KernelizedSelfAttention(_config(feature_map="prf", attn_backend=backend,
+                                                       recompute_attention="projections")).double()
+    assert attn.recompute == "projections"
+    projections = []
+    attn.q_proj.register_forward_hook(lambda *_: projections.append(1))
+    rpe = hf_kernattn.RelativePositionBias1D(2, 4, init_std=0.5).double()
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    results = []
+    for recompute, runs in ((False, 1), (None, 2), (True, 1)):
+        attn.zero_grad()
+        projections.clear()
+        xs = x.clone().requires_grad_(True)
+        out = attn(xs, attention_mask=mask, rpe_bias=rpe(6), rpe_clip=4, recompute=recompute)
+        out.pow(2).sum().backward()
+        assert len(projections) == runs, recompute
+        results.append([out.detach(), xs.grad] + [p.grad.clone() for p in attn.parameters() if p.grad is not None])
+    for got in results[1:]:
+        assert len(got) == len(results[0])
+        for a, b in zip(got, results[0]):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    with torch.no_grad():  # nothing to recompute without gradients: one run
+        projections.clear()
+        attn(x, rpe_bias=rpe(6), rpe_clip=4)
+        assert len(projections) == 1
+
+
+@pytest.mark.parametrize("value,error", [("yes", ValueError), ("Projections", ValueError), (1, TypeError), (None, TypeError)])
+def test_recompute_attention_refuses_other_values(value, error):
+    with pytest.raises(error, match="recompute_attention must be True, False or 'projections'|recompute_attention must be a bool"):
+        hf_kernattn.NPRFBertConfig(recompute_attention=value)

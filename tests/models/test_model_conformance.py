@@ -132,7 +132,8 @@ def test_nprf_bert_gradient_checkpointing_matches_and_runs_attention_twice(recom
 @pytest.mark.parametrize("positions", ["absolute", "rotary", "rpe"])
 def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
     """Linear GPT honours recompute_attention in its parallel form: a prefill recomputes its
-    attention in the backward (q projection twice per layer), a continuation from the state
+    attention in the backward (the query features twice per layer; with "projections" the q
+    projection too), a continuation from the state
     never does, and inside a gradient-checkpointed block it is off (twice per layer, not three
     times). Logits, the decoding state and the gradients equal those without recomputation
     (float64, the same operations in the same order: ulp-level differences at most)."""
@@ -141,7 +142,7 @@ def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
     ids = ids_for("linear_gpt", n=9)
     layers = 2
     results = []
-    for recompute in (False, True):
+    for recompute in (False, True, "projections"):
         torch.manual_seed(0)
         cfg = gpt_config(feature_map="prf", num_random_features=16, recompute_attention=recompute, **extra)
         model = LinearGPTForCausalLM(cfg).double().train()
@@ -151,7 +152,8 @@ def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
         second = model(ids[:, 6:], labels=ids[:, 6:], past_key_values=state, use_cache=True)
         assert calls == [2 * layers, 2 * layers]
         (first.loss + second.loss).backward()
-        assert calls == [2 * layers + (layers if recompute else 0), 2 * layers]
+        # the prefill's attention runs again in the backward ("projections": its projections too)
+        assert calls == [2 * layers + (layers if recompute else 0), 2 * layers + (layers if recompute == "projections" else 0)]
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((first.logits.detach(), second.logits.detach(), state.layers[0].get_state().kv.detach(), grads))
 
@@ -161,12 +163,13 @@ def test_linear_gpt_recompute_attention_in_the_parallel_form_only(positions):
         model(ids, labels=ids, use_cache=False).loss.backward()
         assert calls == [2 * layers, 2 * layers]
         checkpointing_disable(model)
-    (a1, a2, s_a, g_a), (b1, b2, s_b, g_b) = results
-    for x, y in ((a1, b1), (a2, b2), (s_a, s_b)):
-        torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14)
-    assert g_a.keys() == g_b.keys()
-    for name, g in g_a.items():
-        torch.testing.assert_close(g_b[name], g, rtol=1e-12, atol=1e-14, msg=name)
+    (a1, a2, s_a, g_a) = results[0]
+    for b1, b2, s_b, g_b in results[1:]:
+        for x, y in ((a1, b1), (a2, b2), (s_a, s_b)):
+            torch.testing.assert_close(y, x, rtol=1e-12, atol=1e-14)
+        assert g_a.keys() == g_b.keys()
+        for name, g in g_a.items():
+            torch.testing.assert_close(g_b[name], g, rtol=1e-12, atol=1e-14, msg=name)
 
 
 def test_training_arguments_gradient_checkpointing_trains_nprf_bert(tmp_path):
