@@ -238,7 +238,10 @@ class LinearGPTCache(DynamicCache):
 
     def copy(self) -> "LinearGPTCache":
         """An independent copy (states are small: no context-length dimension)."""
-        new = LinearGPTCache(len(self.layers), self.window, self.softmax_window)
+        new = LinearGPTCache(len(self.layers))
+        # each layer as its source was made (a layer left unset is decided by the state copied in)
+        new.layers = [LinearGPTCacheLayer(src.window, src.softmax_window if src.window != UNSET else None)
+                      for src in self.layers]
         for src, dst in zip(self.layers, new.layers):
             dst.cumulative_length = src.cumulative_length
             state = src.get_state()

@@ -114,6 +114,27 @@ def test_a_copy_is_independent_and_bad_arguments_are_refused():
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_copy_of_a_cache_whose_layers_were_left_unset_continues_like_the_original(variant):
+    """A LinearGPTCache whose layers were made with the window left to the first state (as a
+    stock Cache of Linear GPT layers has them) copies, before and after its first state; the copy
+    continues exactly as the original does."""
+    model = _model(variant)
+    ids = _ids()
+    cache = LinearGPTCache(2)
+    cache.layers = [LinearGPTCacheLayer() for _ in range(2)]
+    empty = cache.copy()
+    assert [layer.window for layer in empty.layers] == [layer.window for layer in cache.layers]
+    with torch.no_grad():
+        model(ids[:, :5], past_key_values=cache, use_cache=True)
+        copy = cache.copy()
+        want = model(ids[:, 5:], past_key_values=cache, use_cache=True).logits
+        got = model(ids[:, 5:], past_key_values=copy, use_cache=True).logits
+        from_empty = model(ids, past_key_values=empty, use_cache=True).logits[:, 5:]
+    assert torch.equal(got, want)
+    torch.testing.assert_close(from_empty, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_the_state_is_a_stock_dynamic_cache_whose_layers_count_the_positions(variant):
     """What forward returns is a transformers DynamicCache: the stock get_seq_length /
     get_mask_sizes answer from the layers' counts (padding included), and a plain stock Cache
