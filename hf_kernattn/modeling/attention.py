@@ -421,7 +421,7 @@ class KernelizedSelfAttention(nn.Module):
             qk = apply_rotary(qk, *rope)
         if in_place is None:
             in_place = self.maps_in_place()
-        fm = self.feature_map
+        fm = self._modules["feature_map"]
         if in_place and qk.dtype in _COMPUTE_DTYPES:
             if fm.kind == "elu":
                 F.elu_(qk).add_(step_constant(1.0, qk))

@@ -575,6 +575,23 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
     return out, AttentionState(kv, z, kind=checked.kind)
 
 
+def registered_backend(name: str):
+    """The :class:`~registry.BackendSpec` registered as ``name`` now, or None (no error)."""
+    return _REGISTRY.get(name)
+
+
+def decoding_step_spec(backend: str):
+    """The registered ``recurrent`` backend when a one-token call with ``backend`` and an
+    ``in_place`` state of ``S`` and ``z`` (no bias, no window) reaches the decoding step of
+    :func:`kernelized_attention` (:func:`recurrent_step` in place), else None: ``backend`` is
+    ``auto`` or ``recurrent`` and ``recurrent`` is the built-in one. A caller that computes the
+    same step itself compares the returned object from call to call (a re-registration replaces it)."""
+    if backend != "auto" and backend != "recurrent":
+        return None
+    spec = _REGISTRY.get("recurrent")
+    return spec if spec is not None and spec.fn is recurrent_attention else None
+
+
 _CHECKED_STEP = "_kernattn_checked_step"  # the attribute of a state's S that records its checked step
 
 
