@@ -545,8 +545,8 @@ class _DecodingSession:
     step ends the session. Parameters are read from the modules at every step; derived copies
     (the fused projections) are compared as the attention does.
 
-    Module attributes that configure a layer (feature map kind, norm eps, rotary base, ...) are
-    read when the session starts.
+    Attributes that configure a layer beyond those (the feature map's kind, the head layout,
+    the rotary base) are read when the session starts.
     """
 
     stale = False
@@ -626,6 +626,7 @@ class _DecodingSession:
         self.hook_dicts = [d for m in below for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.module_dicts = [m.__dict__ for m in below if not isinstance(m, (nn.Dropout, nn.ModuleList))]
         self.modules = [m for m in modules if type(m) not in _STATELESS and type(m) is not LinearGPTRMSNorm]
+        self.typed, self.types = below, list(map(type, below))  # a class swapped in place (parametrizations)
         self.wte, self.wpe, self.ln_f, self.ln_f_params, self.head = wte, wpe, ln_f, _ln_params(ln_f), head._parameters
         self.dtype, self.device = dtype, wte.weight.device
         self.device_type = self.device.type
@@ -707,8 +708,8 @@ class _DecodingSession:
         if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or self.spec is not decoding_step_spec("recurrent") or not all(
                 registered_backend(name) is spec for name, spec in self.named_specs):
             return False
-        if self.parent_dicts != self.parent_copies:  # a module replaced, added or removed (dicts compare by identity first)
-            return False
+        if self.parent_dicts != self.parent_copies or list(map(type, self.typed)) != self.types:
+            return False  # a module replaced, added, removed (dicts compare their values by identity first) or re-classed
         if any(self.hook_dicts) or any(map(_training, self.modules)) or any(map(operator.contains, self.module_dicts,
                                                                                  itertools.repeat("forward"))):
             return False
