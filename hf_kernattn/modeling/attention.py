@@ -28,15 +28,18 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .attention_config import complete_attention_fields
 from .dispatch import get_backend, kernelized_attention
-from .kernels_common import compute_dtype_for
+from .kernels_common import compute_dtype_for, step_constant
 from .registry import choose_backend
 from .feature_maps import FeatureMap
 from .kernels_hybrid import SoftmaxWindow
 from .positional import apply_rotary
 
+
+_COMPUTE_DTYPES = (torch.float32, torch.float64)  # the dtypes features are computed in
 
 # the sliding-window hybrid's per-head mixing weights (log scale) of an attention layer
 WINDOW_WEIGHTS = ("window_log_weight", "linear_log_weight")
@@ -399,24 +402,61 @@ class KernelizedSelfAttention(nn.Module):
             q, k, v = self.projections(hidden_states, rope=rotary if self.rope else None)
             return self._attend(q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection,
                                 rotary if self.rotary else None, initial_state, True)
-        h, heads_qk = self.num_heads, self.num_heads + self.num_key_value_heads
         # (B, 1, (H + 2 H_kv) D) -> (B, H + 2 H_kv, 1, D): with one token, heads first is a view
         x = F.linear(hidden_states, *fused).view(hidden_states.shape[0], -1, 1, self.head_dim)
-        qk, v = x[:, :heads_qk], x[:, heads_qk:]
-        if self.rope:
-            qk = apply_rotary(qk, *rotary)
-        fm = self.feature_map
-        raw = (qk[:, :h], qk[:, h:]) if self.softmax_window is not None else None
+        q, k, v, raw = self.step_features(x, rotary if self.rope else None, projection, attention_mask)
+        return self._kernel(q, self._repeat_kv(k), self._repeat_kv(v), attention_mask, rpe_bias, grid,
+                            rpe_clip, rotary if self.rotary else None, initial_state, True, raw)
+
+    def maps_in_place(self) -> bool:
+        """Whether one-token steps may compute the feature map themselves, in place on the fused
+        projection (:meth:`step_features`): ``elu`` or ``relu`` without ``normalize_qk`` (the same
+        elementwise formula for queries and keys), a plain :class:`FeatureMap` without hooks
+        (nor global module hooks), and no sliding-window hybrid (which reads the raw queries and keys)."""
+        fm = self._modules["feature_map"]
+        return (type(fm) is FeatureMap and fm.kind in ("elu", "relu") and not fm.normalize_qk
+                and self.softmax_window is None and not (fm._forward_hooks or fm._forward_pre_hooks)
+                and "forward" not in fm.__dict__ and not (_global_forward_hooks or _global_forward_pre_hooks))
+
+    def step_features(
+        self,
+        x: torch.Tensor,
+        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        projection: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        in_place: Optional[bool] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
+        """One-token steps: the fused projections ``x (B, H + 2 H_kv, 1, D)`` (a fresh tensor, which
+        this may write into) -> query features ``(B, H, 1, M)``, key features ``(B, H_kv, 1, M)``
+        and values ``(B, H_kv, 1, D)`` (per key/value head, not yet repeated), and the raw queries
+        and keys of the sliding-window hybrid (else None). ``rope``: Llama's rotation of the
+        queries and keys first. The feature map of queries and keys is one call when it treats
+        them alike; with :meth:`maps_in_place` (``in_place``, None: asked here) it is computed in
+        x's own memory (``elu(x) + 1``, ``relu(x)``: the map's formula, element by element).
+        A key outside the map's range gives NaN, as in every decoding step (no host read)."""
+        h, kv_heads = self.num_heads, self.num_key_value_heads
+        qk, v = x.split_with_sizes((h + kv_heads, x.shape[1] - h - kv_heads), 1)
+        if rope is not None:
+            qk = apply_rotary(qk, *rope)
+        if in_place is None:
+            in_place = self.maps_in_place()
+        fm = self._modules["feature_map"]
+        if in_place and qk.dtype in _COMPUTE_DTYPES:
+            if fm.kind == "elu":
+                F.elu_(qk).add_(step_constant(1.0, qk))
+            else:
+                qk.relu_()
+            q, k = qk.split_with_sizes((h, kv_heads), 1)
+            return q, k, v, None
+        raw = qk.split_with_sizes((h, kv_heads), 1) if self.softmax_window is not None else None
         if fm.same_for_queries_and_keys:
-            qk = fm(qk, is_query=True, projection=projection)
-            q, k = qk[:, :h], qk[:, h:]
-        else:  # a key outside the map's range gives NaN here, as in every decoding step (no host read)
+            q, k = fm(qk, is_query=True, projection=projection).split_with_sizes((h, kv_heads), 1)
+        else:
             q = fm(qk[:, :h], is_query=True, projection=projection)
             k = fm(qk[:, h:], is_query=False, projection=projection, key_mask=attention_mask, sync_free=True)
         if v.dtype != q.dtype:
             v = v.to(q.dtype)
-        return self._kernel(q, self._repeat_kv(k), self._repeat_kv(v), attention_mask, rpe_bias, grid,
-                            rpe_clip, rotary if self.rotary else None, initial_state, True, raw)
+        return q, k, v, raw
 
     def _kernel(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state,
                 raw=None):

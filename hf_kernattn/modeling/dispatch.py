@@ -70,7 +70,7 @@ from .kernels_common import (
     autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys, tracing,
 )
 from .kernels_hybrid import SoftmaxWindow
-from .kernels_linear import recurrent_step
+from .kernels_linear import recurrent_step, step_views
 from .kernels_manhattan import manhattan_distances, manhattan_table
 from .registry import _REGISTRY, AUTO_MAX_ERROR, auto_candidates, available_backends, get_backend
 from .state import AttentionState, StateKind, fold_into_state
@@ -571,8 +571,25 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
         k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
         if k_den is not None:
             k_den = torch.where(keep, k_den, zero)
-    out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True)[0]  # (B, H, 1, D)
+    out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True, views=checked.views)[0]  # (B, H, 1, D)
     return out, AttentionState(kv, z, kind=checked.kind)
+
+
+def registered_backend(name: str):
+    """The :class:`~registry.BackendSpec` registered as ``name`` now, or None (no error)."""
+    return _REGISTRY.get(name)
+
+
+def decoding_step_spec(backend: str):
+    """The registered ``recurrent`` backend when a one-token call with ``backend`` and an
+    ``in_place`` state of ``S`` and ``z`` (no bias, no window) reaches the decoding step of
+    :func:`kernelized_attention` (:func:`recurrent_step` in place), else None: ``backend`` is
+    ``auto`` or ``recurrent`` and ``recurrent`` is the built-in one. A caller that computes the
+    same step itself compares the returned object from call to call (a re-registration replaces it)."""
+    if backend != "auto" and backend != "recurrent":
+        return None
+    spec = _REGISTRY.get("recurrent")
+    return spec if spec is not None and spec.fn is recurrent_attention else None
 
 
 _CHECKED_STEP = "_kernattn_checked_step"  # the attribute of a state's S that records its checked step
@@ -585,7 +602,7 @@ class _CheckedStep:
     on ``S`` by :meth:`check`; :meth:`covers` tells whether a later step is one of those."""
 
     __slots__ = ("z", "q_shape", "v_shape", "den_shape", "dtype", "device", "eps", "mask_shape", "given_kind", "kind",
-                 "zero")
+                 "zero", "views")
 
     @classmethod
     def check(cls, q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
@@ -609,6 +626,7 @@ class _CheckedStep:
         self.given_kind = getattr(state, "kind", None)
         self.kind = call.kind
         self.zero = torch.zeros((), dtype=q.dtype, device=q.device)  # what a padded token's key and value become
+        self.views = step_views(kv, z, self.eps)  # what recurrent_step reads of the state (None: not contiguous)
         if not torch.compiler.is_compiling():
             setattr(kv, _CHECKED_STEP, self)
         return self

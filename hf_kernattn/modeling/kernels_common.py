@@ -64,6 +64,26 @@ def full_precision(fn):
     return wrapper
 
 
+_STEP_CONSTANTS: dict = {}  # (value, dtype, device) -> 0-dim tensor (step_constant)
+
+
+def step_constant(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-dim tensor of ``like``'s dtype and device, made once and kept: a decoding
+    step adds such constants in every layer, and a tensor operand costs less than a Python
+    number there (same result: the number is converted to the tensor's dtype either way). Not
+    kept while tracing (compile, export) or when torch made a tensor subclass (a fake tensor),
+    which belongs to that trace."""
+    key = (value, like.dtype, like.device)
+    made = _STEP_CONSTANTS.get(key)
+    if made is None:
+        with torch.inference_mode(False), torch.no_grad():
+            made = torch.full((), value, dtype=like.dtype, device=like.device)
+        if tracing() or like.device.type == "meta" or type(made) is not torch.Tensor:  # e.g. a fake tensor
+            return made
+        _STEP_CONSTANTS[key] = made
+    return made
+
+
 def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
     """The dtype rule: float64 stays float64; everything else is computed in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

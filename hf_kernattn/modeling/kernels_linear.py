@@ -33,11 +33,11 @@ Inputs as described in ``kernels_common``: one dtype, padded keys and values alr
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
-from .kernels_common import chunk_tokens, clipped_table, full_precision, shifted_bias
+from .kernels_common import chunk_tokens, clipped_table, full_precision, shifted_bias, step_constant
 from .state import AttentionState, fold_into_state
 
 
@@ -245,6 +245,27 @@ def causal_chunked_attention(
     return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den)
 
 
+class StepViews(NamedTuple):
+    """What a one-token step in place reads of a state ``S (B, H, M, D)``, ``z (B, H, M')``
+    besides the tensors themselves, made once per state (:func:`step_views`): views of their
+    own memory, so that every in-place update shows in them."""
+
+    kv3: torch.Tensor  # S as (B H, M, D)
+    z_row: torch.Tensor  # z as (B, H, 1, M')
+    z_col3: torch.Tensor  # z as (B H, M', 1)
+    eps: torch.Tensor  # eps as a 0-dim tensor of the state's dtype and device
+
+
+def step_views(state: torch.Tensor, normalizer: torch.Tensor, eps: float) -> Optional[StepViews]:
+    """The :class:`StepViews` of a state, or None when ``S`` or ``z`` is not contiguous (the step
+    then reshapes them after the update, a copy with the same values)."""
+    if not (state.is_contiguous() and normalizer.is_contiguous()):
+        return None
+    m, d = state.shape[-2:]
+    return StepViews(state.view(-1, m, d), normalizer.unsqueeze(-2), normalizer.view(-1, normalizer.shape[-1], 1),
+                     step_constant(eps, normalizer))
+
+
 def recurrent_step(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
@@ -256,6 +277,7 @@ def recurrent_step(
     k_den_t: Optional[torch.Tensor] = None,
     *,
     in_place: bool = False,
+    views: Optional[StepViews] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One RNN step of causal linear attention.
 
@@ -268,33 +290,46 @@ def recurrent_step(
             ``q_t, k_t``).
         in_place: write ``S + k_t v_t^T`` and ``z + k_den_t`` into ``state`` and ``normalizer``
             (one fused update each, no new state tensors: the decoding form at the memory
-            bound; inputs in the state's dtype, nothing recording gradients).
+            bound; inputs in the state's dtype, nothing recording gradients). The numerator
+            ``q S`` and the denominator ``q_den . z`` are then batched matrix products over the
+            ``B H`` rows (``views``: the state's :func:`step_views`, made once per state by
+            the caller; None: made here), the same arithmetic for every caller of the in-place step.
     Runs as given (no autocast guard of its own, which would cost per token): its callers,
     :func:`recurrent_attention` and the decoding step, run it with autocast off.
     Returns:
         ``(out_t (B, H, D) (or (B, H, 1, D)), S + k_t v_t^T, z + k_den_t)`` (with ``in_place``
         the given tensors).
     """
-    if q_den_t is None:
+    split = q_den_t is not None
+    if not split:
         q_den_t, k_den_t = q_t, k_t
     if q_t.dim() == 4:  # (B, H, 1, .): rows already
         q_row, q_den_row, k_col, v_row, k_den_row = q_t, q_den_t, k_t.transpose(-1, -2), v_t, k_den_t
     else:
         q_row, q_den_row, k_col, v_row = q_t.unsqueeze(-2), q_den_t.unsqueeze(-2), k_t.unsqueeze(-1), v_t.unsqueeze(-2)
         k_den_row = k_den_t.unsqueeze(-2)
-    z_row = normalizer.unsqueeze(-2)  # (B, H, 1, M'), a view of z
     if in_place:
-        state = state.addcmul_(k_col, v_row)
-        z_row = z_row.add_(k_den_row)  # writes z
-    else:
-        state = state + k_col * v_row
-        z_row = z_row + k_den_row
-        normalizer = z_row.squeeze(-2)
+        state.addcmul_(k_col, v_row)
+        if views is None:
+            normalizer.unsqueeze(-2).add_(k_den_row)  # writes z
+            m, d = state.shape[-2:]
+            kv3, z_col3, eps_t = state.reshape(-1, m, d), normalizer.reshape(-1, normalizer.shape[-1], 1), eps
+        else:
+            views.z_row.add_(k_den_row)
+            kv3, z_col3, eps_t = views.kv3, views.z_col3, views.eps
+        rows = kv3.shape[0]
+        q3 = q_row.reshape(rows, 1, -1)
+        q_den3 = q_den_row.reshape(rows, 1, -1) if split else q3
+        # (B H, 1, D) / (B H, 1, 1): nothing records gradients, the quotient is formed in the fresh buffer
+        out = torch.bmm(q3, kv3).div_(torch.bmm(q_den3, z_col3).add_(eps_t))
+        out = out.view(*q_row.shape[:-1], out.shape[-1])
+        return (out if q_t.dim() == 4 else out.squeeze(-2)), state, normalizer
+    z_row = normalizer.unsqueeze(-2) + k_den_row
+    state = state + k_col * v_row
     num = q_row @ state  # (B, H, 1, D)
     den = (q_den_row * z_row).sum(dim=-1, keepdim=True)  # (B, H, 1, 1)
-    # in place nothing records gradients: the quotient is formed in the fresh buffers
-    out = num.div_(den.add_(eps)) if in_place else num / (den + eps)
-    return (out if q_t.dim() == 4 else out.squeeze(-2)), state, normalizer
+    out = num / (den + eps)
+    return (out if q_t.dim() == 4 else out.squeeze(-2)), state, z_row.squeeze(-2)
 
 
 @full_precision

@@ -1,0 +1,312 @@
+"""One-token decoding steps after the first of a session run as flat torch calls (the model's
+decoding session) with logits and states bitwise those of the module path, which a forward hook
+forces (the session refuses hooked modules): every supported configuration, left padding with a
+mask, generate() greedy and beam search; parameters and modules changed between steps, caches
+copied or reordered, and calls the session does not cover all give what the modules give; no
+host read per step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from hf_kernattn import LinearGPTForCausalLM
+from hf_kernattn.modeling import modeling_linear_gpt
+from tests.conftest import V_GPT, tiny_linear_gpt_config
+
+CONFIGS = {
+    "elu_absolute": {},
+    "relu_none": dict(feature_map="relu", position_embedding_type="none"),
+    "prf_rotary": dict(feature_map="prf", num_random_features=8, position_embedding_type="rotary"),
+    "rope_gqa_gated_rmsnorm": dict(position_embedding_type="rope", num_attention_heads=4, num_key_value_heads=2,
+                                   mlp_type="gated", norm_type="rmsnorm", attention_bias=True, hidden_act="silu"),
+    "elu_normalized_none": dict(normalize_qk=True, position_embedding_type="none"),
+    "hedgehog_gqa": dict(feature_map="hedgehog", num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def _model(dtype=torch.float32, **overrides) -> LinearGPTForCausalLM:
+    torch.manual_seed(0)
+    return LinearGPTForCausalLM(tiny_linear_gpt_config(eos_token_id=None, **overrides)).eval().to(dtype)
+
+
+def _force_modules(model: LinearGPTForCausalLM):
+    """A forward hook that changes nothing: the session refuses hooked modules, so every step of
+    this model runs the module path."""
+    return model.transformer.ln_f.register_forward_hook(lambda module, args, out: None)
+
+
+@pytest.fixture
+def fast_steps(monkeypatch) -> list:
+    """One entry per step the session was asked for: True where it served the step."""
+    served = []
+    real = modeling_linear_gpt._DecodingSession.step
+
+    def counting(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        served.append(out is not None)
+        return out
+
+    monkeypatch.setattr(modeling_linear_gpt._DecodingSession, "step", counting)
+    return served
+
+
+def _ids(batch: int = 2, n: int = 10, seed: int = 1) -> torch.Tensor:
+    return torch.randint(1, V_GPT, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _padded_mask(ids: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # left padding in the second row
+    return mask
+
+
+def _decode(model, ids, mask=None, prompt: int = 4, between=None):
+    """Prefill ``prompt`` tokens, then one-token steps (``between(t)`` before step t): the logits
+    of every call and the final states."""
+    with torch.no_grad():
+        kw = {} if mask is None else dict(attention_mask=mask[:, :prompt])
+        out = model(ids[:, :prompt], use_cache=True, **kw)
+        logits, cache = [out.logits], out.past_key_values
+        for t in range(prompt, ids.shape[1]):
+            if between is not None:
+                between(t)
+            kw = {} if mask is None else dict(attention_mask=mask[:, : t + 1])
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True, **kw)
+            logits.append(out.logits)
+            cache = out.past_key_values
+    states = [layer.recurrent_states[i].clone() for layer in cache.layers for i in range(layer.number_of_states)]
+    return torch.cat(logits, 1), states
+
+
+def _assert_bitwise(a, b):
+    assert torch.equal(a[0], b[0])
+    assert len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("masked", [False, True])
+def test_fast_steps_equal_the_module_path_bitwise(name, masked, fast_steps):
+    model = _model(**CONFIGS[name])
+    ids = _ids()
+    mask = _padded_mask(ids) if masked else None
+    fast = _decode(model, ids, mask)
+    assert fast_steps == [True] * 5  # 6 steps: the first runs the modules and starts the session
+    hook = _force_modules(model)
+    fast_steps.clear()
+    modules = _decode(model, ids, mask)
+    hook.remove()
+    assert not any(fast_steps)
+    _assert_bitwise(fast, modules)
+    with torch.no_grad():  # and both are the parallel forward's
+        full = model(ids, attention_mask=mask, use_cache=False).logits
+    real = slice(None) if mask is None else mask.bool()
+    torch.testing.assert_close(fast[0][real], full[real], rtol=1e-4, atol=1e-4)
+
+
+def test_float64_steps_equal_the_module_path_bitwise(fast_steps):
+    model = _model(torch.float64, **CONFIGS["rope_gqa_gated_rmsnorm"])
+    ids = _ids()
+    fast = _decode(model, ids, _padded_mask(ids))
+    assert all(fast_steps) and fast_steps
+    hook = _force_modules(model)
+    _assert_bitwise(fast, _decode(model, ids, _padded_mask(ids)))
+    hook.remove()
+
+
+@pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=False, num_beams=3)])
+def test_generate_equals_the_module_path(mode, fast_steps):
+    """Greedy and beam search (which reorders the states every step: checked again, kept fast)."""
+    model = _model()
+    ids = _ids(n=5)
+    mask = _padded_mask(ids)
+    kw = dict(attention_mask=mask, max_new_tokens=8, min_new_tokens=8, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True, **mode)
+    fast = model.generate(ids, **kw)
+    assert fast_steps and all(fast_steps)
+    hook = _force_modules(model)
+    modules = model.generate(ids, **kw)
+    hook.remove()
+    assert torch.equal(fast.sequences, modules.sequences)
+    for a, b in zip(fast.scores, modules.scores):
+        assert torch.equal(a, b)
+
+
+def _twins(**overrides):
+    """Two identical models: the first decodes with its session, the second through the modules."""
+    model = _model(**overrides)
+    twin = copy.deepcopy(model)
+    _force_modules(twin)
+    return model, twin
+
+
+def test_parameters_changed_between_steps_are_used(fast_steps):
+    """In-place writes (an optimizer step: the fused projection is made again), data swapped in
+    through ``.data``, a parameter replaced, ``load_state_dict``: each step sees the parameters
+    as they are, as the modules do."""
+    other = _model(initializer_range=0.5).state_dict()
+
+    def changes(model):
+        g = torch.Generator().manual_seed(3)
+
+        def between(t):
+            block = model.transformer.h[t % 2]
+            if t == 5:
+                block.attn.q_proj.weight.add_(0.1 * torch.randn(block.attn.q_proj.weight.shape, generator=g))
+            elif t == 6:
+                block.attn.k_proj.weight.data = block.attn.k_proj.weight.data * 1.5
+            elif t == 7:
+                block.attn.o_proj.weight = nn.Parameter(-block.attn.o_proj.weight.detach())
+                block.mlp.c_fc.bias.mul_(2.0)
+            elif t == 8:
+                model.load_state_dict(other)
+        return between
+
+    model, twin = _twins()
+    ids = _ids()
+    fast = _decode(model, ids, _padded_mask(ids), between=changes(model))
+    assert fast_steps == [True] * 5  # the fused projections made again where they changed
+    _assert_bitwise(fast, _decode(twin, ids, _padded_mask(ids), between=changes(twin)))
+
+
+class _Halved(nn.Module):
+    """A wrapper around a projection, as an adapter wraps one."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+
+    def forward(self, x):
+        return self.base(x) * 0.5
+
+
+CHANGES = {
+    "hook": lambda model: model.transformer.h[0].register_forward_hook(lambda module, args, out: out * 1.25),
+    "pre_hook": lambda model: model.transformer.h[1].mlp.c_fc.register_forward_pre_hook(lambda module, args: args[0] * 2),
+    "wrapped": lambda model: setattr(model.transformer.h[1].attn, "v_proj", _Halved(model.transformer.h[1].attn.v_proj)),
+    "forward_of_its_own": lambda model: setattr(model.transformer.ln_f, "forward", lambda x: x * 3.0),
+    "training": lambda model: model.train(),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_modules_changed_between_steps_are_honoured(change, fast_steps):
+    """A hook registered, a projection wrapped (as an adapter does), a forward replaced (as
+    accelerate's hooks do), training mode switched on (dropout): the modules run from that step
+    on, with what they compute."""
+
+    def changes(model):
+        def between(t):
+            torch.manual_seed(t)  # the same dropout masks in training mode
+            if t == 6:
+                CHANGES[change](model)
+        return between
+
+    model, twin = _twins(resid_pdrop=0.2)
+    ids = _ids()
+    fast = _decode(model, ids, between=changes(model))
+    # the change ends the session's steps (the later ones are not asked: no session for this cache)
+    assert fast_steps == [True, False]
+    _assert_bitwise(fast, _decode(twin, ids, between=changes(twin)))
+
+
+def test_copied_reordered_and_replaced_states_are_checked_again(fast_steps):
+    """A cache copy and states reordered into new tensors (beam search) are taken over by the
+    session after the checks a first step makes; a state it cannot update in place (not
+    contiguous) runs the modules."""
+
+    def changes(holder):
+        def between(t):
+            cache = holder["cache"]
+            if t == 6:
+                for layer in cache.layers:
+                    layer.reorder_cache(torch.tensor([1, 0]))
+            elif t == 8:
+                s = cache.layers[1].recurrent_states[0]
+                cache.layers[1].recurrent_states[0] = s.transpose(-1, -2).contiguous().transpose(-1, -2)
+        return between
+
+    results = []
+    for hooked in (False, True):
+        model = _model()
+        if hooked:
+            _force_modules(model)
+        ids = _ids()
+        with torch.no_grad():
+            cache = model(ids[:, :4], use_cache=True).past_key_values
+            holder = {"cache": cache}
+            logits = []
+            for t in range(4, 10):
+                changes(holder)(t)
+                if t == 7:  # continue from a copy
+                    holder["cache"] = holder["cache"].copy()
+                logits.append(model(ids[:, t : t + 1], past_key_values=holder["cache"], use_cache=True).logits)
+        results.append((torch.cat(logits, 1), [x.clone() for layer in holder["cache"].layers
+                                                for x in layer.recurrent_states.values()]))
+        if not hooked:
+            # the non-contiguous state: the modules, then no session for this cache
+            assert fast_steps == [True, True, True, False]
+    _assert_bitwise(*results)
+
+
+def test_calls_the_session_does_not_cover_run_the_modules(fast_steps):
+    model = _model()
+    ids = _ids()
+    with torch.no_grad():
+        out = model(ids[:, :4], use_cache=True)
+        cache = out.past_key_values
+        model(ids[:, 4:5], past_key_values=cache, use_cache=True)  # the modules; the session starts
+        session = model.__dict__["_decoding_session"]
+        assert isinstance(session, modeling_linear_gpt._DecodingSession)
+        hidden = model(ids[:, 5:6], past_key_values=cache, use_cache=True, output_hidden_states=True)
+        assert hidden.hidden_states is not None and len(hidden.hidden_states) == 3
+        kept = model(ids[:, 6:7], past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor([0]))
+        assert kept.logits.shape == (2, 1, V_GPT)
+        plain = model(ids[:, 7:8], past_key_values=cache, use_cache=True, return_dict=False)
+        assert isinstance(plain, tuple) and plain[1] is cache
+        assert fast_steps == [False, False, True]
+        assert model.__dict__["_decoding_session"] is session  # per-call arguments keep the session
+        model(ids, use_cache=False)  # a call that is not a one-token step ends it
+        assert model.__dict__["_decoding_session"] is None
+    hook = _force_modules(model)
+    fast_steps.clear()
+    with torch.no_grad():
+        cache = model(ids[:, :4], use_cache=True).past_key_values
+        for t in range(4, 7):
+            model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+    hook.remove()
+    # a model the session refuses is not asked again per step (until the next cache)
+    assert isinstance(model.__dict__["_decoding_session"], modeling_linear_gpt._NoSession) and fast_steps == []
+
+
+def _host_reads(monkeypatch, call):
+    reads = []
+    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+    try:
+        return call(), reads
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("name", ["elu_absolute", "prf_rotary"])
+def test_fast_steps_read_nothing_on_the_host(name, monkeypatch):
+    model = _model(**CONFIGS[name])
+    ids = _ids()
+    mask = _padded_mask(ids)
+    with torch.no_grad():
+        cache = model(ids[:, :4], attention_mask=mask[:, :4], use_cache=True).past_key_values
+        model(ids[:, 4:5], attention_mask=mask[:, :5], past_key_values=cache, use_cache=True)
+
+        def steps():
+            return [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True)
+                    for t in range(5, 9)]
+
+        outs, reads = _host_reads(monkeypatch, steps)
+    assert reads == []
+    assert isinstance(model.__dict__["_decoding_session"], modeling_linear_gpt._DecodingSession)
+    assert all(torch.isfinite(out.logits).all() for out in outs)
