@@ -45,6 +45,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 _RUNNER = r"""
 import gc, importlib, importlib.util, json, resource, sys
+if sys.path and sys.path[0] in ("", "."):
+    del sys.path[0]  # not the working directory: PYTHONPATH (extra_path first) decides which code is measured
 spec = json.loads(sys.argv[1])
 # the timing helpers of this file, loaded by path (no package import: no transformers to import)
 loader = importlib.util.spec_from_file_location("_bench_common", spec["common"])

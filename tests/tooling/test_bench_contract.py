@@ -374,3 +374,17 @@ def test_measure_caps_the_memory_of_the_measured_process():
     assert res["time_s"] != res["time_s"] and res["cpu_s"] != res["cpu_s"]
     with pytest.raises(ValueError, match="max_memory_gb"):
         measure("attention:workload", {}, max_memory_gb=0)
+
+
+def test_measure_imports_the_code_on_its_path_not_the_working_directorys(tmp_path, monkeypatch):
+    """The measured process imports from ``extra_path`` (then the project), never from the
+    directory it is started in: comparing two versions from inside one of them measures both."""
+    from hf_kernattn.bench.common import measure
+
+    here, there = tmp_path / "cwd", tmp_path / "path"
+    for folder, body in ((here, "raise RuntimeError('the working directory was imported')"), (there, "")):
+        folder.mkdir()
+        (folder / "shadowed_workload.py").write_text(body + "\ndef workload():\n    return lambda: None\n")
+    monkeypatch.chdir(here)
+    res = measure("shadowed_workload:workload", {}, repeats=1, timeout_s=120, extra_path=[str(there)])
+    assert res["status"] == "ok", res["status"]
