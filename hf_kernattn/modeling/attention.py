@@ -474,7 +474,9 @@ class KernelizedSelfAttention(nn.Module):
             grid=grid, backend=self.call_backend(continuing=initial_state is not None), eps=self.eps, rpe_clip=rpe_clip,
             initial_state=initial_state, output_final_state=output_final_state,
             # decoding (nothing recorded for autograd): the state is updated in the cache's own tensors
-            in_place=initial_state is not None and not torch.is_grad_enabled(),
+            # (a state of another dtype, e.g. the model cast between steps, continues out of place)
+            in_place=(initial_state is not None and not torch.is_grad_enabled()
+                      and initial_state[0].dtype == compute_dtype_for(q)),
             softmax_window=None if raw is None else self.window_input(*raw, q.dtype), **den,
         )
         return result if output_final_state else (result, None)

@@ -153,7 +153,9 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         for i, x in enumerate(tensors):
             if x is self.recurrent_states[i]:
                 continue  # updated in place by the core (decoding)
-            if replace or not self.is_recurrent_states_initialized[i] or self.recurrent_states[i].shape != x.shape:
+            held = self.recurrent_states[i]
+            if (replace or not self.is_recurrent_states_initialized[i] or held.shape != x.shape or held.dtype != x.dtype
+                    or held.device != x.device):  # (a model cast or moved between calls: its state follows)
                 self.recurrent_states[i] = x if replace else x.clone()
                 self.is_recurrent_states_initialized[i] = True
             else:

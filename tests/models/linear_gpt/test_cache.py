@@ -164,3 +164,25 @@ def test_the_state_is_a_stock_dynamic_cache_whose_layers_count_the_positions(var
         cache.layers[0].update(torch.zeros(1), torch.zeros(1))
     with pytest.raises(TypeError, match="past_key_values must be a LinearGPTCache"):
         model(ids[:, :1], past_key_values=DynamicCache(config=model.config))
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_a_model_cast_between_steps_continues_and_its_state_follows(variant):
+    """Cast to float64 between decoding steps: the next step continues from the float32 state
+    (not in place: the state's dtype is not the compute dtype) and the cache then holds float64
+    states; the logits agree with a float64 run over the whole sequence to the float32 state's
+    rounding."""
+    model = _model(variant).float()
+    ids = _ids(n=10)
+    with torch.no_grad():
+        cache = model(ids[:, :7], use_cache=True).past_key_values
+        assert cache.layers[0].recurrent_states[0].dtype == torch.float32
+        model.double()
+        got = model(ids[:, 7:8], past_key_values=cache, use_cache=True).logits
+        assert got.dtype == torch.float64
+        assert all(x.dtype == torch.float64 for layer in cache.layers for x in layer.recurrent_states
+                   if isinstance(x, torch.Tensor))
+        after = model(ids[:, 8:], past_key_values=cache, use_cache=True).logits
+        want = model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, want[:, 7:8], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(after, want[:, 8:], rtol=1e-4, atol=1e-5)
