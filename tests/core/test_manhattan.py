@@ -10,7 +10,7 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling import kernels_manhattan
-from hf_kernattn.modeling.kernels_manhattan import ManhattanNearProduct, TilePlan, manhattan_attention, manhattan_table
+from hf_kernattn.modeling.kernels_manhattan import ManhattanAttention, TilePlan, manhattan_attention, manhattan_table
 
 from tests.reference import assert_float32_matches_float64, bytes_saved_for_backward, literal_reference
 
@@ -73,6 +73,14 @@ def test_groups_of_strips_and_of_heads_give_the_same_result(monkeypatch, group_t
     _compare((7, 6), 3, seed=5)
 
 
+@pytest.mark.parametrize("chunk_floats", [1, 1008])
+def test_chunks_of_heads_or_batch_rows_give_the_same_result(monkeypatch, chunk_floats):
+    """The call in chunks (one head at a time, or one batch row at a time) changes nothing."""
+    monkeypatch.setattr(kernels_manhattan, "WHOLE_GRID_MAX_N", 0)
+    monkeypatch.setattr(kernels_manhattan, "CHUNK_FLOATS", chunk_floats)
+    _compare((7, 6), 3, seed=7)
+
+
 def test_float32_matches_the_float64_formula():
     """float32 in, float32 out: within float32 rounding of sums of a few dozen positive terms
     (relative 1e-5 is ~100 ulps) of the float64 formula, outputs and gradients."""
@@ -124,9 +132,9 @@ def test_runs_on_any_device_without_cpu_tensors():
                       torch.empty(2, 3, 35, 4, device="meta", requires_grad=True),
                       torch.empty(2, 3, 35, 5, device="meta", requires_grad=True),
                       torch.empty(3, 4, device="meta", requires_grad=True))
-    out = ManhattanNearProduct.apply(q, k, torch.empty(2, 3, 35, 6, device="meta"), table.exp(),
-                                     TilePlan(2, 3, (5, 7), 3, (2, 3), "meta"))
-    assert out.device.type == "meta" and out.shape == (2, 3, 35, 6)
+    out = ManhattanAttention.apply(q, k, v, table.exp(), torch.ones(3, device="meta"), (5, 7), 3, (2, 3))
+    assert out.device.type == "meta" and out.shape == (2, 3, 35, 5)
+    out.sum().backward()
     out = manhattan_attention(q, k, v, rpe_bias=table, grid=(5, 7), rpe_clip=3)
     out.sum().backward()
     assert q.grad.device.type == "meta" and table.grad.shape == (3, 4)
