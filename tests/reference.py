@@ -96,3 +96,16 @@ def assert_float32_matches_float64(out32, out64, xs32, xs64, mask):
     g64 = torch.autograd.grad(torch.where(real, out64, 0.0).sum(), xs64)
     for a, b in zip(g32, g64):
         torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+def host_reads(monkeypatch, call):
+    """``(call(), the host reads it made)``: ``.item()``, ``bool()`` / ``int()`` / ``float()`` of a
+    tensor, ``tolist()`` (each a device synchronisation), recorded by name."""
+    reads = []
+    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
+    try:
+        return call(), reads
+    finally:
+        monkeypatch.undo()

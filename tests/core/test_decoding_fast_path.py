@@ -15,6 +15,7 @@ from hf_kernattn.modeling import dispatch
 from hf_kernattn.modeling.state import AttentionState
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 
+from tests.reference import host_reads
 from tests.remote import run_without_package
 
 B, H, M, D = 2, 3, 5, 4
@@ -171,18 +172,6 @@ print(json.dumps([counts, seqs]))
     assert len(seqs[1][0]) == 15 and seqs[1][0][:5] == seqs[0][0]
 
 
-def _host_reads(monkeypatch, call):
-    """The host reads (.item(), bool()/int()/float() of a tensor, tolist()) made by ``call()``."""
-    reads = []
-    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
-    try:
-        return call(), reads
-    finally:
-        monkeypatch.undo()
-
-
 def test_a_decoding_step_reads_nothing_on_the_host(monkeypatch):
     """No host synchronisation per decoded token (value checks, .item(), bool() of a tensor) with
     random features, whose key range is checked on every other call; a key outside the range
@@ -192,7 +181,7 @@ def test_a_decoding_step_reads_nothing_on_the_host(monkeypatch):
     mask = torch.ones(2, 7, dtype=torch.long)
     with torch.no_grad():
         cache = model(ids, attention_mask=mask[:, :6], use_cache=True).past_key_values
-        out, reads = _host_reads(monkeypatch, lambda: model(ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True))
+        out, reads = host_reads(monkeypatch, lambda: model(ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True))
     assert reads == [] and torch.isfinite(out.logits).all()
     with torch.no_grad():  # a key the features cannot represent: NaN in a step, an error in a prefill
         model.transformer.h[0].attn.k_proj.weight.mul_(1e4)
@@ -213,7 +202,7 @@ def test_a_step_with_the_position_ids_generate_passes_reads_nothing_on_the_host(
         cache = model(ids, attention_mask=mask[:, :6], use_cache=True).past_key_values
         step = lambda: model(ids[:, :1], attention_mask=mask, position_ids=torch.full((2, 1), 6),
                              past_key_values=cache, use_cache=True)
-        out, reads = _host_reads(monkeypatch, step)
+        out, reads = host_reads(monkeypatch, step)
         want = model(torch.cat([ids, ids[:, :1]], 1), attention_mask=mask, use_cache=False).logits[:, -1:]
     assert reads == []
     torch.testing.assert_close(out.logits, want, rtol=1e-10, atol=1e-10)

@@ -16,6 +16,7 @@ from torch import nn
 from hf_kernattn import LinearGPTForCausalLM
 from hf_kernattn.modeling import modeling_linear_gpt
 from tests.conftest import V_GPT, tiny_linear_gpt_config
+from tests.reference import host_reads
 
 CONFIGS = {
     "elu_absolute": {},
@@ -282,17 +283,6 @@ def test_calls_the_session_does_not_cover_run_the_modules(fast_steps):
     assert isinstance(model.__dict__["_decoding_session"], modeling_linear_gpt._NoSession) and fast_steps == []
 
 
-def _host_reads(monkeypatch, call):
-    reads = []
-    for name in ("__bool__", "item", "__int__", "__float__", "tolist"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _r=real, _n=name, **k: reads.append(_n) or _r(self, *a, **k))
-    try:
-        return call(), reads
-    finally:
-        monkeypatch.undo()
-
-
 @pytest.mark.parametrize("name", ["elu_absolute", "prf_rotary"])
 def test_fast_steps_read_nothing_on_the_host(name, monkeypatch):
     model = _model(**CONFIGS[name])
@@ -306,7 +296,7 @@ def test_fast_steps_read_nothing_on_the_host(name, monkeypatch):
             return [model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache, use_cache=True)
                     for t in range(5, 9)]
 
-        outs, reads = _host_reads(monkeypatch, steps)
+        outs, reads = host_reads(monkeypatch, steps)
     assert reads == []
     assert isinstance(model.__dict__["_decoding_session"], modeling_linear_gpt._DecodingSession)
     assert all(torch.isfinite(out.logits).all() for out in outs)
