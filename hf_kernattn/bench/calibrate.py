@@ -15,7 +15,7 @@ What bounds a full run (about 15 minutes on one thread of a 2-core CPU): a backe
 grows with N^2 (its declared ``complexity``, e.g. ``dense``) is skipped where ``B H N^2`` float32
 values exceed ``--max-nn-mb``; a backend is no longer timed at larger N once one call took more
 than ``--max-call-seconds`` of CPU time, or once it was ``--prune``-times slower than the fastest at two consecutive N (from N = 2048)
-while growing at least as fast; a float64 variant is timed only while an exact
+while growing at least as fast (never a backend cheaper in N than a fastest whose cost grows with N^2); a float64 variant is timed only while an exact
 backend is (otherwise it simply ranks after the same backend in float32). Backends not timed at
 an N keep the order of the previous N, after the timed ones (those whose cost grows with N^2 last).
 Time limits count CPU time, so a busy machine does not cut the grid short.
@@ -31,7 +31,8 @@ the same grid, alternated as above, and reports per grid point auto's CPU time /
 accurate backend's (the fastest by median CPU time), per round median [min-max], with wall-time
 ratios beside (``check.csv``, ``check_summary.csv``). A backend more than ``--check-drop`` times
 slower than the fastest in the first round cannot be the fastest and is not timed again at that
-point. A point above ``--check-limit`` (1.15x) is measured again in a fresh process
+point; one 10 times slower at two N, its cost growing at least as fast (and not slower in N than
+a quadratic fastest), is not timed at larger N. A point above ``--check-limit`` (1.15x) is measured again in a fresh process
 (``--rounds-again`` rounds) before it counts as above: both measurements are reported.
 """
 
@@ -58,7 +59,7 @@ FULL_CLIPS_1D = (64, 512)
 FULL_CLIPS_2D = (16,)
 CHECK = "auto"
 CHECK_LIMIT = 1.15  # auto / the fastest accurate backend a check point may reach
-CHECK_PRUNE = 10.0  # --check: a backend this many times slower than the fastest at two N (from 2048) is not timed further
+CHECK_PRUNE = 10.0  # --check: a backend this many times slower than the fastest at two N (from 2048), growing as fast, is not timed further
 PRUNE_FROM_N = 2048  # below, timings of a few milliseconds are too noisy to stop timing a backend on
 
 
@@ -210,6 +211,25 @@ def _accurate(name: str, q, k, b, extra, causal: bool) -> bool:
     return spec.error_bound(q, k, rpe_bias=full, causal=causal, key_mask=None, dtype=dt) <= registry.AUTO_MAX_ERROR
 
 
+def prune_reason(c: str, best: str, t: float, t_best: float, prev: float, prev_best: float, prune: float,
+                 check: bool) -> Optional[str]:
+    """Why backend ``c`` need not be timed at larger N (None: it must be), from its median CPU
+    time ``t`` and the fastest's ``t_best`` at this N and at the previous N (``prev``,
+    ``prev_best``). Only a backend that cannot overtake: ``prune``-times slower (``--check``:
+    :data:`CHECK_PRUNE`-times) at both N, its cost growing at least as fast as the fastest's between
+    them, and not declared cheaper in N than it (never a backend whose cost grows slower than
+    N^2 against one whose cost grows with N^2, e.g. an FFT behind ``dense``: ``dense``'s cost
+    overtakes it at some N however far ahead it is at small N)."""
+    if _quadratic(best) and not _quadratic(c):
+        return None
+    if t / prev < t_best / prev_best:  # growing slower than the fastest: it may overtake
+        return None
+    for factor in ([prune] + ([CHECK_PRUNE] if check else [])):
+        if t >= factor * t_best and prev >= factor * prev_best:
+            return f"{t / t_best:.1f}x the fastest and growing as fast"
+    return None
+
+
 def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Worker: every N of one kind of call and mode; its candidates alternate over the rounds.
     Returns one row per (N, candidate, round) measured or skipped."""
@@ -273,13 +293,9 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
             for c, t in medians.items():
                 if c == CHECK or c == best or c not in prev or best not in prev:
                     continue
-                slower = t >= spec["prune"] * medians[best] and prev[c] >= spec["prune"] * prev[best]
-                if slower and t / prev[c] >= medians[best] / prev[best]:
-                    stopped.setdefault(c, f"pruned at N={n}: {t / medians[best]:.1f}x the fastest and growing as fast")
-                elif check and t >= CHECK_PRUNE * medians[best] and prev[c] >= CHECK_PRUNE * prev[best]:
-                    # --check: so far behind at two N that it cannot be the fastest later (spares the machine
-                    # the largest calls of e.g. a float64 FFT)
-                    stopped.setdefault(c, f"pruned at N={n}: {t / medians[best]:.1f}x the fastest")
+                why = prune_reason(c, best, t, medians[best], prev[c], prev[best], spec["prune"], check)
+                if why:
+                    stopped.setdefault(c, f"pruned at N={n}: {why}")
         prev = medians
         for c in names + ([CHECK] if check else []):
             base = dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=c)

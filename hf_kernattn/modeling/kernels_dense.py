@@ -19,9 +19,10 @@ each block's pair gradients along their offsets (a copy into a skewed buffer and
 
 Cost: time O(N^2 (M + D)) (causal: half); memory O(N (M + D)) besides one block of scores
 (the forward and backward keep no N x N matrix). Traced calls (``torch.export``, ``torch.compile``,
-symbolic sizes) and small calls with a backward (at most :data:`DENSE_UNBLOCKED_SCORES` scores
-in all) run the same formula unblocked (:func:`dense_attention_unblocked`), which materialises
-the ``N x N`` matrix.
+symbolic sizes) and small calls with a backward (:func:`runs_unblocked`: a few hundred tokens
+with a bias or causal, at most :data:`DENSE_UNBLOCKED_SCORES` scores in all otherwise) run the
+same formula unblocked (:func:`dense_attention_unblocked`), which materialises the ``N x N``
+matrix.
 """
 
 from __future__ import annotations
@@ -39,9 +40,17 @@ from .kernels_common import (dense_bias_matrix, full_precision, shifted_bias, tr
 DENSE_BLOCK_SCORES = 1 << 18
 # fewest queries per block in 1D (products of fewer rows run far below the machine's matrix rate)
 DENSE_MIN_ROWS = 32
-# forward+backward of fewer scores than this (batch x heads x N^2; 4 MB in float32) runs unblocked:
-# the whole matrix is then cheaper than the blocks' bookkeeping (measured: 12 heads, 14 x 14 to 16 x 16)
-DENSE_UNBLOCKED_SCORES = 1 << 20
+# Forward+backward calls the unblocked form serves faster (:func:`runs_unblocked`; measured
+# fwd+bwd, 1 thread, M = D = 64, 1 / 4 / 12 heads, N 144..2,304, 1D and 2D, CPU time): without a
+# coefficient table (no bias, not causal), at most this many scores (batch x heads x N^2; 8 MB in
+# float32): unblocked / blocked 0.8-1.0x up to it (1 head to 1,536 tokens, 4 heads to 768, 12 heads
+# at 256), 1.1-1.4x past it
+DENSE_UNBLOCKED_SCORES = 1 << 21
+# with a table (a bias, or causal), whatever the head count, at most this many tokens: the
+# unblocked form spreads and multiplies an N x N coefficient matrix per head, forward and
+# backward, and is 0.8-1.0x the blocked one up to here, 1.1-1.3x at 256-324 tokens and 1.2-3.5x
+# from 512 tokens (1 head: 1D 512 1.2x, 1,024 1.4-2.0x; causal 1,024 2.8x; 2D 32 x 32 3.0x)
+DENSE_UNBLOCKED_TOKENS = 196
 # 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
 DENSE_SHORT_RUN = 32
 
@@ -237,6 +246,16 @@ class DenseBlockProduct(torch.autograd.Function):
         return dq, dk, dw, dc, None
 
 
+def runs_unblocked(b: int, h: int, n: int, table: bool) -> bool:
+    """Whether a forward+backward of ``b`` batch rows, ``h`` heads and ``n`` tokens runs the
+    unblocked form (:func:`dense_attention_unblocked`) in eager mode: with a coefficient table
+    (``table``: a bias, or causal) at most :data:`DENSE_UNBLOCKED_TOKENS` tokens, otherwise at most
+    :data:`DENSE_UNBLOCKED_SCORES` scores in all. Forwards without autograd always run blocked."""
+    if table:
+        return n <= DENSE_UNBLOCKED_TOKENS
+    return b * h * n * n <= DENSE_UNBLOCKED_SCORES
+
+
 def _traced(*sizes) -> bool:
     """Sizes that ``torch.export`` / ``torch.compile`` trace symbolically, or any tracing: the
     blocks' Python loops would fix the sizes, so the unblocked form runs instead."""
@@ -253,14 +272,14 @@ def dense_attention(
     keys and values already zero (``kernels_common.mask_keys``); ``rpe_bias`` ``(H, 2N-1)`` or,
     with ``grid = (Hg, Wg)``, ``(H, 2Hg-1, 2Wg-1)``; ``q_den, k_den`` ``(B, H, N, M')`` or None.
     Returns ``(B, H, N, D)``. Blocked (:class:`DenseBlockProduct`) in eager mode; traced calls, and
-    forward+backward of at most :data:`DENSE_UNBLOCKED_SCORES` scores, run
+    the small forward+backward calls :func:`runs_unblocked` names, run
     :func:`dense_attention_unblocked`."""
     b, h, n = q.shape[:3]
     if grid is not None and causal:
         raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
     # traced first: comparing symbolic sizes would add a guard that pins them
     if _traced(b, h, n, q.shape[-1], v.shape[-1], *(grid or ())) or (
-        b * h * n * n <= DENSE_UNBLOCKED_SCORES and torch.is_grad_enabled()
+        runs_unblocked(b, h, n, rpe_bias is not None or causal) and torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (q, k, v, rpe_bias, q_den, k_den))
     ):
         return dense_attention_unblocked(q, k, v, rpe_bias=rpe_bias, causal=causal, grid=grid, eps=eps,

@@ -26,7 +26,8 @@ Algorithm 1).
 Cost: time O(M D1 L log L) (``M * D1`` forward and inverse FFTs; ``D1`` value columns), memory
 O(N (M + D1)) for inputs and outputs plus one block of padded signals
 (:data:`FFT_BLOCK_BYTES`): the backward recomputes the transforms instead of storing the
-``N x M x D1`` outer products.
+``N x M x D1`` outer products. Large calls run in passes over groups of heads
+(:data:`FFT_HEAD_CHUNK_BYTES`), so the feature-major copies the transforms read are one pass's.
 
 :class:`ToeplitzKernelProduct` is the op with its hand-written backward;
 :func:`toeplitz_kernel_product_reference` is the same product written plainly with the
@@ -54,6 +55,13 @@ from .kernels_common import compute_dtype_for, dense_bias_matrix, full_precision
 # 0.50 / 0.43 / 0.38 / 0.40 s at N = 32768).
 
 FFT_BLOCK_BYTES = 20 << 20  # padded real input per block
+# heads per pass of :class:`ToeplitzKernelProduct`: as many as keep one (B, heads, N, max(M, D1))
+# tensor within this. A pass holds its feature-major copies of q, k, [v, 1] (and dY, the
+# gradients in the backward) and its FFT buffers, so the memory beyond the inputs, outputs
+# and gradients stays bounded as heads x N grows (one pass for every call up to e.g. 12 heads
+# x 21k tokens in float32, 10k in float64; before, a fwd+bwd held about 19 tensors of the
+# size of q at its peak).
+FFT_HEAD_CHUNK_BYTES = 64 << 20
 
 
 def spatial_shape(n: int, grid: Optional[Sequence[int]]) -> tuple[int, ...]:
@@ -179,15 +187,82 @@ def _feature_major(x: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
     return x.transpose(-1, -2).contiguous().reshape(x.shape[:2] + (x.shape[-1],) + spatial)
 
 
+def head_chunks(b: int, h: int, n: int, width: int, itemsize: int, budget: Optional[int] = None):
+    """``(h0, h1)`` ranges of heads: as many heads per pass as keep ``b * heads * n * width``
+    values within ``budget`` bytes (:data:`FFT_HEAD_CHUNK_BYTES`), at least one."""
+    budget = FFT_HEAD_CHUNK_BYTES if budget is None else budget
+    per = max(1, min(h, budget // max(b * n * width * itemsize, 1)))
+    return [(h0, min(h, h0 + per)) for h0 in range(0, h, per)]
+
+
+def _heads(spec: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
+    """The rows of a spectrum (or table) for heads ``[h0, h1)``: all of it when one row serves every head."""
+    return spec if spec.shape[0] == 1 else spec[h0:h1]
+
+
+def _product_pass(q, k, v, spec, spatial, lengths) -> torch.Tensor:
+    """The forward of :class:`ToeplitzKernelProduct` for some heads: ``(B, h, D1, *S)`` feature-major."""
+    b, h, _, m = q.shape
+    d1 = v.shape[-1]
+    qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
+    y = q.new_zeros((b, h, d1) + spatial)
+    mb, dc = _block_size(b, h, m, d1, spatial, q.element_size())
+    ws = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device)
+    for ms, ds in _blocks(m, d1, mb, dc):
+        tu = ws.inverse(ws.transform(ks[:, :, ms], vs[:, :, ds]), spec)  # (B, H, w, dw, *S)
+        yd = y[:, :, ds]
+        for i in range(tu.shape[2]):
+            yd.addcmul_(qs[:, :, ms.start + i, None], tu[:, :, i])
+    return y
+
+
+def _backward_pass(q, k, v, dy, spec, spec_t, spatial, lengths, needs):
+    """The backward of :class:`ToeplitzKernelProduct` for some heads: ``dq, dk, dv`` feature-major
+    ``(B, h, F, *S)`` (None where not needed) and the spectrum of the table's gradient per head
+    ``(h, *freq)`` (None)."""
+    b, h, _, m = q.shape
+    d1 = v.shape[-1]
+    need_q, need_k, need_v, need_c = needs
+    qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
+    dys = _feature_major(dy.to(q.dtype), spatial)  # (B, H, D1, *S)
+    dq = torch.zeros_like(qs) if need_q else None
+    dk = torch.zeros_like(ks) if need_k else None
+    dv = torch.zeros_like(vs) if need_v else None
+    mb, dc = _block_size(b, h, m, d1, spatial, q.element_size())
+    ws_u = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_q or need_c) else None
+    ws_g = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_k or need_v or need_c) else None
+    corr = torch.zeros_like(ws_u.freq) if need_c else None
+    for ms, ds in _blocks(m, d1, mb, dc):
+        w, dw = ms.stop - ms.start, ds.stop - ds.start
+        uf = ws_u.transform(ks[:, :, ms], vs[:, :, ds]) if ws_u is not None else None
+        gf = ws_g.transform(qs[:, :, ms], dys[:, :, ds]) if ws_g is not None else None
+        if need_c:  # before the in-place spectrum products below
+            corr[:, :, :w, :dw].addcmul_(gf.conj(), uf)
+        if need_q:
+            tu = ws_u.inverse(uf, spec)  # (B, H, w, dw, *S)
+            dq[:, :, ms] += (tu * dys[:, :, None, ds]).sum(dim=3)
+        if need_k or need_v:
+            p = ws_g.inverse(gf, spec_t)  # (B, H, w, dw, *S)
+            if need_k:
+                dk[:, :, ms] += (p * vs[:, :, None, ds]).sum(dim=3)
+            if need_v:
+                dvd = dv[:, :, ds]
+                for i in range(w):
+                    dvd.addcmul_(ks[:, :, ms.start + i, None], p[:, :, i])
+    return dq, dk, dv, (corr.sum(dim=(0, 2, 3)) if need_c else None)
+
+
 class ToeplitzKernelProduct(torch.autograd.Function):
     """``Y_i = sum_m q_im sum_j c_{j-i} k_jm v_j`` for all i, by FFT, with a recomputing backward.
 
-    Shapes: q, k ``(B, H, N, M)``; v ``(B, H, N, D1)``; c ``(H, 2S-1[, 2Sx-1])``; Y ``(B, H, N, D1)``.
+    Shapes: q, k ``(B, H, N, M)``; v ``(B, H, N, D1)``; c ``(H, 2S-1[, 2Sx-1])`` (or one row for
+    every head); Y ``(B, H, N, D1)``.
     Backward (C^T is the same Toeplitz product with ``c_{-r}``, i.e. the conjugate spectrum):
         dq_im = dY_i . (C [k_m v])_i
         P_m   = C^T [q_m dY]           dk_jm = P_mj . v_j       dv_j = sum_m k_jm P_mj
         dc_r  = sum_m sum_i (q_im dY_i) . (k_m v)_{i+r}  (a cross-correlation, also by FFT)
-    Memory: O(N (M + D1)) for inputs and outputs plus the block buffers (:data:`FFT_BLOCK_BYTES`).
+    Memory: O(N (M + D1)) for inputs and outputs plus, per pass over some heads
+    (:func:`head_chunks`), their feature-major copies and the block buffers (:data:`FFT_BLOCK_BYTES`).
     """
 
     @staticmethod
@@ -198,18 +273,14 @@ class ToeplitzKernelProduct(torch.autograd.Function):
         d1 = v.shape[-1]
         lengths = _fft_lengths(spatial)
         spec = toeplitz_kernel_spectrum(c, spatial, lengths)
-        qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
-        y = q.new_zeros((b, h, d1) + spatial)
-        mb, dc = _block_size(b, h, m, d1, spatial, q.element_size())
-        ws = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device)
-        for ms, ds in _blocks(m, d1, mb, dc):
-            tu = ws.inverse(ws.transform(ks[:, :, ms], vs[:, :, ds]), spec)  # (B, H, w, dw, *S)
-            yd = y[:, :, ds]
-            for i in range(tu.shape[2]):
-                yd.addcmul_(qs[:, :, ms.start + i, None], tu[:, :, i])
+        out = q.new_empty(b, h, n, d1)
+        for h0, h1 in head_chunks(b, h, n, max(m, d1), q.element_size()):
+            y = _product_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], _heads(spec, h0, h1), spatial, lengths)
+            out[:, h0:h1] = y.reshape(b, h1 - h0, d1, n).transpose(-1, -2)
+            del y
         ctx.save_for_backward(q, k, v, c)
         ctx.spatial = spatial
-        return y.reshape(b, h, d1, n).transpose(-1, -2).contiguous()
+        return out
 
     @staticmethod
     @full_precision
@@ -222,45 +293,30 @@ class ToeplitzKernelProduct(torch.autograd.Function):
         lengths = _fft_lengths(spatial)
         spec = toeplitz_kernel_spectrum(c, spatial, lengths)
         spec_t = spec.conj().resolve_conj()
-        qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
-        dys = _feature_major(dy.to(q.dtype), spatial)  # (B, H, D1, *S)
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
-        dq = torch.zeros_like(qs) if need_q else None
-        dk = torch.zeros_like(ks) if need_k else None
-        dv = torch.zeros_like(vs) if need_v else None
-        mb, dc = _block_size(b, h, m, d1, spatial, q.element_size())
-        ws_u = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_q or need_c) else None
-        ws_g = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device) if (need_k or need_v or need_c) else None
-        corr = torch.zeros_like(ws_u.freq) if need_c else None
-        for ms, ds in _blocks(m, d1, mb, dc):
-            w, dw = ms.stop - ms.start, ds.stop - ds.start
-            uf = ws_u.transform(ks[:, :, ms], vs[:, :, ds]) if ws_u is not None else None
-            gf = ws_g.transform(qs[:, :, ms], dys[:, :, ds]) if ws_g is not None else None
-            if need_c:  # before the in-place spectrum products below
-                corr[:, :, :w, :dw].addcmul_(gf.conj(), uf)
-            if need_q:
-                tu = ws_u.inverse(uf, spec)  # (B, H, w, dw, *S)
-                dq[:, :, ms] += (tu * dys[:, :, None, ds]).sum(dim=3)
-            if need_k or need_v:
-                p = ws_g.inverse(gf, spec_t)  # (B, H, w, dw, *S)
-                if need_k:
-                    dk[:, :, ms] += (p * vs[:, :, None, ds]).sum(dim=3)
-                if need_v:
-                    dvd = dv[:, :, ds]
-                    for i in range(w):
-                        dvd.addcmul_(ks[:, :, ms.start + i, None], p[:, :, i])
+        dq = q.new_empty(q.shape) if need_q else None
+        dk = k.new_empty(k.shape) if need_k else None
+        dv = v.new_empty(v.shape) if need_v else None
+        total = None  # the table's gradient spectrum (rows of c, *freq)
+        for h0, h1 in head_chunks(b, h, n, max(m, d1), q.element_size()):
+            parts = _backward_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], dy[:, h0:h1], _heads(spec, h0, h1),
+                                   _heads(spec_t, h0, h1), spatial, lengths, (need_q, need_k, need_v, need_c))
+            for full, part in zip((dq, dk, dv), parts[:3]):
+                if full is not None:
+                    full[:, h0:h1] = part.reshape(part.shape[:3] + (n,)).transpose(-1, -2)
+            if need_c:
+                rows = parts[3] if c.shape[0] > 1 else parts[3].sum(0, keepdim=True)
+                if total is None:
+                    total = rows.new_zeros((c.shape[0],) + rows.shape[1:])
+                total[slice(h0, h1) if c.shape[0] > 1 else slice(0, 1)] += rows
+            del parts
         dc_grad = None
         if need_c:
-            total = corr.sum(dim=(0, 2, 3))  # (H, *freq)
             r_time = torch.fft.irfftn(total, s=lengths, dim=tuple(range(1, 1 + nd)))
             idx = [(torch.arange(-(x - 1), x, device=c.device) % L) for x, L in zip(spatial, lengths)]
             dc_grad = r_time[:, idx[0]] if nd == 1 else r_time[:, idx[0][:, None], idx[1][None, :]]
             dc_grad = dc_grad.to(c.dtype)
-
-        def back(x: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-            return None if x is None else x.reshape(x.shape[:3] + (n,)).transpose(-1, -2)
-
-        return back(dq), back(dk), back(dv), dc_grad, None
+        return dq, dk, dv, dc_grad, None
 
 
 def toeplitz_kernel_product_reference(

@@ -369,3 +369,26 @@ def test_shipping_a_partial_calibration_replaces_only_the_entries_it_measured(tm
     exec(path.read_text(), namespace)  # a plain dict literal, as checkpoints carry it
     assert namespace["AUTO_TABLE"]["entries"] == merged["entries"]
     load_auto_table(namespace["AUTO_TABLE"])
+
+
+def test_calibrate_stops_timing_only_a_backend_that_cannot_overtake():
+    """``bench calibrate`` (and ``--check``) stops timing a backend at larger N only where it is far
+    behind at two N, its cost growing at least as fast as the fastest's, and never a backend
+    cheaper in N than a fastest whose cost grows with N^2 (an FFT behind ``dense``)."""
+    from hf_kernattn.bench.calibrate import CHECK_PRUNE, prune_reason
+
+    # times at N and the previous N: 12x behind at both
+    far_behind = dict(t=12.0, t_best=1.0, prev=3.0, prev_best=0.25)  # grows 4x, as the fastest
+    assert prune_reason("windowed", "linear", **far_behind, prune=3.0, check=False)
+    assert prune_reason("fft@float64", "windowed", **far_behind, prune=3.0, check=True)
+    # the fastest is quadratic (dense), the other not: whatever the figures, it keeps being timed
+    assert prune_reason("fft@float64", "dense", **far_behind, prune=3.0, check=True) is None
+    assert prune_reason("fft", "dense", **far_behind, prune=3.0, check=False) is None
+    # growing slower than the fastest: it may overtake
+    assert prune_reason("fft", "windowed", t=12.0, t_best=1.0, prev=5.0, prev_best=0.25, prune=3.0, check=True) is None
+    # behind at only one of the two N
+    assert prune_reason("fft", "windowed", t=12.0, t_best=1.0, prev=0.5, prev_best=0.25, prune=3.0, check=False) is None
+    # --check prunes at CHECK_PRUNE even with a larger --prune (still only growing as fast)
+    assert prune_reason("fft", "windowed", **far_behind, prune=100.0, check=True)
+    assert prune_reason("fft", "windowed", **far_behind, prune=100.0, check=False) is None
+    assert CHECK_PRUNE <= 12.0

@@ -24,6 +24,7 @@ def blocked_at_every_size(monkeypatch):
     """The small calls of these tests take the blocked form too (by default a forward+backward of
     a few thousand scores runs unblocked)."""
     monkeypatch.setattr(kernels_dense, "DENSE_UNBLOCKED_SCORES", 0)
+    monkeypatch.setattr(kernels_dense, "DENSE_UNBLOCKED_TOKENS", 0)
 
 
 def _inputs(n, grid, seed, bias=True, dtype=torch.float64):
@@ -197,18 +198,51 @@ def test_runs_on_the_meta_device():
 
 
 def test_small_calls_with_a_backward_run_unblocked(monkeypatch):
-    """Forward+backward of at most DENSE_UNBLOCKED_SCORES scores takes the unblocked form; a
-    forward without autograd, or a larger call, the blocked one."""
+    """A forward+backward runs the unblocked form where ``runs_unblocked`` says so: with a bias
+    (or causal) up to DENSE_UNBLOCKED_TOKENS tokens whatever the head count, without one up to
+    DENSE_UNBLOCKED_SCORES scores in all; a forward without autograd, or a larger call, blocked."""
     monkeypatch.setattr(kernels_dense, "DENSE_UNBLOCKED_SCORES", B * H * 12 * 12)
+    monkeypatch.setattr(kernels_dense, "DENSE_UNBLOCKED_TOKENS", 12)
     calls = []
     monkeypatch.setattr(kernels_dense, "dense_attention_unblocked", lambda *a, **kw: calls.append("unblocked"))
-    q, k, v, table, _ = _inputs(12, (3, 4), seed=0)
-    dense_attention(q, k, v.requires_grad_(True), rpe_bias=table, grid=(3, 4))
-    with torch.no_grad():
-        dense_attention(q, k, v, rpe_bias=table, grid=(3, 4))
-    q, k, v, table, _ = _inputs(13, None, seed=0)
-    dense_attention(q, k, v.requires_grad_(True), rpe_bias=table)
-    assert calls == ["unblocked"]
+
+    def form(n, grid=None, bias=True, causal=False, grad=True, heads=H, batch=B):
+        calls.clear()
+        q, k, v, table, _ = _inputs(n, grid, seed=0, bias=bias)
+        q, k, v = (x[:batch, :heads] for x in (q, k, v))
+        table = None if table is None else table[:heads]
+        with torch.set_grad_enabled(grad):
+            dense_attention(q, k, v.requires_grad_(grad), rpe_bias=table, grid=grid, causal=causal)
+        return "unblocked" if calls else "blocked"
+
+    # with a table: by tokens, at every head count
+    assert form(12, (3, 4)) == "unblocked"
+    assert form(12, causal=True, bias=False) == "unblocked"
+    assert form(12, heads=1, batch=1) == "unblocked"
+    assert form(13) == "blocked"
+    assert form(16, (4, 4), heads=1, batch=1) == "blocked"
+    # without one: by scores in all (batch x heads x N^2)
+    assert form(12, bias=False) == "unblocked"
+    assert form(13, bias=False) == "blocked"
+    assert form(20, bias=False, heads=1, batch=1) == "unblocked"  # 400 <= 864 scores
+    assert form(30, bias=False, heads=1, batch=1) == "blocked"  # 900 > 864
+    # no autograd: blocked
+    assert form(12, (3, 4), grad=False) == "blocked"
+    assert form(12, bias=False, grad=False) == "blocked"
+
+
+def test_unblocked_rule_as_shipped(monkeypatch):
+    """The shipped thresholds (from fwd+bwd timings of both forms, 1 / 4 / 12 heads): with a bias or
+    causal, unblocked to 196 tokens (14 x 14) at any head count and blocked from 256 (16 x 16) up;
+    without one, by scores in all: 1 head to 1,448 tokens, 12 heads to 418."""
+    monkeypatch.undo()  # the shipped values, not this file's blocked-at-every-size ones
+    ru = kernels_dense.runs_unblocked
+    for heads in (1, 4, 12):
+        assert ru(1, heads, 196, True) and not ru(1, heads, 256, True)
+    assert not ru(1, 1, 1024, True)  # was unblocked (at most 2^20 scores) before the rule followed the heads
+    assert ru(1, 1, 1448, False) and not ru(1, 1, 1449, False)
+    assert ru(1, 12, 418, False) and not ru(1, 12, 419, False)
+    assert ru(2, 12, 256, False) and not ru(2, 12, 512, False)
 
 
 def test_causal_with_a_grid_is_refused():
