@@ -22,6 +22,7 @@ def _step_linear_gpt(args: argparse.Namespace) -> None:
     import torch
 
     from . import LinearGPTConfig, LinearGPTForCausalLM
+    from .modeling.cache import CACHE_FIELD
     from .bench import generate as bench_generate
 
     torch.manual_seed(0)
@@ -31,7 +32,7 @@ def _step_linear_gpt(args: argparse.Namespace) -> None:
     )).eval()
     for n in (64, 4096):
         out = model.generate(torch.randint(1, 256, (1, n)), max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
-        state = out.past_key_values
+        state = getattr(out, CACHE_FIELD)  # past_key_values (transformers < 5.24) or cache
         size = sum(x.numel() * x.element_size() for layer in state.layers for x in layer.get_state() if x is not None)
         print(f"prompt of {n:5d} tokens -> state after generate(): {type(state).__name__}, "
               f"{state.get_seq_length()} positions seen, {size / 1024:.1f} KiB (does not grow with the context)")

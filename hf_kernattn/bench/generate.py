@@ -96,6 +96,8 @@ def decode_workload(
     """Setup (model + context of ``context`` tokens), then a callable decoding ``new_tokens`` tokens."""
     import torch
 
+    from ..modeling.cache import CACHE_FIELD
+
     net = _build(model, context + new_tokens + 1, hidden, layers, heads, vocab).to(device)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
@@ -104,14 +106,14 @@ def decode_workload(
     if model == "linear_state":
         cache = None
         for s in range(0, context - 1, 1024):  # real prefill, in chunks to bound memory
-            cache = net(ids[:, s : min(s + 1024, context - 1)], past_key_values=cache, use_cache=True, logits_to_keep=1).past_key_values
+            cache = net(ids[:, s : min(s + 1024, context - 1)], past_key_values=cache, use_cache=True, logits_to_keep=1)[CACHE_FIELD]
 
         def run() -> None:
             state = cache.copy() if cache is not None else None
             tok = first
             for _ in range(new_tokens):
                 out = net(tok, past_key_values=state, use_cache=True, logits_to_keep=1)
-                state = out.past_key_values
+                state = out[CACHE_FIELD]
                 tok = out.logits[:, -1:].argmax(-1)
 
         return run
@@ -238,6 +240,8 @@ def continuation_workload(
     a ``prompt``-token prefill (``mode="continuation"``; the prefill is set-up, not timed)."""
     import torch
 
+    from ..modeling.cache import CACHE_FIELD
+
     if mode not in CONTINUATION_MODES:
         raise ValueError(f"mode must be one of {list(CONTINUATION_MODES)}, got {mode!r}")
     net = _build("linear_state", prompt + new_tokens + 1, hidden, layers, heads, vocab, clip=clip).to(device)
@@ -249,7 +253,7 @@ def continuation_workload(
             net(ids[:, prompt:], use_cache=False, logits_to_keep=1)
 
         return run
-    state = net(ids[:, :prompt], use_cache=True, logits_to_keep=1).past_key_values
+    state = net(ids[:, :prompt], use_cache=True, logits_to_keep=1)[CACHE_FIELD]
 
     def run() -> None:
         net(ids[:, prompt:], past_key_values=state.copy(), use_cache=True, logits_to_keep=1)

@@ -44,7 +44,25 @@ from transformers.cache_utils import (
     LinearAttentionLayer,
 )
 
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
 from .state import AttentionState
+
+# transformers names the decoding cache ``cache`` from 5.24 (``past_key_values`` before; it still
+# takes the old name, with a deprecation warning): the models build and read their outputs under
+# the installed version's name and accept both names as arguments (:func:`cache_argument`)
+CACHE_FIELD = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
+
+
+def cache_argument(past_key_values: object, cache: object) -> object:
+    """The decoding state a call was given: ``past_key_values``, or ``cache``, the name
+    ``generate()`` passes it under from transformers 5.24; ``ValueError`` when both name
+    different objects."""
+    if cache is None:
+        return past_key_values
+    if past_key_values is not None and past_key_values is not cache:
+        raise ValueError("pass the decoding state once, as cache= or as past_key_values=, not both")
+    return cache
 
 # the layer's window is not fixed yet: the first state stored decides it
 UNSET = "unset"

@@ -44,7 +44,7 @@ from .attention import KernelizedSelfAttention
 from .dispatch import decoding_step_spec, get_backend, registered_backend
 from .kernels_common import step_constant
 from .kernels_linear import recurrent_step, step_views
-from .cache import UNSET, LinearGPTCache, LinearGPTCacheLayer, is_linear_gpt_cache
+from .cache import CACHE_FIELD, UNSET, LinearGPTCache, LinearGPTCacheLayer, cache_argument, is_linear_gpt_cache
 from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin  # noqa: F401  (apply_rotary: public here)
@@ -371,6 +371,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
+        cache: Optional[LinearGPTCache] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Args:
@@ -385,6 +386,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             use_cache: return the updated state (default ``config.use_cache``).
             output_hidden_states: also return every layer's input and the final output.
             output_attentions: must be False/None (there are no attention weights).
+            cache: ``past_key_values`` under the name transformers passes it from 5.24 (give one).
             kwargs: what ``transformers`` passes besides (e.g. ``cache_position``); not used: the
                 state counts its own positions.
         Returns:
@@ -395,6 +397,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         token; ``torch.export`` / ``torch.compile`` trace the model without them.
         """
         cfg = self.config
+        past_key_values = cache_argument(past_key_values, cache)
         refuse_output_attentions("Linear GPT", output_attentions, cfg)
         return_dict = cfg.return_dict if return_dict is None else return_dict
         output_hidden_states = cfg.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -498,7 +501,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             return tuple(x for x in (hidden, out_cache, all_hidden) if x is not None)
         return BaseModelOutputWithPast(
             last_hidden_state=hidden,
-            past_key_values=out_cache,
+            **{CACHE_FIELD: out_cache},
             hidden_states=tuple(all_hidden) if all_hidden is not None else None,
         )
 
@@ -810,7 +813,7 @@ class _DecodingSession:
         out_cache = cache if (cfg.use_cache if use_cache is None else use_cache) else None
         if not (cfg.return_dict if return_dict is None else return_dict):
             return (logits,) if out_cache is None else (logits, out_cache)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=out_cache)
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: out_cache})
 
 
 class _NoSession:
@@ -867,7 +870,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         (``past_key_values`` must be a :class:`LinearGPTCache`; ``attention_mask`` must match
         ``input_ids``, or cover ``past + input`` when continuing from a state)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
-        past = kwargs.get("past_key_values")
+        past = kwargs.get("past_key_values", kwargs.get("cache"))
         _refuse_foreign_cache(past)
         mask = kwargs.get("attention_mask")
         if mask is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
@@ -891,6 +894,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         attention_mask: Optional[torch.Tensor] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         is_first_iteration: Optional[bool] = False,
+        cache: Optional[LinearGPTCache] = None,
         **kwargs,
     ) -> dict:
         """The inputs of one ``generate()`` step: the tokens not yet in the state (the last
@@ -904,8 +908,9 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         else:
             model_inputs = {"input_ids": input_ids[:, -next_sequence_length:] if next_sequence_length is not None else input_ids}
         n = (model_inputs["inputs_embeds"] if model_inputs["input_ids"] is None else model_inputs["input_ids"]).shape[1]
+        past_key_values = cache_argument(past_key_values, cache)
         if past_key_values is not None:
-            model_inputs["past_key_values"] = past_key_values
+            model_inputs[CACHE_FIELD] = past_key_values
         position_ids = kwargs.pop("position_ids", None)
         if position_ids is not None:
             model_inputs["position_ids"] = position_ids[..., -n:]
@@ -929,6 +934,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         output_attentions: Optional[bool] = None,
+        cache: Optional[LinearGPTCache] = None,
         **kwargs,
     ) -> Union[CausalLMOutputWithPast, tuple]:
         """Args as :meth:`LinearGPTModel.forward`, plus:
@@ -946,6 +952,7 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         first step of a decoding session, as flat torch calls with the same results
         (:class:`_DecodingSession`); every other call runs the modules and ends the session.
         """
+        past_key_values = cache_argument(past_key_values, cache)
         if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traced: the modules, nothing kept
             return self._forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
                                  use_cache, output_hidden_states, return_dict, logits_to_keep, output_attentions, **kwargs)
@@ -1002,10 +1009,10 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
                 )
             loss = self.loss_function(full, labels, vocab_size=self.config.vocab_size, **kwargs)
         if not return_dict:
-            rest = tuple(x for x in (out.past_key_values, out.hidden_states) if x is not None)
+            rest = tuple(x for x in (getattr(out, CACHE_FIELD), out.hidden_states) if x is not None)
             return ((loss,) if loss is not None else ()) + (logits,) + rest
         return CausalLMOutputWithPast(
-            loss=loss, logits=logits, past_key_values=out.past_key_values, hidden_states=out.hidden_states
+            loss=loss, logits=logits, **{CACHE_FIELD: getattr(out, CACHE_FIELD)}, hidden_states=out.hidden_states
         )
 
 

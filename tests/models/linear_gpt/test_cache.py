@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, LinearAttentionLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionLayer
 
 from hf_kernattn import LinearGPTForCausalLM
-from hf_kernattn.modeling.cache import LinearGPTCache, LinearGPTCacheLayer
+from hf_kernattn.modeling.cache import CACHE_FIELD, LinearGPTCache, LinearGPTCacheLayer
 
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 
@@ -40,8 +40,10 @@ def test_the_state_is_in_transformers_layer_format_and_updated_in_place(variant)
     model = _model(variant)
     ids = _ids()
     with torch.no_grad():
-        cache = model(ids[:, :4], use_cache=True).past_key_values
-        assert all(isinstance(layer, LinearAttentionLayer) for layer in cache.layers) and all(cache.is_linear)
+        cache = getattr(model(ids[:, :4], use_cache=True), CACHE_FIELD)
+        # transformers' linear-attention layers that also count positions (its Cache.is_linear
+        # reports such layers as linear before 5.24 and as not only linear from 5.24)
+        assert all(isinstance(layer, LinearAttentionLayer) and isinstance(layer, CacheLayerMixin) for layer in cache.layers)
         layer = cache.layers[0]
         m, d = model.transformer.h[0].attn.feature_map.num_features, 16
         shapes = [(3, 2, m, d), (3, 2, m)] + ([(3, 2, 2, m), (3, 2, 2, d)] if variant == "rpe" else [])
