@@ -188,3 +188,20 @@ def test_a_model_cast_between_steps_continues_and_its_state_follows(variant):
         want = model(ids, use_cache=False).logits
     torch.testing.assert_close(got, want[:, 7:8], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(after, want[:, 8:], rtol=1e-4, atol=1e-5)
+
+
+def test_the_state_is_taken_under_either_name():
+    """``cache=`` (transformers' name from 5.24) and ``past_key_values=`` give the same step; the
+    output carries the state under the installed version's name; two different states refused."""
+    model = _model("plain")
+    ids = _ids()
+    with torch.no_grad():
+        first = getattr(model(ids[:, :5], use_cache=True), CACHE_FIELD)
+        second = first.copy()
+        by_old = model(ids[:, 5:], past_key_values=first, use_cache=True)
+        by_new = model(ids[:, 5:], cache=second, use_cache=True)
+        assert torch.equal(by_old.logits, by_new.logits)
+        assert getattr(by_new, CACHE_FIELD) is second and getattr(by_old, CACHE_FIELD) is first
+        assert model(ids[:, 5:6], past_key_values=first, cache=first, use_cache=True).logits.shape[1] == 1
+        with pytest.raises(ValueError, match="cache= or as past_key_values=, not both"):
+            model(ids[:, 6:], past_key_values=first, cache=second, use_cache=True)
