@@ -83,7 +83,7 @@ def _stand_ins(folder: Path) -> None:
     BertTokenizer(str(bert / "vocab.txt"), eos_token="[SEP]").save_pretrained(gpt2)
     (folder / "train.txt").write_text(" ".join(words[5:] * 20))
     tok = BertTokenizer(str(bert / "vocab.txt"))
-    for name in ("path/or/hub-id", "your-name/tiny-gpt"):
+    for name in ("path/or/hub-id", "your-name/tiny-gpt", "path/to/old-checkpoint"):
         LinearGPTForCausalLM(tiny_linear_gpt_config()).save_pretrained(folder / name)
         tok.save_pretrained(folder / name)
 
