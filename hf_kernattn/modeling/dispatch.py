@@ -560,19 +560,24 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
             return None
     if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
         return None
-    spec = _REGISTRY.get("recurrent")
-    if spec is None or spec.fn is not recurrent_attention:  # a replaced recurrent backend runs as registered
+    if decoding_step_spec("recurrent") is None:  # a replaced recurrent backend runs as registered
         return None
     if attention_mask is not None:  # a padded token's key and value zeroed (where: whatever it holds stays out)
         keep = attention_mask
         if keep.dtype != torch.bool or keep.device != checked.device:
             keep = keep.to(device=checked.device, dtype=torch.bool)
-        keep, zero = keep.view(-1, 1, 1, 1), checked.zero
-        k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
-        if k_den is not None:
-            k_den = torch.where(keep, k_den, zero)
+        k, v, k_den = zero_padded_token(keep.view(-1, 1, 1, 1), k, v, k_den, checked.zero)
     out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True, views=checked.views)[0]  # (B, H, 1, D)
     return out, AttentionState(kv, z, kind=checked.kind)
+
+
+def zero_padded_token(keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_den: Optional[torch.Tensor],
+                      zero: torch.Tensor) -> tuple:
+    """A one-token step's key, value (and ``k_den``) zeroed where ``keep`` ``(B, 1, 1, 1)`` (bool)
+    marks the token as padding (``where``: whatever a padded token holds, NaN included, stays out
+    of the state)."""
+    k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
+    return k, v, None if k_den is None else torch.where(keep, k_den, zero)
 
 
 def registered_backend(name: str):

@@ -41,7 +41,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import KernelizedSelfAttention
-from .dispatch import decoding_step_spec, get_backend, registered_backend
+from .dispatch import decoding_step_spec, get_backend, registered_backend, zero_padded_token
 from .kernels_common import step_constant
 from .kernels_linear import recurrent_step, step_views
 from .cache import CACHE_FIELD, UNSET, LinearGPTCache, LinearGPTCacheLayer, cache_argument, is_linear_gpt_cache
@@ -520,9 +520,13 @@ _is = operator.is_
 _STATELESS = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.ModuleList)
 
 
-def _rms_norm(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` for a :class:`LinearGPTRMSNorm`, without the module call."""
-    return LinearGPTRMSNorm.forward(module, x)
+def _norm(module: nn.Module, params: Optional[dict], x: torch.Tensor, cudnn: bool) -> torch.Tensor:
+    """``module(x)`` without the module call: ``params`` is the parameter dict of an
+    ``nn.LayerNorm`` (:func:`_ln_params`; ``cudnn`` what ``F.layer_norm`` passes), None for a
+    :class:`LinearGPTRMSNorm`."""
+    if params is None:
+        return LinearGPTRMSNorm.forward(module, x)
+    return torch.layer_norm(x, module.normalized_shape, params["weight"], params["bias"], module.eps, cudnn)
 
 
 class _DecodingSession:
@@ -579,7 +583,7 @@ class _DecodingSession:
         if dtype not in _STEP_DTYPES:
             return None
         self = cls()
-        layers, attns, fused = [], [], []
+        layers, attns = [], []
         for block in blocks:
             ln_1, attn, ln_2, mlp = (block._modules.get(n) for n in ("ln_1", "attn", "ln_2", "mlp"))
             if not (type(block) is LinearGPTBlock and _is_norm(ln_1) and _is_norm(ln_2) and type(attn) is LinearGPTAttention
@@ -601,11 +605,9 @@ class _DecodingSession:
                 backend = attn.call_backend(continuing=True)
             except (TypeError, ValueError):
                 return None
-            made = attn.fused_projection() if decoding_step_spec(backend) is not None else None
-            if made is None or made[0].dtype != dtype:
+            if decoding_step_spec(backend) is None:
                 return None
             attns.append(attn)
-            fused.append(attn._fused)
             layers.append((ln_1, _ln_params(ln_1), attn, attn.num_heads != attn.num_key_value_heads,
                            attn._modules["o_proj"]._parameters, ln_2, _ln_params(ln_2), type(mlp) is LinearGPTGatedMLP,
                            mlp_linears[0]._parameters, None if mlp_linears[1] is None else mlp_linears[1]._parameters,
@@ -618,8 +620,9 @@ class _DecodingSession:
         # a named backend is checked against the model again when it is re-registered
         self.named_specs = [(name, registered_backend(name)) for name in set(self.backends) if name != "auto"]
         self.eps = list(map(_eps, attns))
-        self.fused = fused
-        self._record_sources()
+        self.dtype = dtype
+        if not self._remake_projections():  # the fused projections, and the parameters they were made from
+            return None
         # every module below the model: in place (each parent's children as they were), without hooks or a
         # forward of its own where it is called, and not training where that changes what it computes
         modules = list(model.modules())
@@ -631,7 +634,7 @@ class _DecodingSession:
         self.modules = [m for m in modules if type(m) not in _STATELESS and type(m) is not LinearGPTRMSNorm]
         self.typed, self.types = below, list(map(type, below))  # a class swapped in place (parametrizations)
         self.wte, self.wpe, self.ln_f, self.ln_f_params, self.head = wte, wpe, ln_f, _ln_params(ln_f), head._parameters
-        self.dtype, self.device = dtype, wte.weight.device
+        self.device = wte.weight.device
         self.device_type = self.device.type
         self.autocast = torch.amp.is_autocast_available(self.device_type)
         self.heads, self.head_dim = first.num_heads, first.head_dim
@@ -778,11 +781,10 @@ class _DecodingSession:
             rope, rotary = (cos_sin, None) if self.rope else (None, cos_sin)
         zero, width, head_dim = self.zero, (batch, 1, self.heads * self.head_dim), self.head_dim
         cudnn = torch.backends.cudnn.enabled  # what F.layer_norm passes
-        linear, layer_norm = F.linear, torch.layer_norm
+        linear = F.linear
         for (ln_1, p_1, attn, grouped, o_proj, ln_2, p_2, gated, fc, up, down, act, act_forward, in_place, buffers,
              eps), state, fused in zip(self.layers, self.states, self.fused):
-            h = _rms_norm(ln_1, hidden) if p_1 is None else layer_norm(hidden, ln_1.normalized_shape, p_1["weight"],
-                                                                       p_1["bias"], ln_1.eps, cudnn)
+            h = _norm(ln_1, p_1, hidden, cudnn)
             x = linear(h, fused[1], fused[2]).view(batch, -1, 1, head_dim)
             q, k, v, _ = attn.step_features(x, rope, buffers.get("projection"), keep, in_place)
             if grouped:
@@ -791,22 +793,17 @@ class _DecodingSession:
             if rotary is not None:
                 q_den, k_den = q, k
                 q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-            if keep4 is not None:  # a padded token's key and value zeroed (whatever it holds stays out)
-                k, v = torch.where(keep4, k, zero), torch.where(keep4, v, zero)
-                if k_den is not None:
-                    k_den = torch.where(keep4, k_den, zero)
+            if keep4 is not None:
+                k, v, k_den = zero_padded_token(keep4, k, v, k_den, zero)
             out = recurrent_step(q, k, v, state[1], state[2], eps, q_den, k_den, in_place=True, views=state[3])[0]
             hidden = hidden + linear(out.reshape(width), o_proj["weight"], o_proj["bias"])
-            h = _rms_norm(ln_2, hidden) if p_2 is None else layer_norm(hidden, ln_2.normalized_shape, p_2["weight"],
-                                                                       p_2["bias"], ln_2.eps, cudnn)
+            h = _norm(ln_2, p_2, hidden, cudnn)
             if gated:
                 h = act_forward(act, linear(h, fc["weight"], fc["bias"])) * linear(h, up["weight"], up["bias"])
             else:
                 h = act_forward(act, linear(h, fc["weight"], fc["bias"]))
             hidden = hidden + linear(h, down["weight"], down["bias"])
-        ln_f, p_f = self.ln_f, self.ln_f_params
-        hidden = _rms_norm(ln_f, hidden) if p_f is None else layer_norm(hidden, ln_f.normalized_shape, p_f["weight"],
-                                                                        p_f["bias"], ln_f.eps, cudnn)
+        hidden = _norm(self.ln_f, self.ln_f_params, hidden, cudnn)
         for layer in self.cache_layers:
             layer.cumulative_length += 1
         logits = linear(hidden, self.head["weight"], self.head["bias"])
