@@ -87,6 +87,19 @@ def files_to_push(folder: str | Path) -> list[str]:
     return chosen
 
 
+def stale_modeling_code(folder: str | Path) -> list[str]:
+    """The modeling files in ``folder`` (the code ``save_pretrained`` shipped for
+    ``trust_remote_code=True``) that are not the installed hf-kernattn's: files whose text differs
+    from the installed one and files the installed package no longer has. Empty when the folder
+    ships no modeling code or ships exactly the installed code."""
+    from . import modeling
+
+    installed = Path(modeling.__file__).parent
+    names = sorted(p.name for p in Path(folder).glob("*.py") if p.is_file())
+    return [n for n in names if not (installed / n).is_file()
+            or (installed / n).read_bytes() != (Path(folder) / n).read_bytes()]
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
@@ -108,6 +121,12 @@ def push_folder(
     if not isinstance(repo_id, str) or repo_id.count("/") > 1 or not repo_id.strip("/"):
         raise ValueError(f"repo_id must be 'name' or 'user-or-org/name', got {repo_id!r}")
     files = files_to_push(folder)
+    stale = stale_modeling_code(folder)
+    if stale:
+        logger.warning(
+            f"{folder} ships modeling code that is not the installed hf-kernattn's ({', '.join(stale)}): whoever loads "
+            "it with trust_remote_code=True runs that code. To ship the installed code, load the checkpoint with "
+            "hf_kernattn (from_pretrained without trust_remote_code), save_pretrained it again, then push")
     api = api or HfApi(token=token)
     message = commit_message or f"Upload {Path(folder).name} with hf-kernattn"
     again = f"push again with `hf-kernattn push {folder} {repo_id}`; {folder} is unchanged"

@@ -17,7 +17,7 @@ import hf_kernattn
 from hf_kernattn import LinearGPTForCausalLM, NPRFBertForMaskedLM, RelativePerformerViTForImageClassification
 from hf_kernattn.cards import render_model_card, save_model_card
 from hf_kernattn.cli import main
-from hf_kernattn.push import PushError, files_to_push, push_folder
+from hf_kernattn.push import PushError, files_to_push, push_folder, stale_modeling_code
 
 from tests.conftest import tiny_linear_gpt_config, tiny_nprf_bert_config, tiny_relative_performer_vit_config
 from tests.remote import code_bundle
@@ -111,6 +111,26 @@ def test_push_commits_exactly_the_checkpoint_files(tmp_path):
     assert kwargs["revision"] == "v1" and kwargs["commit_message"] == "first" and kwargs["repo_id"] == "me/tiny-gpt"
     assert sorted(kwargs["allow_patterns"]) == expected
     assert files_to_push(folder) == expected
+
+
+def test_push_warns_when_the_checkpoint_ships_other_modeling_code_than_the_installed(tmp_path, caplog):
+    folder, expected = _saved_linear_gpt(tmp_path)
+    assert stale_modeling_code(folder) == []  # save_pretrained ships the installed code as it is
+    with caplog.at_level("WARNING"):
+        push_folder(folder, "me/tiny-gpt", api=FakeHub())
+    assert "modeling code" not in caplog.text
+    caplog.clear()
+    # the code an earlier version shipped: a file since removed, a file since changed
+    old = Path(__file__).parents[1] / "fixtures" / "checkpoints" / "linear_gpt"
+    for name in ("kernels_toeplitz.py", "modeling_linear_gpt.py"):
+        (folder / name).write_bytes((old / name).read_bytes())
+    assert stale_modeling_code(folder) == ["kernels_toeplitz.py", "modeling_linear_gpt.py"]
+    assert set(stale_modeling_code(old)) >= {"kernels_toeplitz.py", "modeling_linear_gpt.py"}
+    hub = FakeHub()
+    with caplog.at_level("WARNING"):
+        push_folder(folder, "me/tiny-gpt", api=hub)
+    assert "kernels_toeplitz.py, modeling_linear_gpt.py" in caplog.text and "save_pretrained it again" in caplog.text
+    assert [c[0] for c in hub.calls] == ["create_repo", "upload_folder"]  # still pushed: the user may mean it
 
 
 def _http_library():
