@@ -31,7 +31,7 @@ approximate backend only where its error bound in the dtype it runs in is at mos
 the same grid (a float64 variant not where the backend meets the target in float32: it cannot be
 the fastest), alternated as above, and reports per grid point auto's CPU time / the fastest
 accurate backend's (the fastest by median CPU time), per round median [min-max], with wall-time
-ratios beside (``check.csv``, ``check_summary.csv``). A backend more than ``--check-drop`` times
+ratios beside, and the backend auto ran (``auto_runs``; ``check.csv``, ``check_summary.csv``). A backend more than ``--check-drop`` times
 slower than the fastest in the first round cannot be the fastest and is not timed again at that
 point; one 10 times slower at two N, its cost growing at least as fast (and not slower in N than
 a quadratic fastest), is not timed at larger N. A point above ``--check-limit`` (1.15x) is measured again in a fresh process
@@ -228,6 +228,32 @@ def check_candidates(names: list[str], accurate) -> tuple[list[str], dict[str, s
     return [c for c in ok if c not in why], why
 
 
+class _ChoiceRecorder:
+    """While entered, records the backend (``name`` or ``name@float64``) each call of
+    ``kernelized_attention`` chose (``auto``'s choice for ``--check``)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def __enter__(self):
+        import torch
+
+        dispatch, _ = _modeling()
+        real = self.real = dispatch._choose
+
+        def spy(call, backend, q, *args, **kwargs):
+            found = real(call, backend, q, *args, **kwargs)
+            spec, dt = found[:2]
+            self.seen.append(spec.name + ("@float64" if dt == torch.float64 and q.dtype != torch.float64 else ""))
+            return found
+        dispatch._choose = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dispatch, _ = _modeling()
+        dispatch._choose = self.real
+
+
 def prune_reason(c: str, best: str, t: float, t_best: float, prev: float, prev_best: float, prune: float,
                  check: bool) -> Optional[str]:
     """Why backend ``c`` need not be timed at larger N (None: it must be), from its median CPU
@@ -286,6 +312,7 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
         runs = {c: _runner(c, q, k, v, b, extra, causal, backward) for c in live}
         times: dict[str, list[tuple[float, float]]] = {c: [] for c in live}
         slow: set[str] = set()  # --check: too slow in the first round to be the fastest at this N
+        choice = ""  # --check: the backend auto ran
         for rnd in range(spec["rounds"]):
             order = live if rnd % 2 == 0 else live[::-1]
             if drop and rnd == 1:
@@ -296,7 +323,13 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 if c in stopped or c in slow:
                     continue
                 try:
-                    warm = _time(runs[c], 0.0) if rnd == 0 else None  # warm-up
+                    warm = None
+                    if rnd == 0 and c == CHECK:  # warm-up, recording auto's choice
+                        with _ChoiceRecorder() as recorder:
+                            warm = _time(runs[c], 0.0)
+                        choice = recorder.seen[0] if recorder.seen else ""
+                    elif rnd == 0:  # warm-up
+                        warm = _time(runs[c], 0.0)
                     if warm is not None and warm[1] > WARM_UP_COUNTS_FROM:
                         wall, cpu, longest = warm  # a long call: the warm-up is this round's timing
                     else:
@@ -319,6 +352,8 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
         prev = medians
         for c in names + ([CHECK] if check else []):
             base = dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=c)
+            if check:
+                base["choice"] = choice if c == CHECK else ""
             if c in times and times[c]:
                 for rnd, (wall, cpu) in enumerate(times[c]):
                     rows.append(dict(base, round=rnd, wall_s=wall, cpu_s=cpu, status="ok", heads=spec["heads"]))
@@ -558,9 +593,10 @@ def _check_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    side=None if side is None else int(side))
         others = {c: t for c, t in per.items() if c != CHECK}
         if CHECK not in per or not others:
-            out.append(dict(row, best="", auto_ms=math.nan, best_ms=math.nan, cpu="not measured", wall="", ratio=math.nan))
+            out.append(dict(row, auto_runs="", best="", auto_ms=math.nan, best_ms=math.nan, cpu="not measured", wall="", ratio=math.nan))
             continue
         best = min(others, key=lambda c: statistics.median(r["cpu_s"] for r in others[c].values()))
+        row["auto_runs"] = next((r.get("choice") for r in per[CHECK].values() if r.get("choice")), "")
         rounds = sorted(set(per[CHECK]) & set(per[best]))
         wall = [per[CHECK][i]["wall_s"] / per[best][i]["wall_s"] for i in rounds]
         cpu = [per[CHECK][i]["cpu_s"] / per[best][i]["cpu_s"] for i in rounds if per[best][i]["cpu_s"] > 0]
@@ -616,7 +652,7 @@ def _report_check(args: argparse.Namespace, specs, rows, out: Path, start: float
     summary = _merge_again(summary, _check_summary(again_rows) if again_rows else [])
     write_csv(summary, out / "check_summary.csv")
     shown = [dict(r, auto_ms=f"{r['auto_ms']:.3g}", best_ms=f"{r['best_ms']:.3g}") for r in summary]
-    print(format_table(shown, ["mode", "bias", "causal", "clip", "n", "best", "auto_ms", "best_ms", "cpu", "wall",
+    print(format_table(shown, ["mode", "bias", "causal", "clip", "n", "auto_runs", "best", "auto_ms", "best_ms", "cpu", "wall",
                                "best_again", "cpu_again"]))
     measured = [r for r in summary if r["ratio"] == r["ratio"]]
     final = [_verdict(r, args.check_limit) for r in measured]

@@ -297,6 +297,14 @@ def test_bench_calibrate_check_measures_a_point_above_the_limit_again_and_report
     assert len(summary) == 8  # one point per kind of call
     for row in summary:
         assert row["best"] and row["best_again"] and float(row["ratio"]) > 0 and float(row["ratio_again"]) > 0
+    # the backend auto ran: the one the active table's ranking and the accuracy rule give
+    for row in summary:
+        rpe = None if row["bias"] == "none" else row["bias"]
+        ranked = registry.auto_candidates(n=int(row["n"]), causal=row["causal"] == "True", rpe=rpe, key_mask=False,
+                                          device="cpu", rpe_clip=int(row["clip"]) if row["clip"] else None, heads=1)
+        assert row["auto_runs"].partition("@")[0] in {name for name, _ in ranked}
+    plain = next(r for r in summary if r["bias"] == "none" and r["causal"] == "False")
+    assert plain["auto_runs"] == choose_backend(n=16, **PLAIN, heads=1)
     assert (out / "check_again.csv").exists()
     printed = capsys.readouterr().out
     assert "0 of 8 points within 0x" in printed and printed.count("above:") == 8
