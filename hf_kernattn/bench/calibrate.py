@@ -31,9 +31,9 @@ approximate backend only where its error bound in the dtype it runs in is at mos
 the same grid (a float64 variant not where the backend meets the target in float32: it cannot be
 the fastest), alternated as above, and reports per grid point auto's CPU time / the fastest
 accurate backend's (the fastest by median CPU time), per round median [min-max], with wall-time
-ratios beside, and the backend auto ran (``auto_runs``; ``check.csv``, ``check_summary.csv``). A backend more than ``--check-drop`` times
-slower than the fastest in the first round cannot be the fastest and is not timed again at that
-point; one 10 times slower at two N, its cost growing at least as fast (and not slower in N than
+ratios beside, and the backend auto ran (``auto_runs``; ``check.csv``, ``check_summary.csv``).
+A backend more than ``--check-drop`` times slower than the fastest in the first round cannot be
+the fastest and is not timed again at that point; one 10 times slower at two N, its cost growing at least as fast (and not slower in N than
 a quadratic fastest), is not timed at larger N. A point above ``--check-limit`` (1.15x) is measured again in a fresh process
 (``--rounds-again`` rounds) before it counts as above: both measurements are reported.
 """
