@@ -9,7 +9,8 @@ PRF/elu map), ``v (1, H, N, D)``. The candidates of one N alternate over ``--rou
 (A B C, C B A, ...); each kind of call runs in a fresh process with ``--threads`` threads (default
 1). Every timing records wall and CPU time; the ranking follows the median CPU time over rounds
 (with one thread the time a call takes on an idle machine, which a shared machine's load does
-not lengthen).
+not lengthen). Each candidate's first call is a warm-up, not counted, unless it took more than
+:data:`WARM_UP_COUNTS_FROM` CPU seconds (then it is the first round's timing).
 
 What bounds a full run (about 15 minutes on one thread of a 2-core CPU): a backend whose cost
 grows with N^2 (its declared ``complexity``, e.g. ``dense``) is skipped where ``B H N^2`` float32
@@ -27,11 +28,12 @@ Writes ``auto_table.json`` (load it with ``hf_kernattn.load_auto_table(path)`` o
 ``--check`` instead times ``backend="auto"`` (with the active table: the shipped one, or
 ``--table PATH``) against every backend that meets the accuracy target on the same inputs (an
 approximate backend only where its error bound in the dtype it runs in is at most 1e-4) over
-the same grid, alternated as above, and reports per grid point auto's CPU time / the fastest
+the same grid (a float64 variant not where the backend meets the target in float32: it cannot be
+the fastest), alternated as above, and reports per grid point auto's CPU time / the fastest
 accurate backend's (the fastest by median CPU time), per round median [min-max], with wall-time
-ratios beside (``check.csv``, ``check_summary.csv``). A backend more than ``--check-drop`` times
-slower than the fastest in the first round cannot be the fastest and is not timed again at that
-point; one 10 times slower at two N, its cost growing at least as fast (and not slower in N than
+ratios beside, and the backend auto ran (``auto_runs``; ``check.csv``, ``check_summary.csv``).
+A backend more than ``--check-drop`` times slower than the fastest in the first round cannot be
+the fastest and is not timed again at that point; one 10 times slower at two N, its cost growing at least as fast (and not slower in N than
 a quadratic fastest), is not timed at larger N. A point above ``--check-limit`` (1.15x) is measured again in a fresh process
 (``--rounds-again`` rounds) before it counts as above: both measurements are reported.
 """
@@ -61,6 +63,9 @@ CHECK = "auto"
 CHECK_LIMIT = 1.15  # auto / the fastest accurate backend a check point may reach
 CHECK_PRUNE = 10.0  # --check: a backend this many times slower than the fastest at two N (from 2048), growing as fast, is not timed further
 PRUNE_FROM_N = 2048  # below, timings of a few milliseconds are too noisy to stop timing a backend on
+# A warm-up call that took more CPU seconds than this is the first round's timing (its one-time
+# costs, plans and first allocations, are a negligible share of it): long calls are not run twice.
+WARM_UP_COUNTS_FROM = 1.0
 
 
 def _info(message: str) -> None:
@@ -211,6 +216,44 @@ def _accurate(name: str, q, k, b, extra, causal: bool) -> bool:
     return spec.error_bound(q, k, rpe_bias=full, causal=causal, key_mask=None, dtype=dt) <= registry.AUTO_MAX_ERROR
 
 
+def check_candidates(names: list[str], accurate) -> tuple[list[str], dict[str, str]]:
+    """``--check``: the backends to time at a point, of ``names``, and why each other is not timed:
+    those meeting the accuracy target (``accurate(name)``), without a float64 variant
+    (``name@float64``) where the same backend in float32 meets it (the same computation in
+    float64 is slower: it cannot be the fastest)."""
+    ok = [c for c in names if accurate(c)]
+    why = {c: "not accurate" for c in names if c not in ok}
+    why.update({c: "not timed: meets the target in float32" for c in ok
+                if c.endswith("@float64") and c.partition("@")[0] in ok})
+    return [c for c in ok if c not in why], why
+
+
+class _ChoiceRecorder:
+    """While entered, records the backend (``name`` or ``name@float64``) each call of
+    ``kernelized_attention`` chose (``auto``'s choice for ``--check``)."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def __enter__(self):
+        import torch
+
+        dispatch, _ = _modeling()
+        real = self.real = dispatch._choose
+
+        def spy(call, backend, q, *args, **kwargs):
+            found = real(call, backend, q, *args, **kwargs)
+            spec, dt = found[:2]
+            self.seen.append(spec.name + ("@float64" if dt == torch.float64 and q.dtype != torch.float64 else ""))
+            return found
+        dispatch._choose = spy
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dispatch, _ = _modeling()
+        dispatch._choose = self.real
+
+
 def prune_reason(c: str, best: str, t: float, t_best: float, prev: float, prev_best: float, prune: float,
                  check: bool) -> Optional[str]:
     """Why backend ``c`` need not be timed at larger N (None: it must be), from its median CPU
@@ -256,8 +299,9 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         q, k, v, b, extra = _inputs(n, side, bias, clip, spec["heads"], spec["features"], spec["head_dim"], spec["device"])
         live = [c for c in names if c not in stopped and c not in spec.get("skip", ())]
+        untimed: dict[str, str] = {}  # --check: why a backend is not timed at this N
         if check:
-            live = [c for c in live if _accurate(c, q, k, b, extra, causal)]
+            live, untimed = check_candidates(live, lambda c: _accurate(c, q, k, b, extra, causal))
             live = ([CHECK] if CHECK not in stopped else []) + live
         skipped = {c: f"skipped: N x N > {spec['max_nn_mb']:g} MB" for c in live
                    if c != CHECK and _quadratic(c) and spec["heads"] * n * n * 4 / 2 ** 20 > spec["max_nn_mb"]}
@@ -268,6 +312,7 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
         runs = {c: _runner(c, q, k, v, b, extra, causal, backward) for c in live}
         times: dict[str, list[tuple[float, float]]] = {c: [] for c in live}
         slow: set[str] = set()  # --check: too slow in the first round to be the fastest at this N
+        choice = ""  # --check: the backend auto ran
         for rnd in range(spec["rounds"]):
             order = live if rnd % 2 == 0 else live[::-1]
             if drop and rnd == 1:
@@ -278,9 +323,17 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
                 if c in stopped or c in slow:
                     continue
                 try:
-                    if rnd == 0:
-                        runs[c]()  # warm-up
-                    wall, cpu, longest = _time(runs[c], spec["min_time"])
+                    warm = None
+                    if rnd == 0 and c == CHECK:  # warm-up, recording auto's choice
+                        with _ChoiceRecorder() as recorder:
+                            warm = _time(runs[c], 0.0)
+                        choice = recorder.seen[0] if recorder.seen else ""
+                    elif rnd == 0:  # warm-up
+                        warm = _time(runs[c], 0.0)
+                    if warm is not None and warm[1] > WARM_UP_COUNTS_FROM:
+                        wall, cpu, longest = warm  # a long call: the warm-up is this round's timing
+                    else:
+                        wall, cpu, longest = _time(runs[c], spec["min_time"])
                 except (RuntimeError, MemoryError) as err:  # out of memory and the like
                     stopped[c] = f"failed at N={n}: {str(err).splitlines()[0][:80]}"
                     continue
@@ -299,11 +352,13 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
         prev = medians
         for c in names + ([CHECK] if check else []):
             base = dict(mode=mode, bias=bias, causal=causal, clip=clip, n=n, side=side, backend=c)
+            if check:
+                base["choice"] = choice if c == CHECK else ""
             if c in times and times[c]:
                 for rnd, (wall, cpu) in enumerate(times[c]):
                     rows.append(dict(base, round=rnd, wall_s=wall, cpu_s=cpu, status="ok", heads=spec["heads"]))
             else:
-                why = skipped.get(c) or stopped.get(c) or ("not accurate" if check else "not timed")
+                why = skipped.get(c) or stopped.get(c) or untimed.get(c) or "not timed"
                 rows.append(dict(base, round=-1, wall_s=math.nan, cpu_s=math.nan, status=why, heads=spec["heads"]))
         _info(f"  {mode:6s} bias={bias:4s} causal={causal!s:5s} clip={clip!s:4s} N={n:6d}  CPU " +
               "  ".join(f"{c} {medians[c] * 1e3:.3g}ms" for c in sorted(medians, key=medians.get)))
@@ -538,9 +593,10 @@ def _check_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                    side=None if side is None else int(side))
         others = {c: t for c, t in per.items() if c != CHECK}
         if CHECK not in per or not others:
-            out.append(dict(row, best="", auto_ms=math.nan, best_ms=math.nan, cpu="not measured", wall="", ratio=math.nan))
+            out.append(dict(row, auto_runs="", best="", auto_ms=math.nan, best_ms=math.nan, cpu="not measured", wall="", ratio=math.nan))
             continue
         best = min(others, key=lambda c: statistics.median(r["cpu_s"] for r in others[c].values()))
+        row["auto_runs"] = next((r.get("choice") for r in per[CHECK].values() if r.get("choice")), "")
         rounds = sorted(set(per[CHECK]) & set(per[best]))
         wall = [per[CHECK][i]["wall_s"] / per[best][i]["wall_s"] for i in rounds]
         cpu = [per[CHECK][i]["cpu_s"] / per[best][i]["cpu_s"] for i in rounds if per[best][i]["cpu_s"] > 0]
@@ -596,7 +652,7 @@ def _report_check(args: argparse.Namespace, specs, rows, out: Path, start: float
     summary = _merge_again(summary, _check_summary(again_rows) if again_rows else [])
     write_csv(summary, out / "check_summary.csv")
     shown = [dict(r, auto_ms=f"{r['auto_ms']:.3g}", best_ms=f"{r['best_ms']:.3g}") for r in summary]
-    print(format_table(shown, ["mode", "bias", "causal", "clip", "n", "best", "auto_ms", "best_ms", "cpu", "wall",
+    print(format_table(shown, ["mode", "bias", "causal", "clip", "n", "auto_runs", "best", "auto_ms", "best_ms", "cpu", "wall",
                                "best_again", "cpu_again"]))
     measured = [r for r in summary if r["ratio"] == r["ratio"]]
     final = [_verdict(r, args.check_limit) for r in measured]

@@ -297,6 +297,14 @@ def test_bench_calibrate_check_measures_a_point_above_the_limit_again_and_report
     assert len(summary) == 8  # one point per kind of call
     for row in summary:
         assert row["best"] and row["best_again"] and float(row["ratio"]) > 0 and float(row["ratio_again"]) > 0
+    # the backend auto ran: the one the active table's ranking and the accuracy rule give
+    for row in summary:
+        rpe = None if row["bias"] == "none" else row["bias"]
+        ranked = registry.auto_candidates(n=int(row["n"]), causal=row["causal"] == "True", rpe=rpe, key_mask=False,
+                                          device="cpu", rpe_clip=int(row["clip"]) if row["clip"] else None, heads=1)
+        assert row["auto_runs"].partition("@")[0] in {name for name, _ in ranked}
+    plain = next(r for r in summary if r["bias"] == "none" and r["causal"] == "False")
+    assert plain["auto_runs"] == choose_backend(n=16, **PLAIN, heads=1)
     assert (out / "check_again.csv").exists()
     printed = capsys.readouterr().out
     assert "0 of 8 points within 0x" in printed and printed.count("above:") == 8
@@ -392,3 +400,53 @@ def test_calibrate_stops_timing_only_a_backend_that_cannot_overtake():
     assert prune_reason("fft", "windowed", **far_behind, prune=100.0, check=True)
     assert prune_reason("fft", "windowed", **far_behind, prune=100.0, check=False) is None
     assert CHECK_PRUNE <= 12.0
+
+
+def test_calibrate_check_times_no_float64_variant_where_the_float32_backend_meets_the_target():
+    """``--check`` times the float64 variant of an approximate backend only where the backend in
+    float32 misses the accuracy target (the same computation in float64 cannot be faster); the
+    rows say why a backend was not timed."""
+    from hf_kernattn.bench.calibrate import check_candidates, measure_kind
+
+    names = ["dense", "fft", "fft@float64"]
+    assert check_candidates(names, lambda c: True) == (
+        ["dense", "fft"], {"fft@float64": "not timed: meets the target in float32"})
+    assert check_candidates(names, lambda c: c != "fft") == (["dense", "fft@float64"], {"fft": "not accurate"})
+    assert check_candidates(names, lambda c: c == "dense") == (
+        ["dense"], {"fft": "not accurate", "fft@float64": "not accurate"})
+    spec = dict(bias="none", causal=False, clip=None, mode="fwd", ns=[16], sides=[], heads=1, features=4, head_dim=4,
+                rounds=1, min_time=0.0, max_call_seconds=100.0, max_nn_mb=1e6, prune=3.0, threads=None, device="cpu",
+                check=True, table=None, check_drop=None, skip=[])
+    status = {r["backend"]: r["status"] for r in measure_kind(spec)}
+    assert status["auto"] == status["fft"] == status["dense"] == "ok"  # fft meets the target at 16 tokens
+    assert status["fft@float64"] == "not timed: meets the target in float32"
+
+
+def test_calibrate_counts_a_long_warm_up_call_as_the_first_rounds_timing(monkeypatch):
+    """Each candidate's first call is a warm-up; one taking more than ``WARM_UP_COUNTS_FROM`` CPU
+    seconds is the first round's timing instead (long calls are not run twice for nothing)."""
+    from hf_kernattn.bench import calibrate
+
+    calls: dict[str, int] = {}
+    real = calibrate._runner
+
+    def counting(name, *args):
+        run = real(name, *args)
+
+        def counted():
+            calls[name] = calls.get(name, 0) + 1
+            run()
+        return counted
+
+    monkeypatch.setattr(calibrate, "_runner", counting)
+    spec = dict(bias="none", causal=False, clip=None, mode="fwd", ns=[16], sides=[], heads=1, features=4, head_dim=4,
+                rounds=2, min_time=0.0, max_call_seconds=100.0, max_nn_mb=1e6, prune=3.0, threads=None, device="cpu",
+                check=False, table=None, check_drop=None, skip=["fft", "fft@float64"])
+    rows = calibrate.measure_kind(spec)
+    assert calls == {"dense": 3, "linear": 3}  # a short warm-up, then one call per round
+    assert sum(r["status"] == "ok" for r in rows) == 4
+    calls.clear()
+    monkeypatch.setattr(calibrate, "WARM_UP_COUNTS_FROM", -1.0)  # every warm-up is "long"
+    rows = calibrate.measure_kind(spec)
+    assert calls == {"dense": 2, "linear": 2}
+    assert sum(r["status"] == "ok" for r in rows) == 4  # still a timing per round
