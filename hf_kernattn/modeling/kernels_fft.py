@@ -8,7 +8,10 @@ offsets ``(dy, dx)``)::
 over the allowed ``j`` (``j <= i`` when causal: the coefficients of ``r > 0`` are zeroed).
 Numerator and denominator are one Toeplitz (or Toeplitz-block-Toeplitz) product over ``[v, 1]``
 (:class:`ToeplitzKernelProduct`, below), after shifting the bias by its maximum so that no
-coefficient exceeds 1.
+coefficient exceeds 1; :class:`FFTAttention` runs that product and the division as one op, so
+that neither ``[v, 1]`` nor the numerator with its denominator is ever a whole ``(B, H, N, D+1)``
+tensor (the ones column lives in each pass's feature-major copy of ``v``; the backward keeps the
+output and one denominator per row).
 
 Cost: time O(N M D log N), memory O(N (M + D)) plus one block of FFT buffers. Accuracy: see
 :func:`fft_attention` and :func:`fft_error_bound`.
@@ -296,7 +299,6 @@ class ToeplitzKernelProduct(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         q, k, v, c = ctx.saved_tensors
         spatial = ctx.spatial
-        nd = len(spatial)
         b, h, n, m = q.shape
         d1 = v.shape[-1]
         lengths = _fft_lengths(spatial)
