@@ -365,6 +365,8 @@ class FFTAttention(torch.autograd.Function):
                 part.masked_fill_(dead[:, h0:h1], math.inf)
             torch.div(y[:, :, :d], part[:, :, None], out=out[:, h0:h1].transpose(-1, -2))
             del y
+        if out is None:  # no heads
+            out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
         ctx.save_for_backward(q, k, v, c, out, den)
         ctx.spatial = spatial
         return out
@@ -405,7 +407,8 @@ class FFTAttention(torch.autograd.Function):
                     total = rows.new_zeros((c.shape[0],) + rows.shape[1:])
                 total[slice(h0, h1) if c.shape[0] > 1 else slice(0, 1)] += rows
             del parts
-        dc_grad = _table_gradient(total, c, spatial, lengths) if need_c else None
+        grads = [x.new_zeros(x.shape) if need and grad is None else grad for x, need, grad in zip((q, k, v), ctx.needs_input_grad, grads)]
+        dc_grad = (_table_gradient(total, c, spatial, lengths) if total is not None else torch.zeros_like(c)) if need_c else None
         return grads[0], grads[1], grads[2], dc_grad, None, None, None
 
 
