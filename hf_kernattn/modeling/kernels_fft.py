@@ -8,7 +8,10 @@ offsets ``(dy, dx)``)::
 over the allowed ``j`` (``j <= i`` when causal: the coefficients of ``r > 0`` are zeroed).
 Numerator and denominator are one Toeplitz (or Toeplitz-block-Toeplitz) product over ``[v, 1]``
 (:class:`ToeplitzKernelProduct`, below), after shifting the bias by its maximum so that no
-coefficient exceeds 1.
+coefficient exceeds 1; :class:`FFTAttention` runs that product and the division as one op, so
+that neither ``[v, 1]`` nor the numerator with its denominator is ever a whole ``(B, H, N, D+1)``
+tensor (the ones column lives in each pass's feature-major copy of ``v``; the backward keeps the
+output and one denominator per row).
 
 Cost: time O(N M D log N), memory O(N (M + D)) plus one block of FFT buffers. Accuracy: see
 :func:`fft_attention` and :func:`fft_error_bound`.
@@ -41,7 +44,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import compute_dtype_for, dense_bias_matrix, full_precision, shifted_bias, with_ones_column
+from .kernels_common import compute_dtype_for, dense_bias_matrix, full_precision, shifted_bias
 
 # Cost model (CPU). The product needs M * (D + 1) real FFTs and as many inverse FFTs of the
 # padded length; nothing cheaper exists for an arbitrary Toeplitz C. What is left to optimise
@@ -182,9 +185,16 @@ def _blocks(m: int, d1: int, mb: int, dc: int):
             yield slice(s, min(m, s + mb)), slice(d0, min(d1, d0 + dc))
 
 
-def _feature_major(x: torch.Tensor, spatial: tuple[int, ...]) -> torch.Tensor:
-    """``(B, H, N, F)`` -> contiguous ``(B, H, F, *spatial)``."""
-    return x.transpose(-1, -2).contiguous().reshape(x.shape[:2] + (x.shape[-1],) + spatial)
+def _feature_major(x: torch.Tensor, spatial: tuple[int, ...], ones: bool = False) -> torch.Tensor:
+    """``(B, H, N, F)`` -> contiguous ``(B, H, F, *spatial)``; ``ones``: with a row of ones after
+    the F features, ``(B, H, F + 1, *spatial)`` (``[v, 1]`` without a copy of ``v`` in its own layout)."""
+    if not ones:
+        return x.transpose(-1, -2).contiguous().reshape(x.shape[:2] + (x.shape[-1],) + spatial)
+    b, h, n, f = x.shape
+    out = x.new_empty(b, h, f + 1, n)
+    out[:, :, :f].copy_(x.transpose(-1, -2))
+    out[:, :, f].fill_(1)
+    return out.reshape((b, h, f + 1) + spatial)
 
 
 def head_chunks(b: int, h: int, n: int, width: int, itemsize: int, budget: Optional[int] = None):
@@ -200,11 +210,12 @@ def _heads(spec: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
     return spec if spec.shape[0] == 1 else spec[h0:h1]
 
 
-def _product_pass(q, k, v, spec, spatial, lengths) -> torch.Tensor:
-    """The forward of :class:`ToeplitzKernelProduct` for some heads: ``(B, h, D1, *S)`` feature-major."""
+def _product_pass(q, k, v, spec, spatial, lengths, ones: bool = False) -> torch.Tensor:
+    """The forward of :class:`ToeplitzKernelProduct` for some heads: ``(B, h, D1, *S)`` feature-major;
+    ``ones``: of ``[v, 1]`` (``D1 = D + 1``)."""
     b, h, _, m = q.shape
-    d1 = v.shape[-1]
-    qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
+    qs, ks, vs = _feature_major(q, spatial), _feature_major(k, spatial), _feature_major(v, spatial, ones)
+    d1 = vs.shape[2]
     y = q.new_zeros((b, h, d1) + spatial)
     mb, dc = _block_size(b, h, m, d1, spatial, q.element_size())
     ws = _ToeplitzWorkspace(b, h, mb, dc, spatial, lengths, q.dtype, q.device)
@@ -216,15 +227,16 @@ def _product_pass(q, k, v, spec, spatial, lengths) -> torch.Tensor:
     return y
 
 
-def _backward_pass(q, k, v, dy, spec, spec_t, spatial, lengths, needs):
+def _backward_pass(q, k, v, dy, spec, spec_t, spatial, lengths, needs, ones: bool = False):
     """The backward of :class:`ToeplitzKernelProduct` for some heads: ``dq, dk, dv`` feature-major
     ``(B, h, F, *S)`` (None where not needed) and the spectrum of the table's gradient per head
-    ``(h, *freq)`` (None)."""
+    ``(h, *freq)`` (None). ``ones``: the product of ``[v, 1]`` (``dv`` then has ``D + 1`` rows, the
+    last one unused) and ``dy`` given feature-major ``(B, h, D + 1, *S)``."""
     b, h, _, m = q.shape
-    d1 = v.shape[-1]
     need_q, need_k, need_v, need_c = needs
-    qs, ks, vs = (_feature_major(x, spatial) for x in (q, k, v))
-    dys = _feature_major(dy.to(q.dtype), spatial)  # (B, H, D1, *S)
+    qs, ks, vs = _feature_major(q, spatial), _feature_major(k, spatial), _feature_major(v, spatial, ones)
+    d1 = vs.shape[2]
+    dys = dy if ones else _feature_major(dy.to(q.dtype), spatial)  # (B, H, D1, *S)
     dq = torch.zeros_like(qs) if need_q else None
     dk = torch.zeros_like(ks) if need_k else None
     dv = torch.zeros_like(vs) if need_v else None
@@ -287,7 +299,6 @@ class ToeplitzKernelProduct(torch.autograd.Function):
     def backward(ctx, dy):  # type: ignore[override]
         q, k, v, c = ctx.saved_tensors
         spatial = ctx.spatial
-        nd = len(spatial)
         b, h, n, m = q.shape
         d1 = v.shape[-1]
         lengths = _fft_lengths(spatial)
@@ -310,13 +321,95 @@ class ToeplitzKernelProduct(torch.autograd.Function):
                     total = rows.new_zeros((c.shape[0],) + rows.shape[1:])
                 total[slice(h0, h1) if c.shape[0] > 1 else slice(0, 1)] += rows
             del parts
-        dc_grad = None
-        if need_c:
-            r_time = torch.fft.irfftn(total, s=lengths, dim=tuple(range(1, 1 + nd)))
-            idx = [(torch.arange(-(x - 1), x, device=c.device) % L) for x, L in zip(spatial, lengths)]
-            dc_grad = r_time[:, idx[0]] if nd == 1 else r_time[:, idx[0][:, None], idx[1][None, :]]
-            dc_grad = dc_grad.to(c.dtype)
+        dc_grad = _table_gradient(total, c, spatial, lengths) if need_c else None
         return dq, dk, dv, dc_grad, None
+
+
+def _table_gradient(total: torch.Tensor, c: torch.Tensor, spatial: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
+    """The gradient of the coefficients ``c`` from the spectrum of their cross-correlation ``(rows of c, *freq)``."""
+    nd = len(spatial)
+    r_time = torch.fft.irfftn(total, s=lengths, dim=tuple(range(1, 1 + nd)))
+    idx = [(torch.arange(-(x - 1), x, device=c.device) % L) for x, L in zip(spatial, lengths)]
+    dc_grad = r_time[:, idx[0]] if nd == 1 else r_time[:, idx[0][:, None], idx[1][None, :]]
+    return dc_grad.to(c.dtype)
+
+
+class FFTAttention(torch.autograd.Function):
+    """``out_i = Y_i[:D] / (Y_i[D] + eps)`` with ``Y`` the :class:`ToeplitzKernelProduct` of
+    ``[v, 1]``, 0 on the rows in ``dead``, in one op: the ones column lives only in each pass's
+    feature-major copy of ``v``, the division reads the passes' results directly, and the backward
+    keeps its inputs, the output and the denominators ``(B, H, N)`` (``+inf`` on dead rows, whose
+    output and gradients are then 0), from which it forms the gradient of ``Y`` pass by pass.
+
+    ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c`` as for :class:`ToeplitzKernelProduct`,
+    ``eps`` a float or ``(H,)`` (no gradient), ``dead (B, H, N)`` bool or None. Returns ``(B, H, N, D)``.
+    """
+
+    @staticmethod
+    @full_precision
+    def forward(ctx, q, k, v, c, eps, dead, spatial):  # type: ignore[override]
+        spatial = tuple(int(s) for s in spatial)
+        b, h, n, m = q.shape
+        d = v.shape[-1]
+        lengths = _fft_lengths(spatial)
+        spec = toeplitz_kernel_spectrum(c, spatial, lengths)
+        out = den = None
+        for h0, h1 in head_chunks(b, h, n, max(m, d + 1), q.element_size()):
+            y = _product_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], _heads(spec, h0, h1), spatial, lengths, ones=True)
+            y = y.reshape(b, h1 - h0, d + 1, n)
+            if out is None:  # made after the first pass, whose buffers are gone by then
+                out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
+            part = den[:, h0:h1]
+            torch.add(y[:, :, d], eps if not isinstance(eps, torch.Tensor) else eps[None, h0:h1, None], out=part)
+            if dead is not None:
+                part.masked_fill_(dead[:, h0:h1], math.inf)
+            torch.div(y[:, :, :d], part[:, :, None], out=out[:, h0:h1].transpose(-1, -2))
+            del y
+        if out is None:  # no heads
+            out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
+        ctx.save_for_backward(q, k, v, c, out, den)
+        ctx.spatial = spatial
+        return out
+
+    @staticmethod
+    @full_precision
+    def backward(ctx, g):  # type: ignore[override]
+        q, k, v, c, out, den = ctx.saved_tensors
+        spatial = ctx.spatial
+        b, h, n, m = q.shape
+        d = v.shape[-1]
+        lengths = _fft_lengths(spatial)
+        spec = toeplitz_kernel_spectrum(c, spatial, lengths)
+        spec_t = spec.conj().resolve_conj()
+        need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
+        grads = [None, None, None]
+        total = None  # the table's gradient spectrum (rows of c, *freq)
+        g = g.to(q.dtype)
+        for h0, h1 in head_chunks(b, h, n, max(m, d + 1), q.element_size()):
+            gp = g[:, h0:h1]
+            # the gradient of Y = [num, den]: [g / den, -(g . out) / den], feature-major
+            dys = q.new_empty(b, h1 - h0, d + 1, n)
+            torch.div(gp.transpose(-1, -2), den[:, h0:h1, None], out=dys[:, :, :d])
+            torch.linalg.vecdot(gp, out[:, h0:h1], out=dys[:, :, d])
+            dys[:, :, d].div_(den[:, h0:h1]).neg_()
+            parts = _backward_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], dys.reshape((b, h1 - h0, d + 1) + spatial),
+                                   _heads(spec, h0, h1), _heads(spec_t, h0, h1), spatial, lengths,
+                                   (need_q, need_k, need_v, need_c), ones=True)
+            del dys
+            for i, (like, part) in enumerate(zip((q, k, v), parts[:3])):
+                if part is not None:
+                    if grads[i] is None:  # made after the first pass, whose buffers are gone by then
+                        grads[i] = like.new_empty(like.shape)
+                    grads[i][:, h0:h1] = part[:, :, : like.shape[-1]].reshape(b, h1 - h0, like.shape[-1], n).transpose(-1, -2)
+            if need_c:
+                rows = parts[3] if c.shape[0] > 1 else parts[3].sum(0, keepdim=True)
+                if total is None:
+                    total = rows.new_zeros((c.shape[0],) + rows.shape[1:])
+                total[slice(h0, h1) if c.shape[0] > 1 else slice(0, 1)] += rows
+            del parts
+        grads = [x.new_zeros(x.shape) if need and grad is None else grad for x, need, grad in zip((q, k, v), ctx.needs_input_grad, grads)]
+        dc_grad = (_table_gradient(total, c, spatial, lengths) if total is not None else torch.zeros_like(c)) if need_c else None
+        return grads[0], grads[1], grads[2], dc_grad, None, None, None
 
 
 def toeplitz_kernel_product_reference(
@@ -450,17 +543,23 @@ def fft_attention(
     ``grid = (Hg, Wg)`` ``(H, 2Hg-1, 2Wg-1)``) in the dtype to compute in, padded keys and
     values already zero.
     """
-    n, d = q.shape[-2], v.shape[-1]
+    n = q.shape[-2]
     if rpe_bias is not None:
-        rpe_bias, eps_h = shifted_bias(rpe_bias, n, causal, eps)
-        eps = eps_h[None, :, None, None]
+        rpe_bias, eps = shifted_bias(rpe_bias, n, causal, eps)
     c = toeplitz_coefficients(rpe_bias, n, q.shape[1], causal, grid, q.dtype, q.device)
-    v1 = with_ones_column(v)
-    y = ToeplitzKernelProduct.apply(q, k, v1, c, spatial_shape(n, grid))
-    out = y[..., :d] / (y[..., d:] + eps)
     # The transform mixes every position: a row for which every product q_im k_jm over its
     # allowed keys is zero (all of them padding, or features with disjoint support) has exact
     # numerator and denominator 0, but would read rounding noise of the other rows divided by
     # eps. It gets exactly 0, as the formula (and every other backend) gives.
-    seen, _ = _row_key_mass(q.detach(), k.detach(), causal, absolute=True)
-    return torch.where((seen > 0)[..., None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return FFTAttention.apply(q, k, v, c, eps, _dead_rows(q.detach(), k.detach(), causal), spatial_shape(n, grid))
+
+
+def _dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``(B, H, N)`` bool: the rows for which every product ``q_im k_jm`` over their allowed keys
+    is zero (:func:`_row_key_mass` with ``absolute``, with one ``(B, H, N, M)`` temporary)."""
+    if causal:
+        seen = k.abs().cumsum_(dim=2).mul_(q).abs_().sum(-1)  # |q_im| P_im = |q_im P_im| (P >= 0)
+    else:
+        total = torch.linalg.vector_norm(k, ord=1, dim=2)  # (B, H, M): sum_j |k_jm|
+        seen = (q.abs() @ total[..., None])[..., 0]
+    return ~(seen > 0)
