@@ -252,32 +252,40 @@ def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridSta
     if keep == 0:  # W = 1: no window, the new key alone gets the exact weight and then leaves
         return _step_alone(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state, output_final_state, in_place)
     kv, z, win_k, win_v, win_raw, win_valid = state
+    b, h, _, dk = q.shape
+    m, d = kv.shape[-2:]
+    bh = b * h  # (batched products over (B H): views where the tensors allow, one dispatch each)
+    q3 = q.reshape(bh, 1, dk)
     # scores of the window's keys (slot order) and of the new one
-    s = torch.cat([q @ win_raw.transpose(-1, -2), q @ k.transpose(-1, -2)], dim=-1).mul_(scale)  # (B, H, 1, W)
+    s = torch.cat([torch.bmm(q3, win_raw.reshape(bh, keep, dk).transpose(1, 2)),
+                   torch.bmm(q3, k.reshape(bh, dk, 1))], dim=-1).mul_(scale).view(b, h, 1, keep + 1)
     s = s.masked_fill_(~torch.cat([win_valid, valid], dim=2)[:, :, None, :], -torch.inf)
-    m = s.amax(dim=-1, keepdim=True).clamp_min_(0)
-    em = m.neg().exp_()
-    p = s.sub_(m).exp_()
+    m_ = s.amax(dim=-1, keepdim=True).clamp_min_(0)
+    em = m_.neg().exp_()
+    p = s.sub_(m_).exp_()
     if not isinstance(a_w, float):
         p = p.mul_(a_w)
-    num = (p[..., :keep] @ win_v).addcmul_(p[..., keep:], v)
+    p3 = p.view(bh, 1, keep + 1)
+    num = torch.bmm(p3[..., :keep], win_v.reshape(bh, keep, d)).view(b, h, 1, d).addcmul_(p[..., keep:], v)
     den = p.sum(dim=-1, keepdim=True)
     far = em if isinstance(b_l, float) else b_l * em
-    num = num.addcmul_(far, q_feat @ kv)
-    den = den.addcmul_(far, q_feat @ z[..., None]).add_(em, alpha=eps)
+    qf3 = q_feat.reshape(bh, 1, m)
+    num = num.addcmul_(far, torch.bmm(qf3, kv.reshape(bh, m, d)).view(b, h, 1, d))
+    den = den.addcmul_(far, torch.bmm(qf3, z.reshape(bh, m, 1)).view(b, h, 1, 1)).add_(em, alpha=eps)
     out = num.div_(den)
     if not output_final_state:
         return out
     # the oldest key (slot window_start) enters (S, z); the new one takes its slot
     leaving_k, leaving_v = win_k[:, :, window_start], win_v[:, :, window_start]
+    outer = (leaving_k.reshape(bh, m, 1), leaving_v.reshape(bh, 1, d))
     start = window_start + 1 if window_start + 1 < keep else 0
     if in_place:
-        kv.addcmul_(leaving_k[..., None], leaving_v[..., None, :])
+        kv.view(bh, m, d).baddbmm_(*outer)
         z.add_(leaving_k)
         for held, new in ((win_k, k_feat), (win_v, v), (win_raw, k), (win_valid, valid)):
             held[:, :, window_start].copy_(new[:, :, 0])
         return out, (state, start)
-    kv, z = torch.addcmul(kv, leaving_k[..., None], leaving_v[..., None, :]), z + leaving_k
+    kv, z = torch.baddbmm(kv.reshape(bh, m, d), *outer).view(b, h, m, d), z + leaving_k
     at = dict(dim=2, start=window_start, end=window_start + 1)
     windows = (torch.slice_scatter(held, new, **at) for held, new in ((win_k, k_feat), (win_v, v), (win_raw, k),
                                                                        (win_valid, valid)))
