@@ -67,7 +67,7 @@ from .attention_inputs import (
 )
 from .builtin_backends import recurrent_attention
 from .kernels_common import (
-    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys, tracing,
+    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys, step_constant, tracing,
 )
 from .kernels_hybrid import SoftmaxWindow, hybrid_attention
 from .kernels_linear import recurrent_step, step_views
@@ -569,7 +569,7 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
         keep = attention_mask
         if keep.dtype != torch.bool or keep.device != checked.device:
             keep = keep.to(device=checked.device, dtype=torch.bool)
-        k, v, k_den = zero_padded_token(keep.view(-1, 1, 1, 1), k, v, k_den, checked.zero)
+        k, v, k_den = zero_padded_token(keep.view(-1, 1, 1, 1), k, v, k_den, step_constant(0.0, q))
     out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True, views=checked.views)[0]  # (B, H, 1, D)
     return out, AttentionState(kv, z, kind=checked.kind)
 
@@ -628,7 +628,7 @@ class _CheckedStep:
     on ``S`` by :meth:`check`; :meth:`covers` tells whether a later step is one of those."""
 
     __slots__ = ("z", "q_shape", "v_shape", "den_shape", "dtype", "device", "eps", "mask_shape", "given_kind", "kind",
-                 "zero", "views")
+                 "views")
 
     @classmethod
     def check(cls, q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
@@ -651,7 +651,6 @@ class _CheckedStep:
         self.mask_shape = None if attention_mask is None else attention_mask.shape
         self.given_kind = getattr(state, "kind", None)
         self.kind = call.kind
-        self.zero = torch.zeros((), dtype=q.dtype, device=q.device)  # what a padded token's key and value become
         self.views = step_views(kv, z, self.eps)  # what recurrent_step reads of the state (None: not contiguous)
         if not torch.compiler.is_compiling():
             setattr(kv, _CHECKED_STEP, self)
