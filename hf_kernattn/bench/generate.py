@@ -6,6 +6,10 @@ Models of one shape (hidden 512, 6 layers, 8 heads, MLP 2048, byte vocabulary of
 * ``linear_state``: Linear GPT decoding with its constant-size state (``past_key_values``).
 * ``linear_nostate``: the same model with ``use_cache=False``: every new token re-runs the
   whole (causal, linear-time) forward over the context.
+* ``linear_hybrid`` (with ``--softmax-window W``, batch 1 only): the same model with the
+  sliding-window hybrid (``softmax_window=W``: exact softmax weights over the last ``W`` keys,
+  kernelized beyond) decoding with its state; the summary gives its step over the plain one's
+  and over the weights as batch-1 products (which are the same: the hybrid adds no matrices).
 * ``gpt2_kv``: ``transformers`` ``GPT2LMHeadModel`` with SDPA attention and a ``DynamicCache``
   (the default of ``generate()``; it grows by concatenation every step).
 * ``gpt2_static``: the same GPT-2 with a ``StaticCache`` (preallocated for the whole length,
@@ -65,9 +69,10 @@ WEIGHT_LAYOUTS = ("weights", "weights_row_major")
 CACHES = {"gpt2_kv": "DynamicCache", "gpt2_static": "StaticCache"}
 
 
-def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int, vocab: int, clip: int = 0):
+def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int, vocab: int, clip: int = 0,
+           softmax_window: int = 0):
     """The model of one case; ``clip > 0``: Linear GPT with a learned bias clipped at ``clip`` and
-    no absolute positions."""
+    no absolute positions; ``softmax_window > 0`` (``linear_hybrid``): the sliding-window hybrid."""
     import torch
 
     torch.manual_seed(0)
@@ -75,6 +80,8 @@ def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int,
         from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM
 
         positions = dict(rpe="learned", max_relative_position=clip, position_embedding_type="none") if clip else {}
+        if softmax_window:
+            positions.update(softmax_window=softmax_window, attn_backend="hybrid")
         cfg = LinearGPTConfig(
             vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
             intermediate_size=4 * hidden, max_position_embeddings=max_positions, **positions,
@@ -91,19 +98,23 @@ def _build(model: str, max_positions: int, hidden: int, layers: int, heads: int,
 
 def decode_workload(
     model: str, context: int, new_tokens: int, batch: int = 1, hidden: int = 512, layers: int = 6,
-    heads: int = 8, vocab: int = 256, device: str = "cpu",
+    heads: int = 8, vocab: int = 256, device: str = "cpu", softmax_window: int = 0,
 ) -> Callable[[], None]:
-    """Setup (model + context of ``context`` tokens), then a callable decoding ``new_tokens`` tokens."""
+    """Setup (model + context of ``context`` tokens), then a callable decoding ``new_tokens`` tokens
+    (``linear_hybrid``: with ``softmax_window`` W)."""
     import torch
 
     from ..modeling.cache import CACHE_FIELD
 
-    net = _build(model, context + new_tokens + 1, hidden, layers, heads, vocab).to(device)
+    if (model == "linear_hybrid") != (softmax_window > 0):
+        raise ValueError(f"softmax_window > 0 is the linear_hybrid model's (and only its), got {softmax_window!r} "
+                         f"for {model!r}")
+    net = _build(model, context + new_tokens + 1, hidden, layers, heads, vocab, softmax_window=softmax_window).to(device)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (batch, context), generator=gen).to(device)
     first = ids[:, -1:]
     torch.set_grad_enabled(False)
-    if model == "linear_state":
+    if model in ("linear_state", "linear_hybrid"):
         cache = None
         for s in range(0, context - 1, 1024):  # real prefill, in chunks to bound memory
             cache = net(ids[:, s : min(s + 1024, context - 1)], past_key_values=cache, use_cache=True, logits_to_keep=1)[CACHE_FIELD]
@@ -287,12 +298,17 @@ def continuation(args: argparse.Namespace, shape: dict) -> list[dict[str, Any]]:
     return rows
 
 
-def state_mb(model: str, context: int, batch: int, hidden: int, layers: int, heads: int, new_tokens: int = 0) -> float:
-    """Size of the decoding state in MB (float32): (S, z) per layer vs. keys + values per layer
+def state_mb(model: str, context: int, batch: int, hidden: int, layers: int, heads: int, new_tokens: int = 0,
+             softmax_window: int = 0) -> float:
+    """Size of the decoding state in MB (float32): (S, z) per layer (the hybrid's: plus its window
+    of ``W - 1`` key features, values and raw keys, and their flags) vs. keys + values per layer
     (the static cache holds the whole length, context + new tokens)."""
     d = hidden // heads
     if model == "linear_state":
         return batch * layers * heads * (d * d + d) * 4 / 2**20
+    if model == "linear_hybrid":
+        keep = max(softmax_window - 1, 0)
+        return batch * layers * (heads * (d * d + d + 3 * keep * d) * 4 + keep) / 2**20
     if model == "gpt2_kv":
         return batch * layers * 2 * context * hidden * 4 / 2**20
     if model == "gpt2_static":
@@ -337,6 +353,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="K of the learned bias in the continuation case")
     parser.add_argument("--continuation-tokens", type=int, default=1024, help="new tokens continued in one call")
     parser.add_argument("--continuation-prompt", type=int, default=256, help="prefill before the continuation")
+    parser.add_argument("--softmax-window", type=int, default=0,
+                        help="also decode (batch 1) with the sliding-window hybrid of this W (linear_hybrid; 0 = skip)")
     parser.add_argument("--hidden", type=int, default=SHAPE["hidden"], help="model width (all cases)")
     parser.add_argument("--layers", type=int, default=SHAPE["layers"], help="decoder layers (all cases)")
     parser.add_argument("--heads", type=int, default=SHAPE["heads"], help="attention heads (all cases)")
@@ -347,12 +365,15 @@ def _decode_group(args, shape, ctx: int, batch: int) -> dict[str, list[dict[str,
     models = ["linear_state", "gpt2_kv", "gpt2_static"]
     if batch == 1 and ctx <= args.max_nostate_context:
         models.append("linear_nostate")
+    if batch == 1 and args.softmax_window:
+        models.append("linear_hybrid")
     cases = []
     for model in models:
         new = args.nostate_new_tokens if model == "linear_nostate" else args.new_tokens
         slow = model == "linear_nostate" and ctx >= 2048
+        hybrid = {"softmax_window": args.softmax_window} if model == "linear_hybrid" else {}
         cases.append((model, f"{TARGET}:decode_workload",
-                      dict(model=model, context=ctx, new_tokens=new, batch=batch, device=args.device, **shape),
+                      dict(model=model, context=ctx, new_tokens=new, batch=batch, device=args.device, **shape, **hybrid),
                       {"repeats": 1 if slow else args.repeats}))
     if ctx == args.bound_context:
         cases += [(layout, f"{TARGET}:weights_workload",
@@ -373,6 +394,8 @@ def run(args: argparse.Namespace) -> int:
         args.short_new = 16
         args.throughput_batch, args.throughput_len = 4, 128
         args.extra_batch = 0
+    if not isinstance(args.softmax_window, int) or args.softmax_window < 0:
+        raise ValueError(f"--softmax-window must be an int >= 0 (0 = no hybrid case), got {args.softmax_window!r}")
     for name in ("new_tokens", "nostate_new_tokens", "repeats", "throughput_batch", "throughput_len", "threads",
                  "continuation_tokens", "continuation_prompt", "rounds", "hidden", "layers", "heads", "short_prompt",
                  "short_new"):
@@ -411,7 +434,8 @@ def run(args: argparse.Namespace) -> int:
                 "model": model, "batch": batch, "context": ctx, "ms_per_token": med, "ms_min": lo, "ms_max": hi,
                 "cpu_ms_per_token": spread(1000 * r.get("cpu_s", float("nan")) / new for r in results)[0],
                 "decode_peak_mb": spread(r["peak_mb"] for r in results)[0],
-                "state_mb": state_mb(model, ctx, batch, shape["hidden"], shape["layers"], shape["heads"], new),
+                "state_mb": state_mb(model, ctx, batch, shape["hidden"], shape["layers"], shape["heads"], new,
+                                     args.softmax_window),
                 "status": ",".join(sorted({r["status"] for r in results})),
             })
             logger.info(f"  {model:17s} B={batch:3d} L={ctx:6d}  {med:9.2f} ms/token [{lo:.2f}-{hi:.2f}]")
@@ -422,6 +446,13 @@ def run(args: argparse.Namespace) -> int:
             for layout in WEIGHT_LAYOUTS:
                 summary.append({"figure": f"Linear GPT step / its weights as matrix products of {batch} row(s) ({layout}), L={ctx}, batch {batch}",
                                 **_ratio_entry(res["linear_state"], res[layout])})
+        if "linear_hybrid" in res:
+            summary.append({"figure": f"hybrid step (W={args.softmax_window}) / plain step, L={ctx}, batch {batch}",
+                            **_ratio_entry(res["linear_hybrid"], res["linear_state"])})
+            if "weights" in res:
+                summary.append({"figure": f"hybrid step (W={args.softmax_window}) / its weights as matrix products of "
+                                          f"{batch} row(s), L={ctx}, batch {batch}",
+                                **_ratio_entry(res["linear_hybrid"], res["weights"])})
     write_csv(rows, out / "decode_latency.csv")
     print(format_table(rows, ["model", "batch", "context", "ms_per_token", "ms_min", "ms_max", "cpu_ms_per_token",
                               "decode_peak_mb", "state_mb", "status"]))

@@ -294,7 +294,9 @@ class KernelizedSelfAttention(nn.Module):
         if recompute is not None and not isinstance(recompute, bool):
             raise TypeError(f"recompute must be None or a bool, got {type(recompute).__name__}")
         layer = past_key_values
-        initial_state = layer.get_state() if layer is not None else None
+        # the state as stored (a Linear GPT cache layer keeps the hybrid's window as a ring)
+        initial_state = (None if layer is None else layer.get_state(ordered=False)
+                         if getattr(layer, "keeps_window_ring", False) else layer.get_state())
         configured = recompute is None
         recompute = (self.recompute if configured else recompute) and initial_state is None
         if projection is None:

@@ -196,7 +196,8 @@ def check_state(
             "initial_state must be an AttentionState (kv, z[, window_k, window_v[, window_raw, window_valid]]) "
             f"returned by an earlier call with output_final_state=True, got {type(initial_state).__name__}"
         )
-    state = AttentionState(*initial_state)
+    # (a hand-built tuple's window is oldest first; an AttentionState says where it starts)
+    state = AttentionState(*initial_state, window_start=getattr(initial_state, "window_start", 0))
     for name, want in shapes.items():
         x = getattr(state, name)
         doc = str(want)

@@ -89,7 +89,9 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
     window's keys ``(B, H, K - 1, M)``, ``3`` = its values ``(B, H, K - 1, D)``; for the
     sliding-window hybrid (``softmax_window = W``) ``2``, ``3`` = the features and values of the
     last ``W - 1`` keys, ``4`` = their raw keys ``(B, H, W - 1, Dk)``, ``5`` = their validity
-    ``(B, 1, W - 1)`` (bool).
+    ``(B, 1, W - 1)`` (bool), kept as a ring: ``window_start`` is the slot (along dim 2) of the
+    oldest key, the others follow cyclically (a decoding step writes the new key over the one
+    that leaves); :meth:`get_state` gives them oldest first.
 
     A linear-attention layer that also counts the positions folded in (``get_seq_length()``,
     padding included), so that the stock :class:`~transformers.cache_utils.Cache` answers
@@ -119,6 +121,8 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         # the StateKind of the call that produced the state (kept with it, so that a call of
         # another kind, e.g. another model, refuses to continue it)
         self.state_kind = None
+        # the hybrid's window is a ring: the slot of its oldest key (AttentionState.window_start)
+        self.window_start = 0
 
     def __repr__(self) -> str:
         hybrid = f", softmax_window={self.softmax_window}" if self.softmax_window is not None else ""
@@ -145,11 +149,18 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
             f"{type(self).__name__} holds a recurrent state (get_state / set_state), not keys and values"
         )
 
-    def get_state(self) -> Optional[AttentionState]:
-        """The state to continue from (None before the first tokens)."""
+    # the attention module asks for the stored ring (get_state(ordered=False)), not a copy in order
+    keeps_window_ring = True
+
+    def get_state(self, ordered: bool = True) -> Optional[AttentionState]:
+        """The state to continue from (None before the first tokens): the sliding-window hybrid's
+        window oldest first (new tensors where the ring does not start at slot 0), or with
+        ``ordered=False`` the layer's own tensors as stored, with their ``window_start``."""
         if not self.is_initialized:
             return None
-        return AttentionState(*(self.recurrent_states[i] for i in range(self.number_of_states)), kind=self.state_kind)
+        state = AttentionState(*(self.recurrent_states[i] for i in range(self.number_of_states)), kind=self.state_kind,
+                               window_start=self.window_start)
+        return state.ordered() if ordered else state
 
     def set_state(self, state: AttentionState) -> None:
         """Store the state after the latest tokens: nothing to do for tensors the core already
@@ -166,6 +177,7 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
                     LinearAttentionCacheLayerMixin.__init__(self, number_of_states=4)
         tensors = state[: self.number_of_states]
         self.state_kind = getattr(state, "kind", None)
+        self.window_start = getattr(state, "window_start", 0)
         self.device, self.dtype = tensors[0].device, tensors[0].dtype
         replace = torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
         for i, x in enumerate(tensors):
@@ -201,6 +213,7 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         """Zero the states and the count (the tensors are kept for reuse)."""
         super().reset()
         self.cumulative_length = 0
+        self.window_start = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(

@@ -67,9 +67,9 @@ from .attention_inputs import (
 )
 from .builtin_backends import recurrent_attention
 from .kernels_common import (
-    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys, tracing,
+    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys, step_constant, tracing,
 )
-from .kernels_hybrid import SoftmaxWindow
+from .kernels_hybrid import SoftmaxWindow, hybrid_attention
 from .kernels_linear import recurrent_step, step_views
 from .kernels_manhattan import manhattan_distances, manhattan_table
 from .registry import _REGISTRY, AUTO_MAX_ERROR, auto_candidates, available_backends, get_backend
@@ -460,7 +460,8 @@ def _in_dtype(call: _Call, dt, q, k, v, q_den, k_den, sw):
         sw = sw._replace(q=sw.q.to(dt), k=sw.k.to(dt))
     state = call.initial_state
     if state is not None:
-        state = AttentionState(*(x if x is None or x.dtype == torch.bool else x.to(dt) for x in state))
+        state = AttentionState(*(x if x is None or x.dtype == torch.bool else x.to(dt) for x in state),
+                               window_start=state.window_start)
     return q, k, v, q_den, k_den, sw, state
 
 
@@ -503,13 +504,15 @@ def _finish_rows(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place
     if bad_key is not None:
         # a non-finite real key was replaced by zeros here; every later row sees it, in later calls too
         seen = bad_key[..., None, None]
-        state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:])
+        state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:],
+                               window_start=state.window_start)
+    start = getattr(state, "window_start", 0)  # the hybrid's ring: where its window starts after this call
     if in_place:
         for mine, new in zip(call.initial_state, state):
             if mine is not None and mine is not new:
                 mine.copy_(new)
         state = call.initial_state
-    return out, AttentionState(*state, kind=call.kind)
+    return out, AttentionState(*state, kind=call.kind, window_start=start)
 
 
 def _clipped_table(rpe_bias, rpe, n, grid, rpe_clip, continuing):
@@ -566,7 +569,7 @@ def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, ou
         keep = attention_mask
         if keep.dtype != torch.bool or keep.device != checked.device:
             keep = keep.to(device=checked.device, dtype=torch.bool)
-        k, v, k_den = zero_padded_token(keep.view(-1, 1, 1, 1), k, v, k_den, checked.zero)
+        k, v, k_den = zero_padded_token(keep.view(-1, 1, 1, 1), k, v, k_den, step_constant(0.0, q))
     out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True, views=checked.views)[0]  # (B, H, 1, D)
     return out, AttentionState(kv, z, kind=checked.kind)
 
@@ -597,6 +600,24 @@ def decoding_step_spec(backend: str):
     return spec if spec is not None and spec.fn is recurrent_attention else None
 
 
+def hybrid_step_spec(backend: str, key_mask: bool, device: str, dtype: torch.dtype, heads: int):
+    """The registered ``hybrid`` backend when a one-token call with ``backend`` and a state of the
+    sliding-window hybrid runs the built-in hybrid's decoding step (``kernels_hybrid._step``):
+    ``backend`` is ``hybrid``, or ``auto`` choosing it first, and ``hybrid`` is the built-in one;
+    else None. A caller that computes the same step itself asks again per call (``auto``'s choice
+    follows the registry and the active table) or compares the returned object (a re-registration
+    replaces it)."""
+    spec = _REGISTRY.get("hybrid")
+    if spec is None or spec.fn is not hybrid_attention or backend not in ("auto", "hybrid"):
+        return None
+    if backend == "auto":
+        first = auto_candidates(n=1, causal=True, rpe=None, key_mask=key_mask, device=device, rpe_clip=None,
+                                state=True, split=False, backward=False, dtype=dtype, heads=heads, window=True)[0]
+        if first[0] != "hybrid" or first[1] not in (None, dtype):
+            return None
+    return spec
+
+
 _CHECKED_STEP = "_kernattn_checked_step"  # the attribute of a state's S that records its checked step
 
 
@@ -607,7 +628,7 @@ class _CheckedStep:
     on ``S`` by :meth:`check`; :meth:`covers` tells whether a later step is one of those."""
 
     __slots__ = ("z", "q_shape", "v_shape", "den_shape", "dtype", "device", "eps", "mask_shape", "given_kind", "kind",
-                 "zero", "views")
+                 "views")
 
     @classmethod
     def check(cls, q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
@@ -630,7 +651,6 @@ class _CheckedStep:
         self.mask_shape = None if attention_mask is None else attention_mask.shape
         self.given_kind = getattr(state, "kind", None)
         self.kind = call.kind
-        self.zero = torch.zeros((), dtype=q.dtype, device=q.device)  # what a padded token's key and value become
         self.views = step_views(kv, z, self.eps)  # what recurrent_step reads of the state (None: not contiguous)
         if not torch.compiler.is_compiling():
             setattr(kv, _CHECKED_STEP, self)

@@ -78,6 +78,9 @@ class HybridState(NamedTuple):
         window_v: ``(B, H, W - 1, D)``, their values.
         window_raw: ``(B, H, W - 1, Dk)``, their raw keys (for the exact softmax weights).
         window_valid: ``(B, 1, W - 1)`` bool, False for padding and for slots before the first token.
+
+    The four window tensors are oldest first from a start slot (a ring, see
+    ``AttentionState.window_start``; the functions here take the start beside the state).
     """
 
     kv: torch.Tensor
@@ -134,7 +137,42 @@ def hybrid_window_attention(
     (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype; ``window = W >= 1``; ``scale`` defaults to
     ``Dk ** -0.5``; ``key_mask (B, N)`` bool, True for real tokens; ``window_weight`` /
     ``linear_weight`` ``(H,)`` positive mixing weights ``a_h``, ``b_h``. Returns ``(B, H, N, D)``;
-    with ``output_final_state`` (causal only) ``(out, HybridState)``."""
+    with ``output_final_state`` (causal only) ``(out, HybridState)``, its window oldest first."""
+    result = hybrid_window_ring(
+        q, k, q_feat, k_feat, v, window=window, causal=causal, scale=scale, key_mask=key_mask,
+        window_weight=window_weight, linear_weight=linear_weight, eps=eps, chunk_size=chunk_size,
+        initial_state=initial_state, output_final_state=output_final_state)
+    if not output_final_state:
+        return result
+    out, state, start = result
+    return out, ordered_window(state, start)
+
+
+@full_precision
+def hybrid_window_ring(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_feat: torch.Tensor,
+    k_feat: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    causal: bool,
+    scale: Optional[float] = None,
+    key_mask: Optional[torch.Tensor] = None,
+    window_weight: Optional[torch.Tensor] = None,
+    linear_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    initial_state: Optional[HybridState] = None,
+    output_final_state: bool = False,
+    window_start: int = 0,
+):
+    """:func:`hybrid_window_attention` with the window as a ring (``window_start``: the slot of
+    ``initial_state``'s window that holds its oldest key, see ``AttentionState.window_start``).
+    With ``output_final_state`` returns ``(out, HybridState, window_start)``: a one-token step
+    writes the new key over the oldest one and advances the start; other calls return the window
+    oldest first (start 0)."""
     if not causal and (initial_state is not None or output_final_state):
         raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")
     b, h, n, dk = q.shape
@@ -143,8 +181,10 @@ def hybrid_window_attention(
     valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
     k, k_feat, v = _mask_padded(k, k_feat, v, key_mask)
     if initial_state is not None and n == 1:  # a decoding step: the window and (S, z) only
-        return _step(q, k, q_feat, k_feat, v, valid, scale, _per_head(window_weight, q), _per_head(linear_weight, q),
-                     eps, initial_state, output_final_state)
+        result = _step(q, k, q_feat, k_feat, v, valid, scale, _per_head(window_weight, q), _per_head(linear_weight, q),
+                       eps, initial_state, output_final_state, window_start)
+        return result if not output_final_state else (result[0], result[1][0], result[1][1])
+    initial_state = None if initial_state is None else ordered_window(initial_state, window_start)
     start = 0  # key position of the first query: the state's window goes before the new tokens
     if initial_state is not None:
         start = w - 1
@@ -195,29 +235,88 @@ def hybrid_window_attention(
     out = torch.cat(rows, dim=2)
     if not output_final_state:
         return out
-    return out, _fold(initial_state, k, k_feat, v, valid, start, w)
+    return out, _fold(initial_state, k, k_feat, v, valid, start, w), 0
 
 
-def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridState, output_final_state):
+def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridState, output_final_state,
+          window_start: int = 0, in_place: bool = False):
     """One new token from ``state`` (what the chunked form computes for ``N = 1``, with less work):
     exact weights over the window's ``W - 1`` keys and the new one, ``(S, z)`` for every older
-    key; then the oldest window key moves into ``(S, z)``. O(W (Dk + D) + M D) per token."""
-    keys = torch.cat([state.window_raw, k], dim=2)
-    feats = torch.cat([state.window_k, k_feat], dim=2)
-    vals = with_ones_column(torch.cat([state.window_v, v], dim=2))
-    valid = torch.cat([state.window_valid, valid], dim=2)
-    s = ((q @ keys.transpose(-1, -2)) * scale).masked_fill(~valid[:, :, None, :], -torch.inf)
-    m = s.detach().amax(dim=-1, keepdim=True).clamp_min(0)
+    key; then the oldest window key moves into ``(S, z)`` and the new one takes its slot. The
+    window is a ring (``window_start``: the slot of the oldest key, see
+    ``AttentionState.window_start``), read in slot order and written in one slot: no shift.
+    Returns ``out`` and, with ``output_final_state``, ``(HybridState, window_start)`` after the
+    token: the state's own tensors written in place with ``in_place``, new ones otherwise (the
+    same values). O(W (Dk + D) + M D) per token."""
+    keep = state.window_raw.shape[2]
+    if keep == 0:  # W = 1: no window, the new key alone gets the exact weight and then leaves
+        return _step_alone(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state, output_final_state, in_place)
+    kv, z, win_k, win_v, win_raw, win_valid = state
+    b, h, _, dk = q.shape
+    m, d = kv.shape[-2:]
+    bh = b * h  # (batched products over (B H): views where the tensors allow, one dispatch each)
+    q3 = q.reshape(bh, 1, dk)
+    # scores of the window's keys (slot order) and of the new one
+    s = torch.cat([torch.bmm(q3, win_raw.reshape(bh, keep, dk).transpose(1, 2)),
+                   torch.bmm(q3, k.reshape(bh, dk, 1))], dim=-1).mul_(scale).view(b, h, 1, keep + 1)
+    s = s.masked_fill_(~torch.cat([win_valid, valid], dim=2)[:, :, None, :], -torch.inf)
+    m_ = s.amax(dim=-1, keepdim=True).clamp_min_(0)
+    em = m_.neg().exp_()
+    p = s.sub_(m_).exp_()
+    if not isinstance(a_w, float):
+        p = p.mul_(a_w)
+    p3 = p.view(bh, 1, keep + 1)
+    num = torch.bmm(p3[..., :keep], win_v.reshape(bh, keep, d)).view(b, h, 1, d).addcmul_(p[..., keep:], v)
+    den = p.sum(dim=-1, keepdim=True)
+    far = em if isinstance(b_l, float) else b_l * em
+    qf3 = q_feat.reshape(bh, 1, m)
+    num = num.addcmul_(far, torch.bmm(qf3, kv.reshape(bh, m, d)).view(b, h, 1, d))
+    den = den.addcmul_(far, torch.bmm(qf3, z.reshape(bh, m, 1)).view(b, h, 1, 1)).add_(em, alpha=eps)
+    out = num.div_(den)
+    if not output_final_state:
+        return out
+    # the oldest key (slot window_start) enters (S, z); the new one takes its slot
+    leaving_k, leaving_v = win_k[:, :, window_start], win_v[:, :, window_start]
+    outer = (leaving_k.reshape(bh, m, 1), leaving_v.reshape(bh, 1, d))
+    start = window_start + 1 if window_start + 1 < keep else 0
+    if in_place:
+        kv.view(bh, m, d).baddbmm_(*outer)
+        z.add_(leaving_k)
+        for held, new in ((win_k, k_feat), (win_v, v), (win_raw, k), (win_valid, valid)):
+            held[:, :, window_start].copy_(new[:, :, 0])
+        return out, (state, start)
+    kv, z = torch.baddbmm(kv.reshape(bh, m, d), *outer).view(b, h, m, d), z + leaving_k
+    at = dict(dim=2, start=window_start, end=window_start + 1)
+    windows = (torch.slice_scatter(held, new, **at) for held, new in ((win_k, k_feat), (win_v, v), (win_raw, k),
+                                                                       (win_valid, valid)))
+    return out, (HybridState(kv, z, *windows), start)
+
+
+def _step_alone(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridState, output_final_state,
+                in_place):
+    """:func:`_step` for ``W = 1``: the new key alone gets the exact weight, then enters ``(S, z)``."""
+    s = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~valid[:, :, None, :], -torch.inf)
+    m = s.amax(dim=-1, keepdim=True).clamp_min(0)
     em = torch.exp(-m)
     far = torch.cat([state.kv, state.z[..., None]], dim=-1)
-    y = (a_w * torch.exp(s - m)) @ vals + (b_l * em) * (q_feat @ far)
+    y = (a_w * torch.exp(s - m)) @ with_ones_column(v) + (b_l * em) * (q_feat @ far)
     out = y[..., :-1] / (y[..., -1:] + eps * em)
     if not output_final_state:
         return out
-    leaving = feats[:, :, :1]  # the oldest key of the window (the new one itself when W = 1)
-    kv = state.kv + leaving.transpose(-1, -2) @ vals[:, :, :1, :-1]
-    return out, HybridState(kv, state.z + leaving[:, :, 0], feats[:, :, 1:], vals[:, :, 1:, :-1], keys[:, :, 1:],
-                            valid[:, :, 1:])
+    kv, z = state.kv, state.z
+    if in_place:
+        kv.add_(k_feat.transpose(-1, -2) @ v)
+        z.add_(k_feat[:, :, 0])
+        return out, (state, 0)
+    return out, (state._replace(kv=kv + k_feat.transpose(-1, -2) @ v, z=z + k_feat[:, :, 0]), 0)
+
+
+def ordered_window(state: HybridState, window_start: int) -> HybridState:
+    """``state`` with its window oldest first (rolled when ``window_start`` is not 0)."""
+    if not window_start:
+        return state
+    return state._replace(**{name: torch.roll(getattr(state, name), -window_start, dims=2)
+                             for name in ("window_k", "window_v", "window_raw", "window_valid")})
 
 
 def _fold(state, k, k_feat, v, valid, start, w) -> HybridState:
@@ -274,12 +373,12 @@ def hybrid_attention(q_feat, k_feat, v, *, softmax_window: SoftmaxWindow, causal
     state an ``AttentionState`` holding the :class:`HybridState` tensors (same order)."""
     sw = softmax_window
     state = None if initial_state is None else HybridState(*initial_state)
-    result = hybrid_window_attention(
+    result = hybrid_window_ring(
         sw.q, sw.k, q_feat, k_feat, v, window=sw.window, causal=causal, scale=sw.scale, key_mask=key_mask,
         window_weight=sw.window_weight, linear_weight=sw.linear_weight, eps=eps, initial_state=state,
-        output_final_state=output_final_state,
+        output_final_state=output_final_state, window_start=getattr(initial_state, "window_start", 0),
     )
     if not output_final_state:
         return result
-    out, final = result
-    return out, AttentionState(*final)
+    out, final, start = result
+    return out, AttentionState(*final, window_start=start)

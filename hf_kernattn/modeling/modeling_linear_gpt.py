@@ -41,7 +41,9 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import KernelizedSelfAttention
-from .dispatch import decoding_step_spec, get_backend, registered_backend, zero_padded_token
+from .dispatch import decoding_step_spec, get_backend, hybrid_step_spec, registered_backend, zero_padded_token
+from .kernels_common import per_head
+from .kernels_hybrid import HybridState, _mask_padded, _step as hybrid_step
 from .kernels_common import step_constant
 from .kernels_linear import recurrent_step, step_views
 from .cache import CACHE_FIELD, UNSET, LinearGPTCache, LinearGPTCacheLayer, cache_argument, is_linear_gpt_cache
@@ -324,7 +326,8 @@ def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> 
     rows = cache.layers[0].batch_size
     if rows is not None and rows != batch:
         raise ValueError(f"past_key_values holds a batch of {rows} rows, the inputs have {batch}")
-    state = cache.layers[0].get_state()
+    state = cache.layers[0].get_state(ordered=False) if getattr(cache.layers[0], "keeps_window_ring", False) \
+        else cache.layers[0].get_state()
     want = (attn.num_heads, attn.feature_map.num_features, attn.head_dim)
     if state is not None and tuple(state.kv.shape[1:]) != want:
         raise ValueError(
@@ -540,8 +543,11 @@ class _DecodingSession:
     made the fused projections and recorded the state's kind): ``start`` validates once what the
     steps may take for granted (the exact module classes: plain ``nn.Linear``, ``nn.Embedding``,
     ``nn.LayerNorm`` / :class:`LinearGPTRMSNorm`, the two MLPs; attention without a relative
-    bias or sliding window, a backend whose one-token steps are the core's decoding step; a
-    ``LinearGPTCache`` of ``S, z`` states in the model's float32/float64 dtype, contiguous). Every
+    bias, a backend whose one-token steps are the core's decoding step, or, with the
+    sliding-window hybrid (``softmax_window``, not with feature rotations), one whose steps are
+    the built-in ``hybrid`` backend's (``kernels_hybrid._step`` in place on the window's ring;
+    ``auto``'s choice is asked again per step); a ``LinearGPTCache`` of ``S, z`` states (and the
+    hybrid's window) in the model's float32/float64 dtype, contiguous). Every
     step then compares what can change between calls (:meth:`current`): the modules in place,
     without hooks (nor global ones), none training or with a forward of its own; the fused
     projections still those of the parameters (versions and addresses); the state tensors (a
@@ -597,7 +603,8 @@ class _DecodingSession:
                     and mlp_linears[0] is not None and mlp_linears[2] is not None
                     and (names[1] is None or mlp_linears[1] is not None) and isinstance(act, nn.Module)
                     and type(attn._modules.get("feature_map")) is FeatureMap and attn.rpe is None
-                    and attn.softmax_window is None and attn.extra_features == 0 and attn.causal is True
+                    and (attn.softmax_window is None or not attn.rotary) and attn.extra_features == 0
+                    and attn.causal is True
                     and attn.rope == (cfg.position_embedding_type == "rope")
                     and attn.rotary == (cfg.position_embedding_type == "rotary")):
                 return None
@@ -605,17 +612,24 @@ class _DecodingSession:
                 backend = attn.call_backend(continuing=True)
             except (TypeError, ValueError):
                 return None
-            if decoding_step_spec(backend) is None:
-                return None
+            hybrid = None
+            if attn.softmax_window is None:
+                if decoding_step_spec(backend) is None:
+                    return None
+            else:  # the sliding-window hybrid: its decoding step, with the window's scale
+                if hybrid_step_spec(backend, False, wte.weight.device.type, dtype, attn.num_heads) is None:
+                    return None
+                hybrid = (float(attn.head_dim ** -0.5), attn.softmax_window - 1, backend == "auto")
             attns.append(attn)
             layers.append((ln_1, _ln_params(ln_1), attn, attn.num_heads != attn.num_key_value_heads,
                            attn._modules["o_proj"]._parameters, ln_2, _ln_params(ln_2), type(mlp) is LinearGPTGatedMLP,
                            mlp_linears[0]._parameters, None if mlp_linears[1] is None else mlp_linears[1]._parameters,
                            mlp_linears[2]._parameters, act, type(act).forward, attn.maps_in_place(),
-                           attn.feature_map._buffers, float(attn.eps)))
+                           attn.feature_map._buffers, float(attn.eps), hybrid))
         first = attns[0]
         self.model, self.transformer, self.layers, self.attns = model, tr, layers, attns
         self.spec = decoding_step_spec("recurrent")
+        self.auto_hybrid = any(layer[-1] is not None and layer[-1][2] for layer in layers)  # auto's choice asked per step
         self.backends = list(map(_backend, attns))
         # a named backend is checked against the model again when it is re-registered
         self.named_specs = [(name, registered_backend(name)) for name in set(self.backends) if name != "auto"]
@@ -686,11 +700,13 @@ class _DecodingSession:
         layers = cache.layers
         if type(layers) is not list or len(layers) != len(self.layers):
             return False
-        shape = (batch, self.heads, self.features, self.head_dim)
+        b, h, m, d = shape = (batch, self.heads, self.features, self.head_dim)
         states = []
-        for layer, kind, eps in zip(layers, self.kinds, self.eps):
-            if not (type(layer) is LinearGPTCacheLayer and layer.number_of_states == 2 and layer.window is None
-                    and layer.softmax_window is None and layer.has_previous_state[0]
+        for layer, kind, eps, spec in zip(layers, self.kinds, self.eps, self.layers):
+            hybrid = spec[-1]
+            if not (type(layer) is LinearGPTCacheLayer and layer.window is None and layer.has_previous_state[0]
+                    and layer.number_of_states == (2 if hybrid is None else 6)
+                    and layer.softmax_window == (None if hybrid is None else hybrid[1] + 1)
                     and (layer.state_kind is None or layer.state_kind == kind)):
                 return False
             found = layer.recurrent_states
@@ -699,9 +715,18 @@ class _DecodingSession:
                     and z.shape == shape[:3] and kv.dtype == self.dtype and z.dtype == self.dtype
                     and kv.device == self.device and z.device == self.device):
                 return False
-            views = step_views(kv, z, float(eps))
-            if views is None:
-                return False
+            if hybrid is None:
+                views = step_views(kv, z, float(eps))
+                if views is None:
+                    return False
+            else:  # the window's tensors, written in place: contiguous, of the hybrid's shapes
+                keep = hybrid[1]
+                views = tuple(found[i] for i in range(6))
+                shapes = (shape, shape[:3], (b, h, keep, m), (b, h, keep, d), (b, h, keep, d), (b, 1, keep))
+                if not all(type(x) is torch.Tensor and x.shape == want and x.device == self.device and x.is_contiguous()
+                           and x.dtype == (torch.bool if i == 5 else self.dtype)
+                           for i, (x, want) in enumerate(zip(views, shapes))):
+                    return False
             states.append((found, kv, z, views, layer))
         for layer, kind in zip(layers, self.kinds):
             layer.state_kind = kind  # what a step of the module path records
@@ -732,8 +757,10 @@ class _DecodingSession:
             return False
         if cache is not self.cache or cache.layers is not self.cache_layers or batch != self.batch:
             return self.bind(cache, batch)
-        for (found, kv, z, _, layer), kind in zip(self.states, self.kinds):
+        for (found, kv, z, views, layer), kind in zip(self.states, self.kinds):
             if found[0] is not kv or found[1] is not z or layer.state_kind is not kind or not layer.has_previous_state[0]:
+                return self.bind(cache, batch)
+            if type(views) is tuple and not all(map(_is, map(found.__getitem__, range(6)), views)):  # the hybrid's window replaced
                 return self.bind(cache, batch)
         return True
 
@@ -771,6 +798,13 @@ class _DecodingSession:
         elif self.rotary:
             position_ids = torch.arange(past, past + 1, device=self.device)[None].expand(batch, 1)
 
+        if self.auto_hybrid and hybrid_step_spec("auto", keep is not None, self.device_type, self.dtype,
+                                                 self.heads) is None:
+            return None  # auto would not run the hybrid's step here
+        for (_, _, _, views, layer), spec in zip(self.states, self.layers):
+            if spec[-1] is not None and not (type(layer.window_start) is int
+                                             and 0 <= layer.window_start < max(spec[-1][1], 1)):
+                return None  # a window start set by hand: the module path checks it
         hidden = F.embedding(input_ids, self.wte._parameters["weight"])
         if self.wpe is not None:
             table = self.wpe._parameters["weight"]
@@ -783,19 +817,22 @@ class _DecodingSession:
         cudnn = torch.backends.cudnn.enabled  # what F.layer_norm passes
         linear = F.linear
         for (ln_1, p_1, attn, grouped, o_proj, ln_2, p_2, gated, fc, up, down, act, act_forward, in_place, buffers,
-             eps), state, fused in zip(self.layers, self.states, self.fused):
+             eps, hybrid), state, fused in zip(self.layers, self.states, self.fused):
             h = _norm(ln_1, p_1, hidden, cudnn)
             x = linear(h, fused[1], fused[2]).view(batch, -1, 1, head_dim)
-            q, k, v, _ = attn.step_features(x, rope, buffers.get("projection"), keep, in_place)
+            q, k, v, raw = attn.step_features(x, rope, buffers.get("projection"), keep, in_place)
             if grouped:
                 k, v = attn._repeat_kv(k), attn._repeat_kv(v)
-            q_den = k_den = None
-            if rotary is not None:
-                q_den, k_den = q, k
-                q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-            if keep4 is not None:
-                k, v, k_den = zero_padded_token(keep4, k, v, k_den, zero)
-            out = recurrent_step(q, k, v, state[1], state[2], eps, q_den, k_den, in_place=True, views=state[3])[0]
+            if hybrid is not None:  # the sliding-window hybrid's step, as its backend runs it
+                out = self._hybrid_step(attn, hybrid, q, k, v, raw, keep, state, eps)
+            else:
+                q_den = k_den = None
+                if rotary is not None:
+                    q_den, k_den = q, k
+                    q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+                if keep4 is not None:
+                    k, v, k_den = zero_padded_token(keep4, k, v, k_den, zero)
+                out = recurrent_step(q, k, v, state[1], state[2], eps, q_den, k_den, in_place=True, views=state[3])[0]
             hidden = hidden + linear(out.reshape(width), o_proj["weight"], o_proj["bias"])
             h = _norm(ln_2, p_2, hidden, cudnn)
             if gated:
@@ -811,6 +848,25 @@ class _DecodingSession:
         if not (cfg.return_dict if return_dict is None else return_dict):
             return (logits,) if out_cache is None else (logits, out_cache)
         return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: out_cache})
+
+
+    def _hybrid_step(self, attn, hybrid, q, k, v, raw, keep, state, eps):
+        """One layer's sliding-window hybrid step (``kernels_hybrid._step`` in place on the cache
+        layer's tensors, as the ``hybrid`` backend runs it from ``kernelized_attention``, the
+        raw queries and keys made and masked as there); its window's start advanced."""
+        dtype = q.dtype
+        raw_q, raw_k = raw[0].to(dtype), attn._repeat_kv(raw[1]).to(dtype)
+        if keep is None:
+            valid = torch.ones(q.shape[0], 1, 1, dtype=torch.bool, device=q.device)
+        else:
+            raw_k, k, v = _mask_padded(raw_k, k, v, keep)
+            valid = keep[:, None, :]
+        layer = state[4]
+        out, (_, layer.window_start) = hybrid_step(
+            raw_q, raw_k, q, k, v, valid, hybrid[0], per_head(attn.window_log_weight.exp().to(dtype), 3),
+            per_head(attn.linear_log_weight.exp().to(dtype), 3), eps, HybridState(*state[3]), True,
+            layer.window_start, True)
+        return out
 
 
 class _NoSession:

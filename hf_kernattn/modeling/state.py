@@ -6,7 +6,9 @@ separate ones are given), plus, for a 1D bias clipped at ``K``, the window of th
 keys and values, which still carry their own weights ``c_{-1} .. c_{-(K-1)}``; every key older
 than that carries ``c_{-K}`` and lives in ``S`` and ``z``. The sliding-window hybrid
 (``kernels_hybrid.py``: exact softmax weights over the last ``W`` keys) keeps the same window of
-the last ``W - 1`` key features and values, plus their raw keys and a validity flag. The sums are unweighted, so a state
+the last ``W - 1`` key features and values, plus their raw keys and a validity flag (a ring:
+``AttentionState.window_start`` is the slot of the oldest key, so that a decoding step writes one
+slot instead of shifting the window). The sums are unweighted, so a state
 does not depend on the bias: a call weighs it when it reads it. An all-zero state is the empty
 one (a zero key adds nothing), so the window has a fixed size from the first token on.
 
@@ -19,6 +21,7 @@ own returns, and what every stateful backend computes at the end of a call). Cos
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import NamedTuple, Optional
 
 import torch
@@ -117,12 +120,18 @@ class AttentionState(_StateTensors):
         window_valid: ``(B, 1, W - 1)`` bool, the hybrid's flag of real keys in the window
             (False for padding and for slots before the first token); None otherwise.
         kind: the :class:`StateKind` of the call that produced the state, or None.
+        window_start: the sliding-window hybrid's window as a ring: slot ``window_start`` (along
+            dim 2 of the four window tensors) holds the oldest key and the others follow
+            cyclically, so that a one-token step writes the new key over the one that leaves
+            instead of shifting the window. 0 (the default, and always for other states): oldest
+            first. Keyword-only; :meth:`ordered` gives the same state oldest first.
     """
 
     kind: Optional[StateKind] = None
+    window_start: int = 0
 
     def __new__(cls, kv, z, window_k=None, window_v=None, window_raw=None, window_valid=None, *,
-                kind: Optional[StateKind] = None):
+                kind: Optional[StateKind] = None, window_start: int = 0):
         if window_raw is None and window_valid is None:
             self = super().__new__(cls, kv, z, window_k, window_v)
         else:  # the hybrid's six tensors (the first four read as usual by index)
@@ -131,7 +140,32 @@ class AttentionState(_StateTensors):
             if not isinstance(kind, StateKind):
                 raise TypeError(f"kind must be a StateKind or None, got {type(kind).__name__}")
             self.kind = kind
+        if type(window_start) is not int or window_start:  # (0, the default: nothing to check or record)
+            if not isinstance(window_start, int) or isinstance(window_start, bool):
+                raise TypeError(f"window_start must be an int, got {type(window_start).__name__}")
+            if window_start:
+                slots = window_raw.shape[2] if isinstance(window_raw, torch.Tensor) and window_raw.dim() == 4 else 0
+                if not 0 < window_start < slots:
+                    raise ValueError(
+                        f"window_start must lie in [0, W - 1) = [0, {slots}) (a slot of the sliding-window "
+                        f"hybrid's window; 0 for every other state), got {window_start}")
+                self.window_start = window_start
         return self
+
+    def replaced(self, *tensors, window_start: Optional[int] = None) -> "AttentionState":
+        """The state with other tensors (same order; None keeps this state's), the same kind and
+        window start (or ``window_start``)."""
+        tensors = [mine if new is None else new for mine, new in itertools.zip_longest(self, tensors)]
+        return AttentionState(*tensors, kind=self.kind,
+                              window_start=self.window_start if window_start is None else window_start)
+
+    def ordered(self) -> "AttentionState":
+        """The same state with its window oldest first (``window_start`` 0): this state itself
+        when it already is, else new window tensors rolled into order."""
+        start = self.window_start
+        if not start:
+            return self
+        return AttentionState(*self[:2], *(torch.roll(x, -start, dims=2) for x in self[2:]), kind=self.kind)
 
     @property
     def window_raw(self) -> Optional[torch.Tensor]:
@@ -146,8 +180,9 @@ class AttentionState(_StateTensors):
         return dict(zip(names, self))
 
     def __repr__(self) -> str:
+        start = f", window_start={self.window_start}" if self.window_start else ""
         return type(self).__name__ + "(" + ", ".join(f"{k}={v!r}" for k, v in self._asdict().items()) + \
-            f", kind={self.kind!r})"
+            f", kind={self.kind!r}{start})"
 
 
 def fold_into_state(

@@ -388,3 +388,28 @@ def test_measure_imports_the_code_on_its_path_not_the_working_directorys(tmp_pat
     monkeypatch.chdir(here)
     res = measure("shadowed_workload:workload", {}, repeats=1, timeout_s=120, extra_path=[str(there)])
     assert res["status"] == "ok", res["status"]
+
+
+def test_generate_bench_times_the_hybrid_step_with_softmax_window(monkeypatch):
+    """``--softmax-window W`` adds the sliding-window hybrid's decoding (batch 1) to each context's
+    alternated cases; its workload decodes with the hybrid; W is refused for other models."""
+    from hf_kernattn.bench import common, generate
+
+    order = []
+
+    def in_process(target, kwargs, **_):
+        order.append((kwargs.get("model", kwargs.get("layout")), kwargs.get("softmax_window")))
+        return _run_workload_in_process(target, kwargs)
+
+    monkeypatch.setattr(common, "measure", in_process)
+    args = generate.build_parser().parse_args([
+        "--hidden", "16", "--layers", "1", "--heads", "2", "--bound-context", "6", "--new-tokens", "2",
+        "--nostate-new-tokens", "1", "--rounds", "1", "--repeats", "1", "--softmax-window", "3"])
+    shape = dict(generate.SHAPE, hidden=16, layers=1, heads=2)
+    res = generate._decode_group(args, shape, 6, 1)
+    assert ("linear_hybrid", 3) in order and ("linear_state", None) in order and "weights" in res
+    assert all(r["status"] == "ok" for r in res["linear_hybrid"])
+    with pytest.raises(ValueError, match="softmax_window"):
+        generate.decode_workload("linear_state", context=4, new_tokens=1, hidden=16, layers=1, heads=2, softmax_window=3)
+    assert generate.state_mb("linear_hybrid", 4, 1, 16, 1, 2, softmax_window=3) > generate.state_mb(
+        "linear_state", 4, 1, 16, 1, 2)
