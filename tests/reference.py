@@ -11,6 +11,8 @@ offsets. Keys that are not allowed are selected away
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def literal_reference(q, k, v, bias=None, causal=False, mask=None, grid=None, eps=1e-6, q_den=None, k_den=None):
@@ -109,3 +111,23 @@ def host_reads(monkeypatch, call):
         return call(), reads
     finally:
         monkeypatch.undo()
+
+
+
+class WholeHeadAllocations(TorchDispatchMode):
+    """A dispatch mode that counts the tensors ops allocate (not views or aliases of an argument)
+    that span all ``heads`` (dim 1, at least 3 dims) with at least ``min_numel`` values: outputs,
+    gradients and any whole copy. ``count`` after the ``with`` block."""
+
+    def __init__(self, heads: int, min_numel: int):
+        super().__init__()
+        self.heads, self.min_numel, self.count = heads, min_numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given and t.dim() >= 3 \
+                    and t.shape[1] == self.heads and t.numel() >= self.min_numel:
+                self.count += 1
+        return out

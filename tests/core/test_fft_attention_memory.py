@@ -9,32 +9,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from hf_kernattn.modeling import kernels_fft
 from hf_kernattn.modeling.kernels_fft import fft_attention
-from tests.reference import literal_reference
+from tests.reference import WholeHeadAllocations, literal_reference
 
 B, H, M, D = 2, 3, 4, 5
 
 
-class _CountWholeHeads(TorchDispatchMode):
-    """Counts the tensors ops allocate (not views) that span every head with at least ``N x
-    min(M, D)`` values per head and batch row: the output, the gradients and any whole copy."""
-
-    def __init__(self, n):
-        super().__init__()
-        self.n, self.count = n, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        given = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in given and t.dim() >= 3 \
-                    and t.shape[1] == H and t.numel() >= B * H * self.n * min(M, D):
-                self.count += 1
-        return out
+def _CountWholeHeads(n):
+    """Counts new tensors spanning every head with at least ``N x min(M, D)`` values per head and
+    batch row: the outputs and gradients, and any whole copy."""
+    return WholeHeadAllocations(H, B * H * n * min(M, D))
 
 
 def _inputs(n, bias_shape, seed=0):
