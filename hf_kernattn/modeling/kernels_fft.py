@@ -316,13 +316,21 @@ class ToeplitzKernelProduct(torch.autograd.Function):
                 if full is not None:
                     full[:, h0:h1] = part.reshape(part.shape[:3] + (n,)).transpose(-1, -2)
             if need_c:
-                rows = parts[3] if c.shape[0] > 1 else parts[3].sum(0, keepdim=True)
-                if total is None:
-                    total = rows.new_zeros((c.shape[0],) + rows.shape[1:])
-                total[slice(h0, h1) if c.shape[0] > 1 else slice(0, 1)] += rows
+                total = _add_table_rows(total, parts[3], c.shape[0], h0, h1)
             del parts
         dc_grad = _table_gradient(total, c, spatial, lengths) if need_c else None
         return dq, dk, dv, dc_grad, None
+
+
+def _add_table_rows(total: Optional[torch.Tensor], part: torch.Tensor, rows: int, h0: int, h1: int) -> torch.Tensor:
+    """Add the heads ``h0:h1``'s part ``(h1 - h0, *freq)`` of the table's gradient spectrum to
+    ``total`` ``(rows, *freq)`` (made on the first pass): row per head, or summed into one row
+    when the table is shared (``rows == 1``)."""
+    part = part if rows > 1 else part.sum(0, keepdim=True)
+    if total is None:
+        total = part.new_zeros((rows,) + part.shape[1:])
+    total[slice(h0, h1) if rows > 1 else slice(0, 1)] += part
+    return total
 
 
 def _table_gradient(total: torch.Tensor, c: torch.Tensor, spatial: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
@@ -402,10 +410,7 @@ class FFTAttention(torch.autograd.Function):
                         grads[i] = like.new_empty(like.shape)
                     grads[i][:, h0:h1] = part[:, :, : like.shape[-1]].reshape(b, h1 - h0, like.shape[-1], n).transpose(-1, -2)
             if need_c:
-                rows = parts[3] if c.shape[0] > 1 else parts[3].sum(0, keepdim=True)
-                if total is None:
-                    total = rows.new_zeros((c.shape[0],) + rows.shape[1:])
-                total[slice(h0, h1) if c.shape[0] > 1 else slice(0, 1)] += rows
+                total = _add_table_rows(total, parts[3], c.shape[0], h0, h1)
             del parts
         grads = [x.new_zeros(x.shape) if need and grad is None else grad for x, need, grad in zip((q, k, v), ctx.needs_input_grad, grads)]
         dc_grad = (_table_gradient(total, c, spatial, lengths) if total is not None else torch.zeros_like(c)) if need_c else None
