@@ -93,9 +93,14 @@ def _assert_bitwise(a, b):
 def test_fast_steps_equal_the_module_path_bitwise(name, masked, fast_steps):
     model = _model(**CONFIGS[name])
     ids = _ids()
-    mask = _padded_mask(ids) if masked else None
+    _assert_fast_steps_equal_modules_and_forward(model, ids, _padded_mask(ids) if masked else None, fast_steps, 5)
+
+
+def _assert_fast_steps_equal_modules_and_forward(model, ids, mask, fast_steps, n_fast):
+    """Decode ``ids`` step by step: all but the first of the steps (``n_fast``) take the session,
+    the logits are bitwise those of the forced module path and match the parallel forward's."""
     fast = _decode(model, ids, mask)
-    assert fast_steps == [True] * 5  # 6 steps: the first runs the modules and starts the session
+    assert fast_steps == [True] * n_fast  # the first step runs the modules and starts the session
     hook = _force_modules(model)
     fast_steps.clear()
     modules = _decode(model, ids, mask)

@@ -15,7 +15,8 @@ from hf_kernattn.modeling.dispatch import kernelized_attention
 from hf_kernattn.modeling.kernels_hybrid import SoftmaxWindow
 from hf_kernattn.modeling.state import AttentionState
 from tests.models.linear_gpt.test_decoding_session import (  # noqa: F401  (fast_steps: a fixture)
-    _assert_bitwise, _decode, _force_modules, _ids, _model, _padded_mask, fast_steps,
+    _assert_bitwise, _assert_fast_steps_equal_modules_and_forward, _decode, _force_modules, _ids, _model,
+    _padded_mask, fast_steps,
 )
 from tests.reference import hybrid_layer_reference
 
@@ -47,21 +48,8 @@ def _hybrid(dtype=torch.float32, **config):
 @pytest.mark.parametrize("masked", [False, True])
 def test_hybrid_fast_steps_equal_the_module_path_bitwise(name, masked, fast_steps):
     model = _hybrid(**CONFIGS[name])
-    ids = _ids(n=16)
-    mask = _padded_mask(ids) if masked else None
-    fast = _decode(model, ids, mask)
-    assert fast_steps == [True] * 11  # 12 steps: the first runs the modules and starts the session
-    hook = _force_modules(model)
-    fast_steps.clear()
-    modules = _decode(model, ids, mask)
-    hook.remove()
-    assert not any(fast_steps)
-    _assert_bitwise(fast, modules)
-    with torch.no_grad():  # and both are the parallel forward's
-        full = model(ids, attention_mask=mask, use_cache=False).logits
-    real = slice(None) if mask is None else mask.bool()
-    torch.testing.assert_close(fast[0][real], full[real], rtol=1e-4, atol=1e-4)
-
+    ids = _ids(n=16)  # 12 steps
+    _assert_fast_steps_equal_modules_and_forward(model, ids, _padded_mask(ids) if masked else None, fast_steps, 11)
 
 def test_hybrid_float64_steps_equal_the_module_path_bitwise_and_the_whole_forward(fast_steps):
     model = _hybrid(F64, **CONFIGS["w4_rope_gqa_gated_rmsnorm"])
