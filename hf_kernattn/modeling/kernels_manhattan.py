@@ -169,6 +169,64 @@ class TilePlan:
             buf[:, f].fill_(1)
         return buf
 
+    def to_strips_t(self, x: torch.Tensor, ones: bool = False) -> torch.Tensor:
+        """``(B, H, N, F)`` -> the feature-major strip buffer: flat, ``ntx B H`` columns of ``(F,
+        hq tx)`` values (one row of ``hq tx`` tokens per feature, zero off the grid); ``ones``: a
+        row of ones after the F features (``F + 1`` rows)."""
+        f = x.shape[-1]
+        rows = f + ones
+        buf = x.new_empty(self.ntx * self.bh * rows * self.column)
+        region = buf.view(self.ntx, self.b, self.h, rows, self.hq, self.tx)
+        xg = x.reshape(self.b, self.h, self.hg, self.wg, f)
+        full = self.wg // self.tx
+        if self.hq > self.hg:
+            region[:, :, :, :f, self.hg :].zero_()
+        if full < self.ntx:
+            region[full, :, :, :f].zero_()
+        if full:
+            region[:full, :, :, :f, : self.hg].copy_(
+                xg[:, :, :, : full * self.tx].reshape(self.b, self.h, self.hg, full, self.tx, f).permute(3, 0, 1, 5, 2, 4))
+        if full < self.ntx:
+            region[full, :, :, :f, : self.hg, : self.wg - full * self.tx].copy_(xg[:, :, :, full * self.tx :].permute(0, 1, 4, 2, 3))
+        if ones:
+            region[:, :, :, f].fill_(1)
+        return buf
+
+    def runs_t(self, buf: torch.Tensor, rows: int, i: int, r: int, c0: int, c1: int) -> torch.Tensor:
+        """:meth:`runs` of a feature-major strip buffer of ``rows`` features: ``(c1 - c0, rows, keys)``."""
+        lo, _, keys = self.rows[i][r]
+        start = (c0 + self.offsets[i][0] * self.bh) * rows * self.column + lo * self.tx
+        return buf.as_strided((c1 - c0, rows, keys), (rows * self.column, self.column, 1), buf.storage_offset() + start)
+
+    def far_t(self, kb: torch.Tensor, vt: torch.Tensor, rows: int) -> torch.Tensor:
+        """``[v, 1]^T k`` per (batch row, head) from the strip buffers of k (token-major) and of
+        ``[v, 1]`` (feature-major, ``rows`` features): ``(B H, rows, M)``."""
+        m = kb.shape[-1]
+        cols = self.ntx * self.bh
+        parts = torch.bmm(vt.view(cols, rows, self.column), kb.view(cols, self.column, m))
+        return parts.view(self.ntx, self.bh, rows, m).sum(0)
+
+    def new_tiles_t(self, like: torch.Tensor, f: int) -> torch.Tensor:
+        """A feature-major tile buffer ``(nty, ntx B H, F, ty tx)`` (uninitialized)."""
+        return like.new_empty(self.nty, self.ntx * self.bh, f, self.t2)
+
+    def divide(self, yt: torch.Tensor, eps: torch.Tensor, out: torch.Tensor, den: torch.Tensor) -> None:
+        """A feature-major tile buffer of numerators and denominators ``(nty, ntx B H, D+1, ty tx)``
+        -> ``den (B, H, N) =`` its denominators plus ``eps (H,)`` and ``out (B, H, N, D) =`` the
+        numerators over them (both written in place)."""
+        f = yt.shape[2]
+        d = f - 1
+        y = yt.view(self.nty, self.ntx, self.b, self.h, f, self.ty, self.tx).permute(2, 3, 0, 5, 1, 6, 4)
+        if (self.hq, self.wq) == (self.hg, self.wg):
+            dv, ov = den.view(self.b, self.h, self.nty, self.ty, self.ntx, self.tx), out.view(*y.shape[:-1], d)
+            e = eps.view(1, -1, 1, 1, 1, 1)
+        else:
+            y = y.reshape(self.b, self.h, self.hq, self.wq, f)[:, :, : self.hg, : self.wg]
+            dv, ov = den.view(self.b, self.h, self.hg, self.wg), out.view(self.b, self.h, self.hg, self.wg, d)
+            e = eps.view(1, -1, 1, 1)
+        torch.add(y[..., d], e, out=dv)
+        torch.div(y[..., :d], dv[..., None], out=ov)
+
     def new_tiles(self, like: torch.Tensor, f: int) -> torch.Tensor:
         """A tile buffer ``(nty, ntx B H, ty tx, F)``: tile row, then column (the tiles of one
         row of consecutive columns are one contiguous block); uninitialized (offset 0, first,
@@ -265,30 +323,28 @@ class ManhattanAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, c, eps, grid, clip, tile):  # type: ignore[override]
         b, h, n, m = q.shape
         d = v.shape[-1]
-        y = q.new_empty(b, h, n, d + 1)
+        out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
         for (b0, b1, h0, h1), plan in _chunks(q, d, grid, clip, tile):
             part = (slice(b0, b1), slice(h0, h1))
-            _near_forward(plan, q[part], k[part], v[part], c[h0:h1], y[part])
-        y[..., d].add_(eps[:, None])
-        ctx.save_for_backward(q, k, v, c, y)
+            _near_forward(plan, q[part], k[part], v[part], c[h0:h1], eps[h0:h1], out[part], den[part])
+        ctx.save_for_backward(q, k, v, c, out, den)
         ctx.layout = (grid, clip, tile)
-        return y[..., :d] / y[..., d:]
+        return out
 
     @staticmethod
     @full_precision
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, c, y = ctx.saved_tensors
+        q, k, v, c, out, den = ctx.saved_tensors
         d = v.shape[-1]
         need = ctx.needs_input_grad[:4]
         dq, dk, dv = (torch.empty_like(x) if flag else None for x, flag in zip((q, k, v), need))
         dc = c.new_zeros(c.shape) if need[3] else None
         for (b0, b1, h0, h1), plan in _chunks(q, d, *ctx.layout):
             part = (slice(b0, b1), slice(h0, h1))
-            # the gradient of the numerator and denominator: [g / den, -(g . num) / den^2]
-            yp = y[part]
-            g = torch.empty_like(yp)
-            torch.div(dout[part], yp[..., d:], out=g[..., :d])
-            g[..., d] = -(g[..., :d] * yp[..., :d]).sum(-1) / yp[..., d]
+            # the gradient of the numerator and denominator: [g / den, -(g . num) / den^2 = -(g / den) . out]
+            g = q.new_empty(b1 - b0, h1 - h0, q.shape[2], d + 1)
+            torch.div(dout[part], den[part][..., None], out=g[..., :d])
+            g[..., d] = -(g[..., :d] * out[part]).sum(-1)
             grads = [None if x is None else x[part] for x in (dq, dk, dv)]
             dcp = _near_backward(plan, q[part], k[part], v[part], c[h0:h1], g, *grads, need[3])
             if dcp is not None:
@@ -320,26 +376,28 @@ def _chunks(q: torch.Tensor, d: int, grid: tuple[int, int], clip: int, tile: tup
         yield (b0, b1, h0, h1), _plan(b1 - b0, h1 - h0, grid, clip, tile, q.device, GROUP_TOKENS)
 
 
-def _near_forward(plan: TilePlan, q, k, v, c, y) -> None:
-    """``y (B, H, N, D+1) =`` the numerator and denominator of the chunk ``q, k, v, c`` (far
-    term and near sum), written in place."""
+def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
+    """``out (B, H, N, D)`` and ``den (B, H, N)`` of the chunk ``q, k, v, c, eps``: the numerator
+    (far term and near sum) over the denominator plus ``eps``, written in place. The value
+    products run feature-major (``[v, 1]^T`` runs times the score blocks, into ``(D+1, ty tx)``
+    tiles): at 65 columns this orientation runs well faster than its transpose."""
     d = v.shape[-1]
     w = plan.weights(c)
-    qb, kb, vb = plan.to_strips(q), plan.to_strips(k), plan.to_strips(v, ones=True)
-    far = plan.per_column(_far_sums(k, v) * c[:, plan.clip].repeat(plan.b)[:, None, None])  # c_K k^T [v, 1]
-    yt = plan.new_tiles(q, d + 1)
+    qb, kb, vt = plan.to_strips(q), plan.to_strips(k), plan.to_strips_t(v, ones=True)
+    far = plan.per_column(plan.far_t(kb, vt, d + 1) * c[:, plan.clip].repeat(plan.b)[:, None, None])  # c_K [v, 1]^T k
+    yt = plan.new_tiles_t(q, d + 1)
     for group in plan.groups:
         for r in range(plan.nty):
             c0, c1 = plan.columns(None, group)
-            torch.bmm(plan.tiles(qb, r, c0, c1), far[c0:c1], out=yt[r, c0:c1])  # the far term: every key with c_K
+            torch.bmm(far[c0:c1], plan.tiles(qb, r, c0, c1).transpose(1, 2), out=yt[r, c0:c1])  # far: every key with c_K
             for i in range(len(plan.offsets)):
                 c0, c1 = plan.columns(i, group)
                 if c0 >= c1:
                     continue
                 scores = torch.bmm(plan.runs(kb, i, r, c0, c1), plan.tiles(qb, r, c0, c1).transpose(1, 2))  # (cols, keys, ty tx)
                 plan.weigh(scores, w, i, r, c0, c1)
-                yt[r, c0:c1].baddbmm_(scores.transpose(1, 2), plan.runs(vb, i, r, c0, c1))
-    plan.from_tiles(yt, y)
+                yt[r, c0:c1].baddbmm_(plan.runs_t(vt, d + 1, i, r, c0, c1), scores)
+    plan.divide(yt, eps, out, den)
 
 
 def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
