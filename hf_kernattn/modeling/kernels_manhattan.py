@@ -227,6 +227,18 @@ class TilePlan:
         torch.add(y[..., d], e, out=dv)
         torch.div(y[..., :d], dv[..., None], out=ov)
 
+    def from_strips(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        """A strip buffer ``(L, F)`` -> ``out (B, H, N, F)`` (its tokens on the grid, written in place)."""
+        f = buf.shape[-1]
+        region = buf.view(self.ntx, self.b, self.h, self.hq, self.tx, f)
+        og = out.view(self.b, self.h, self.hg, self.wg, f)
+        full = self.wg // self.tx
+        if full:
+            og[:, :, :, : full * self.tx].view(self.b, self.h, self.hg, full, self.tx, f).copy_(
+                region[:full, :, :, : self.hg].permute(1, 2, 3, 0, 4, 5))
+        if full < self.ntx:
+            og[:, :, :, full * self.tx :].copy_(region[full, :, :, : self.hg, : self.wg - full * self.tx])
+
     def new_tiles(self, like: torch.Tensor, f: int) -> torch.Tensor:
         """A tile buffer ``(nty, ntx B H, ty tx, F)``: tile row, then column (the tiles of one
         row of consecutive columns are one contiguous block); uninitialized (offset 0, first,
@@ -337,7 +349,7 @@ class ManhattanAttention(torch.autograd.Function):
         q, k, v, c, out, den = ctx.saved_tensors
         d = v.shape[-1]
         need = ctx.needs_input_grad[:4]
-        dq, dk, dv = (torch.empty_like(x) if flag else None for x, flag in zip((q, k, v), need))
+        dq, dk, dv = (x.new_empty(x.shape) if flag else None for x, flag in zip((q, k, v), need))  # contiguous
         dc = c.new_zeros(c.shape) if need[3] else None
         for (b0, b1, h0, h1), plan in _chunks(q, d, *ctx.layout):
             part = (slice(b0, b1), slice(h0, h1))
@@ -403,7 +415,9 @@ def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
 def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
     """The gradients of a chunk: ``g (B, H, N, D+1)`` the gradient of the numerator and
     denominator -> ``dq, dk, dv`` written in place (those not None), and ``dc (H, K+1)`` if
-    ``need_c`` (else None)."""
+    ``need_c`` (else None). Each key's tile against the runs of its queries: one score block
+    and one block of ``g . [v, 1]`` per pair, whose weighted form gives the gradients of k
+    (into the tile) and of q (added into the queries' runs of a strip buffer)."""
     b, h, n, m = q.shape
     d = v.shape[-1]
     need_q, need_k, need_v = dq is not None, dk is not None, dv is not None
@@ -413,18 +427,15 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
     kv = _far_sums(k, v)  # (B H, M, D+1)
     qg = q.reshape(b * h, n, m).transpose(1, 2) @ g.reshape(b * h, n, d + 1)  # (B H, M, D+1)
     c_far = c[:, plan.clip].repeat(b)[:, None, None]  # (B H, 1, 1)
-    far_q = plan.per_column((kv * c_far).transpose(1, 2)) if need_q else None
     far_k = plan.per_column((qg * c_far).transpose(1, 2)) if need_k else None
     far_v = plan.per_column(qg[:, :, :d] * c_far) if need_v else None
-    dqt = plan.new_tiles(q, m) if need_q else None
+    dqb = q.new_zeros(plan.length, m) if need_q else None  # the near sum of dq, strip by strip
     dkt = plan.new_tiles(q, m) if need_k else None
     dvt = plan.new_tiles(q, d) if need_v else None
     dw = w.new_zeros(w.shape) if need_c else None
     for group in plan.groups:
         for r in range(plan.nty):
             c0, c1 = plan.columns(None, group)
-            if need_q:
-                torch.bmm(plan.tiles(gb, r, c0, c1), far_q[c0:c1], out=dqt[r, c0:c1])
             if need_k:
                 torch.bmm(plan.tiles(vb, r, c0, c1), far_k[c0:c1], out=dkt[r, c0:c1])
             if need_v:
@@ -433,24 +444,26 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
                 c0, c1 = plan.columns(i, group)
                 if c0 >= c1:
                     continue
-                if need_q:  # each query's tile against the runs of its keys
-                    dp = torch.bmm(plan.runs(vb, i, r, c0, c1), plan.tiles(gb, r, c0, c1).transpose(1, 2))
-                    plan.weigh(dp, w, i, r, c0, c1)
-                    dqt[r, c0:c1].baddbmm_(dp.transpose(1, 2), plan.runs(kb, i, r, c0, c1))
-                if need_k or need_v or need_c:  # each key's tile against the runs of its queries (the same weights)
-                    qr, gr = plan.runs(qb, i, r, c0, c1), plan.runs(gb, i, r, c0, c1)
-                    scores = torch.bmm(qr, plan.tiles(kb, r, c0, c1).transpose(1, 2))
-                    if need_k or need_c:
-                        dp = torch.bmm(gr, plan.tiles(vb, r, c0, c1).transpose(1, 2))
-                        if need_c:  # every (query, key) pair once, as in the forward
-                            plan.weigh_backward(dw, scores, dp, i, r, c0, c1)
-                        if need_k:
-                            plan.weigh(dp, w, i, r, c0, c1)
-                            dkt[r, c0:c1].baddbmm_(dp.transpose(1, 2), qr)
-                    if need_v:
-                        plan.weigh(scores, w, i, r, c0, c1)
-                        dvt[r, c0:c1].baddbmm_(scores.transpose(1, 2), plan.runs(gb, i, r, c0, c1, d))
-    for tiles, out in ((dqt, dq), (dkt, dk), (dvt, dv)):
+                # each key's tile against the runs of its queries (the weights are symmetric)
+                qr, gr = plan.runs(qb, i, r, c0, c1), plan.runs(gb, i, r, c0, c1)
+                scores = torch.bmm(qr, plan.tiles(kb, r, c0, c1).transpose(1, 2)) if need_v or need_c else None
+                if need_q or need_k or need_c:
+                    dp = torch.bmm(gr, plan.tiles(vb, r, c0, c1).transpose(1, 2))
+                    if need_c:  # every (query, key) pair once, as in the forward
+                        plan.weigh_backward(dw, scores, dp, i, r, c0, c1)
+                    if need_q or need_k:
+                        plan.weigh(dp, w, i, r, c0, c1)
+                    if need_k:
+                        dkt[r, c0:c1].baddbmm_(dp.transpose(1, 2), qr)
+                    if need_q:
+                        plan.runs(dqb, i, r, c0, c1).baddbmm_(dp, plan.tiles(kb, r, c0, c1))
+                if need_v:
+                    plan.weigh(scores, w, i, r, c0, c1)
+                    dvt[r, c0:c1].baddbmm_(scores.transpose(1, 2), plan.runs(gb, i, r, c0, c1, d))
+    if need_q:
+        plan.from_strips(dqb, dq)
+        dq.view(b * h, n, m).baddbmm_(g.reshape(b * h, n, d + 1), (kv * c_far).transpose(1, 2))
+    for tiles, out in ((dkt, dk), (dvt, dv)):
         if tiles is not None:
             plan.from_tiles(tiles, out)
     if not need_c:
@@ -465,7 +478,7 @@ def _far_sums(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``k^T [v, 1]`` per (batch row, head): ``(B H, M, D+1)``."""
     b, h, n, m = k.shape
     kf = k.reshape(b * h, n, m)
-    return torch.cat([kf.transpose(1, 2) @ v.reshape(b * h, n, -1), kf.sum(1)[:, :, None]], dim=2)
+    return torch.cat([kf.transpose(1, 2) @ v.reshape(b * h, n, -1), kf.transpose(1, 2) @ kf.new_ones(n, 1)], dim=2)
 
 
 def tile_shape(grid: tuple[int, int], clip: int) -> tuple[int, int]:
