@@ -20,16 +20,18 @@ columns, each strip row-major, so that a tile is ``Ty Tx`` consecutive tokens an
 row of tiles and one strip offset, one batched product over the tiles of every strip, batch
 row and head gives the ``(Ty Tx, run)`` score blocks; they are weighed by the ``c_d - c_K`` of
 each (query, key) pair (0 beyond the diamond: a fixed block per head and offset, one pass) and
-one more product adds them times ``[v, 1]`` into the tiles' numerator and denominator, which a
-first product per row of tiles starts with the far term ``c_K q_i [S, z]``. The blocks cover
+one more product adds the runs' ``[v, 1]``, stored feature-major, times them into the tiles'
+numerator and denominator, ``(D+1, Ty Tx)`` per tile (at ``D+1`` columns this orientation runs
+well faster than its transpose), which a first product per row of tiles starts with the far
+term ``c_K q_i [S, z]``; the division writes the output from these tiles. The blocks cover
 about 1.5-1.8x the keys of the diamond (the tiles' corners), against ``N`` for the dense form.
 Tiles whose strip ``s`` lies off the grid skip that product; runs stop at the grid's top and
 bottom rows. A small grid is one tile (the dense form). Calls run in chunks of (batch row,
 head) pairs whose buffers stay a few MB (:func:`_chunks`).
 
 Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): for the backward it keeps only its
-inputs q, k, v, the coefficients and the numerator with its denominator (it rebuilds the
-strips and recomputes each score block); score blocks exist for one row of tiles of a group of
+inputs q, k, v, the coefficients, the output and its denominator (it rebuilds the strips
+and recomputes each score block); score blocks exist for one row of tiles of a group of
 strips (a few thousand tokens) at a time. :func:`manhattan_table` turns a per-distance table into the 2D
 bias ``(H, 2Hg-1, 2Wg-1)`` the other backends take; :func:`manhattan_distances` reads the
 per-distance values back from such a bias (the backend's input). The plain reference is the
@@ -135,6 +137,27 @@ class TilePlan:
             index[i, : self.keys[i]] = ((ry - hs - iy).abs() + (s * tx + rx - ix).abs()).clamp(max=clip)
         self.index = index
 
+    @functools.cached_property
+    def steps(self) -> list:
+        """The products of a walk over the tiles, as plain numbers (the loop then makes only the
+        views it multiplies): per group and tile row ``r``, ``(a, z, r, first tile token,
+        items)`` for the columns ``[a, z)``, ``items`` one ``(i, c0, c1, first run token, keys,
+        h0, heads, first weight row)`` per strip offset ``i`` with columns ``[c0, c1)`` on the grid."""
+        out = []
+        for group in self.groups:
+            for r in range(self.nty):
+                a, z = self.columns(None, group)
+                items = []
+                for i, (s, _) in enumerate(self.offsets):
+                    c0, c1 = self.columns(i, group)
+                    if c0 >= c1:
+                        continue
+                    lo, first, keys = self.rows[i][r]
+                    heads = min(c1 - c0, self.h)
+                    items.append((i, c0, c1, (c0 + s * self.bh) * self.column + lo * self.tx, keys, c0 % self.h, heads, first))
+                out.append((a, z, r, a * self.column + r * self.t2, items))
+        return out
+
     def weights(self, c: torch.Tensor) -> torch.Tensor:
         """Per-distance coefficients ``c (H, K+1)`` -> the near weights ``c_d - c_K`` (0 from
         distance K on) of every (run position, tile position) pair: ``(H, offsets, max keys, ty tx)``."""
@@ -191,12 +214,6 @@ class TilePlan:
         if ones:
             region[:, :, :, f].fill_(1)
         return buf
-
-    def runs_t(self, buf: torch.Tensor, rows: int, i: int, r: int, c0: int, c1: int) -> torch.Tensor:
-        """:meth:`runs` of a feature-major strip buffer of ``rows`` features: ``(c1 - c0, rows, keys)``."""
-        lo, _, keys = self.rows[i][r]
-        start = (c0 + self.offsets[i][0] * self.bh) * rows * self.column + lo * self.tx
-        return buf.as_strided((c1 - c0, rows, keys), (rows * self.column, self.column, 1), buf.storage_offset() + start)
 
     def far_t(self, kb: torch.Tensor, vt: torch.Tensor, rows: int) -> torch.Tensor:
         """``[v, 1]^T k`` per (batch row, head) from the strip buffers of k (token-major) and of
@@ -265,47 +282,9 @@ class TilePlan:
             return a * self.bh, z * self.bh
         return (a * self.bh + r0, a * self.bh + r1) if a < z else (0, 0)
 
-    def _view(self, buf: torch.Tensor, start: int, c0: int, c1: int, tokens: int, width: int | None) -> torch.Tensor:
-        ld = buf.stride(0)
-        width = buf.shape[-1] if width is None else width
-        return buf.as_strided((c1 - c0, tokens, width), (self.column * ld, ld, buf.stride(-1)),
-                              buf.storage_offset() + (c0 * self.column + start) * ld)
-
-    def tiles(self, buf: torch.Tensor, r: int, c0: int, c1: int, width: int | None = None) -> torch.Tensor:
-        """Tile row ``r`` of the columns ``[c0, c1)`` of a strip buffer: ``(c1 - c0, ty tx, F)``."""
-        return self._view(buf, r * self.t2, c0, c1, self.t2, width)
-
-    def runs(self, buf: torch.Tensor, i: int, r: int, c0: int, c1: int, width: int | None = None) -> torch.Tensor:
-        """The runs of offset ``i`` of tile row ``r`` of the columns ``[c0, c1)`` (the rows on the
-        grid): ``(c1 - c0, keys, F)``."""
-        lo, _, keys = self.rows[i][r]
-        return self._view(buf, self.offsets[i][0] * self.bh * self.column + lo * self.tx, c0, c1, keys, width)
-
     def per_column(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor ``(B H, ...)`` per (batch row, head) -> ``(ntx B H, ...)``, one per column."""
         return x.repeat(self.ntx, *([1] * (x.dim() - 1)))
-
-    def _by_head(self, blocks: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, slice]:
-        """Blocks ``(c1 - c0, ...)`` of consecutive columns as ``(n, heads, ...)``, with the heads
-        they hold (a group holds whole batch rows, or some heads of one)."""
-        heads = min(c1 - c0, self.h)
-        h0 = c0 % self.h
-        return blocks.view(-1, heads, *blocks.shape[1:]), slice(h0, h0 + heads)
-
-    def weigh(self, blocks: torch.Tensor, w: torch.Tensor, i: int, r: int, c0: int, c1: int) -> None:
-        """In place: the blocks ``(c1 - c0, keys, ty tx)`` of offset ``i``'s runs of tile row ``r``
-        (the rows on the grid) of the columns ``[c0, c1)`` times their weights (:meth:`weights`)."""
-        view, heads = self._by_head(blocks, c0, c1)
-        _, first, keys = self.rows[i][r]
-        view.mul_(w[heads, i, first : first + keys])
-
-    def weigh_backward(self, dw: torch.Tensor, blocks: torch.Tensor, grads: torch.Tensor, i: int, r: int, c0: int,
-                       c1: int) -> None:
-        """``dw (H, offsets, max keys, ty tx) +=`` the gradient of :meth:`weigh` for the blocks
-        and the gradients of the weighted ones, summed over batch rows and strips."""
-        _, first, keys = self.rows[i][r]
-        view, heads = self._by_head(blocks * grads, c0, c1)
-        dw[heads, i, first : first + keys] += view.sum(0)
 
 
 @functools.lru_cache(maxsize=32)
@@ -324,11 +303,11 @@ class ManhattanAttention(torch.autograd.Function):
 
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c (H, K+1)`` the per-distance coefficients
     ``exp(b_d)``, ``eps (H,)`` per head; ``grid``, ``clip`` and ``tile`` as for :class:`TilePlan`.
-    Returns ``(B, H, N, D)``. Saves its inputs and the numerator with its denominator ``(B, H,
-    N, D+1)``; the backward rebuilds the strips and recomputes the products: the gradient of q
-    from each query's tile against its keys' runs, those of k, v and the weights from each key's
-    tile against its queries' runs (the weights are symmetric in the two, so the blocks and
-    their weights are the same)."""
+    Returns ``(B, H, N, D)``. Saves its inputs, the output and the denominator ``(B, H, N)``;
+    the backward rebuilds the strips and recomputes the products, each key's tile against its
+    queries' runs (the weights are symmetric in the two, so the blocks and their weights are
+    those of the forward): the gradients of k, v and the weights into the tile, that of q added
+    into the queries' runs."""
 
     @staticmethod
     @full_precision
@@ -398,17 +377,21 @@ def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
     qb, kb, vt = plan.to_strips(q), plan.to_strips(k), plan.to_strips_t(v, ones=True)
     far = plan.per_column(plan.far_t(kb, vt, d + 1) * c[:, plan.clip].repeat(plan.b)[:, None, None])  # c_K [v, 1]^T k
     yt = plan.new_tiles_t(q, d + 1)
-    for group in plan.groups:
-        for r in range(plan.nty):
-            c0, c1 = plan.columns(None, group)
-            torch.bmm(far[c0:c1], plan.tiles(qb, r, c0, c1).transpose(1, 2), out=yt[r, c0:c1])  # far: every key with c_K
-            for i in range(len(plan.offsets)):
-                c0, c1 = plan.columns(i, group)
-                if c0 >= c1:
-                    continue
-                scores = torch.bmm(plan.runs(kb, i, r, c0, c1), plan.tiles(qb, r, c0, c1).transpose(1, 2))  # (cols, keys, ty tx)
-                plan.weigh(scores, w, i, r, c0, c1)
-                yt[r, c0:c1].baddbmm_(plan.runs_t(vt, d + 1, i, r, c0, c1), scores)
+    m, f, col, t2 = q.shape[-1], d + 1, plan.column, plan.t2
+    oq, ok, ov = qb.storage_offset(), kb.storage_offset(), vt.storage_offset()
+    weights = {}  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    for a, z, r, start, items in plan.steps:
+        tiles = qb.as_strided((z - a, m, t2), (col * m, 1, m), oq + start * m)  # the queries' tiles, transposed
+        torch.bmm(far[a:z], tiles, out=yt[r, a:z])  # far: every key with c_K
+        for i, c0, c1, run, keys, h0, heads, first in items:
+            n = c1 - c0
+            scores = torch.bmm(kb.as_strided((n, keys, m), (col * m, m, 1), ok + run * m), tiles[c0 - a : c1 - a])  # (cols, keys, ty tx)
+            key = (i, h0, heads, first, keys)
+            wb = weights.get(key)
+            if wb is None:
+                wb = weights[key] = w[h0 : h0 + heads, i, first : first + keys]
+            scores.view(-1, heads, keys, t2).mul_(wb)
+            yt[r, c0:c1].baddbmm_(vt.as_strided((n, f, keys), (f * col, col, 1), ov + (run // col) * f * col + run % col), scores)
     plan.divide(yt, eps, out, den)
 
 
@@ -433,33 +416,46 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
     dkt = plan.new_tiles(q, m) if need_k else None
     dvt = plan.new_tiles(q, d) if need_v else None
     dw = w.new_zeros(w.shape) if need_c else None
-    for group in plan.groups:
-        for r in range(plan.nty):
-            c0, c1 = plan.columns(None, group)
-            if need_k:
-                torch.bmm(plan.tiles(vb, r, c0, c1), far_k[c0:c1], out=dkt[r, c0:c1])
+    f, col, t2 = d + 1, plan.column, plan.t2
+
+    def run_view(buf, run, n, keys, width=None):  # the runs of n columns from token ``run`` of a strip buffer
+        ld = buf.stride(0)
+        return buf.as_strided((n, keys, width or buf.shape[1]), (col * ld, ld, 1), buf.storage_offset() + run * ld)
+
+    def tile_view(buf, start, n):  # the tiles of n columns from token ``start``: (n, ty tx, F)
+        ld = buf.stride(0)
+        return buf.as_strided((n, t2, ld), (col * ld, ld, 1), buf.storage_offset() + start * ld)
+
+    weights = {}  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    for a, z, r, start, items in plan.steps:
+        ktiles, vtiles = tile_view(kb, start, z - a), tile_view(vb, start, z - a)
+        if need_k:
+            torch.bmm(vtiles, far_k[a:z], out=dkt[r, a:z])
+        if need_v:
+            torch.bmm(ktiles, far_v[a:z], out=dvt[r, a:z])
+        for i, c0, c1, run, keys, h0, heads, first in items:
+            # each key's tile against the runs of its queries (the weights are symmetric)
+            nc = c1 - c0
+            kt, vt = ktiles[c0 - a : c1 - a], vtiles[c0 - a : c1 - a]
+            qr = run_view(qb, run, nc, keys)
+            key = (i, h0, heads, first, keys)
+            wb = weights.get(key)
+            if wb is None:
+                wb = weights[key] = w[h0 : h0 + heads, i, first : first + keys]
+            scores = torch.bmm(qr, kt.transpose(1, 2)) if need_v or need_c else None
+            if need_q or need_k or need_c:
+                dp = torch.bmm(run_view(gb, run, nc, keys), vt.transpose(1, 2))
+                if need_c:  # every (query, key) pair once, as in the forward
+                    dw[h0 : h0 + heads, i, first : first + keys] += (scores * dp).view(-1, heads, keys, t2).sum(0)
+                if need_q or need_k:
+                    dp.view(-1, heads, keys, t2).mul_(wb)
+                if need_k:
+                    dkt[r, c0:c1].baddbmm_(dp.transpose(1, 2), qr)
+                if need_q:
+                    run_view(dqb, run, nc, keys).baddbmm_(dp, kt)
             if need_v:
-                torch.bmm(plan.tiles(kb, r, c0, c1), far_v[c0:c1], out=dvt[r, c0:c1])
-            for i in range(len(plan.offsets)):
-                c0, c1 = plan.columns(i, group)
-                if c0 >= c1:
-                    continue
-                # each key's tile against the runs of its queries (the weights are symmetric)
-                qr, gr = plan.runs(qb, i, r, c0, c1), plan.runs(gb, i, r, c0, c1)
-                scores = torch.bmm(qr, plan.tiles(kb, r, c0, c1).transpose(1, 2)) if need_v or need_c else None
-                if need_q or need_k or need_c:
-                    dp = torch.bmm(gr, plan.tiles(vb, r, c0, c1).transpose(1, 2))
-                    if need_c:  # every (query, key) pair once, as in the forward
-                        plan.weigh_backward(dw, scores, dp, i, r, c0, c1)
-                    if need_q or need_k:
-                        plan.weigh(dp, w, i, r, c0, c1)
-                    if need_k:
-                        dkt[r, c0:c1].baddbmm_(dp.transpose(1, 2), qr)
-                    if need_q:
-                        plan.runs(dqb, i, r, c0, c1).baddbmm_(dp, plan.tiles(kb, r, c0, c1))
-                if need_v:
-                    plan.weigh(scores, w, i, r, c0, c1)
-                    dvt[r, c0:c1].baddbmm_(scores.transpose(1, 2), plan.runs(gb, i, r, c0, c1, d))
+                scores.view(-1, heads, keys, t2).mul_(wb)
+                dvt[r, c0:c1].baddbmm_(scores.transpose(1, 2), run_view(gb, run, nc, keys, d))
     if need_q:
         plan.from_strips(dqb, dq)
         dq.view(b * h, n, m).baddbmm_(g.reshape(b * h, n, d + 1), (kv * c_far).transpose(1, 2))
