@@ -416,7 +416,7 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
     dkt = plan.new_tiles(q, m) if need_k else None
     dvt = plan.new_tiles(q, d) if need_v else None
     dw = w.new_zeros(w.shape) if need_c else None
-    f, col, t2 = d + 1, plan.column, plan.t2
+    col, t2 = plan.column, plan.t2
 
     def run_view(buf, run, n, keys, width=None):  # the runs of n columns from token ``run`` of a strip buffer
         ld = buf.stride(0)
