@@ -20,16 +20,18 @@ columns, each strip row-major, so that a tile is ``Ty Tx`` consecutive tokens an
 row of tiles and one strip offset, one batched product over the tiles of every strip, batch
 row and head gives the ``(Ty Tx, run)`` score blocks; they are weighed by the ``c_d - c_K`` of
 each (query, key) pair (0 beyond the diamond: a fixed block per head and offset, one pass) and
-one more product adds them times ``[v, 1]`` into the tiles' numerator and denominator, which a
-first product per row of tiles starts with the far term ``c_K q_i [S, z]``. The blocks cover
+one more product adds the runs' ``[v, 1]``, stored feature-major, times them into the tiles'
+numerator and denominator, ``(D+1, Ty Tx)`` per tile (at ``D+1`` columns this orientation runs
+well faster than its transpose), which a first product per row of tiles starts with the far
+term ``c_K q_i [S, z]``; the division writes the output from these tiles. The blocks cover
 about 1.5-1.8x the keys of the diamond (the tiles' corners), against ``N`` for the dense form.
 Tiles whose strip ``s`` lies off the grid skip that product; runs stop at the grid's top and
 bottom rows. A small grid is one tile (the dense form). Calls run in chunks of (batch row,
 head) pairs whose buffers stay a few MB (:func:`_chunks`).
 
 Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): for the backward it keeps only its
-inputs q, k, v, the coefficients and the numerator with its denominator (it rebuilds the
-strips and recomputes each score block); score blocks exist for one row of tiles of a group of
+inputs q, k, v, the coefficients, the output and its denominator (it rebuilds the strips
+and recomputes each score block); score blocks exist for one row of tiles of a group of
 strips (a few thousand tokens) at a time. :func:`manhattan_table` turns a per-distance table into the 2D
 bias ``(H, 2Hg-1, 2Wg-1)`` the other backends take; :func:`manhattan_distances` reads the
 per-distance values back from such a bias (the backend's input). The plain reference is the
@@ -135,6 +137,27 @@ class TilePlan:
             index[i, : self.keys[i]] = ((ry - hs - iy).abs() + (s * tx + rx - ix).abs()).clamp(max=clip)
         self.index = index
 
+    @functools.cached_property
+    def steps(self) -> list:
+        """The products of a walk over the tiles, as plain numbers (the loop then makes only the
+        views it multiplies): per group and tile row ``r``, ``(a, z, r, first tile token,
+        items)`` for the columns ``[a, z)``, ``items`` one ``(i, c0, c1, first run token, keys,
+        h0, heads, first weight row)`` per strip offset ``i`` with columns ``[c0, c1)`` on the grid."""
+        out = []
+        for group in self.groups:
+            for r in range(self.nty):
+                a, z = self.columns(None, group)
+                items = []
+                for i, (s, _) in enumerate(self.offsets):
+                    c0, c1 = self.columns(i, group)
+                    if c0 >= c1:
+                        continue
+                    lo, first, keys = self.rows[i][r]
+                    heads = min(c1 - c0, self.h)
+                    items.append((i, c0, c1, (c0 + s * self.bh) * self.column + lo * self.tx, keys, c0 % self.h, heads, first))
+                out.append((a, z, r, a * self.column + r * self.t2, items))
+        return out
+
     def weights(self, c: torch.Tensor) -> torch.Tensor:
         """Per-distance coefficients ``c (H, K+1)`` -> the near weights ``c_d - c_K`` (0 from
         distance K on) of every (run position, tile position) pair: ``(H, offsets, max keys, ty tx)``."""
@@ -169,6 +192,70 @@ class TilePlan:
             buf[:, f].fill_(1)
         return buf
 
+    def to_strips_t(self, x: torch.Tensor, ones: bool = False) -> torch.Tensor:
+        """``(B, H, N, F)`` -> the feature-major strip buffer: flat, ``ntx B H`` columns of ``(F,
+        hq tx)`` values (one row of ``hq tx`` tokens per feature, zero off the grid); ``ones``: a
+        row of ones after the F features (``F + 1`` rows)."""
+        f = x.shape[-1]
+        rows = f + ones
+        buf = x.new_empty(self.ntx * self.bh * rows * self.column)
+        region = buf.view(self.ntx, self.b, self.h, rows, self.hq, self.tx)
+        xg = x.reshape(self.b, self.h, self.hg, self.wg, f)
+        full = self.wg // self.tx
+        if self.hq > self.hg:
+            region[:, :, :, :f, self.hg :].zero_()
+        if full < self.ntx:
+            region[full, :, :, :f].zero_()
+        if full:
+            region[:full, :, :, :f, : self.hg].copy_(
+                xg[:, :, :, : full * self.tx].reshape(self.b, self.h, self.hg, full, self.tx, f).permute(3, 0, 1, 5, 2, 4))
+        if full < self.ntx:
+            region[full, :, :, :f, : self.hg, : self.wg - full * self.tx].copy_(xg[:, :, :, full * self.tx :].permute(0, 1, 4, 2, 3))
+        if ones:
+            region[:, :, :, f].fill_(1)
+        return buf
+
+    def far_t(self, kb: torch.Tensor, vt: torch.Tensor, rows: int) -> torch.Tensor:
+        """``[v, 1]^T k`` per (batch row, head) from the strip buffers of k (token-major) and of
+        ``[v, 1]`` (feature-major, ``rows`` features): ``(B H, rows, M)``."""
+        m = kb.shape[-1]
+        cols = self.ntx * self.bh
+        parts = torch.bmm(vt.view(cols, rows, self.column), kb.view(cols, self.column, m))
+        return parts.view(self.ntx, self.bh, rows, m).sum(0)
+
+    def new_tiles_t(self, like: torch.Tensor, f: int) -> torch.Tensor:
+        """A feature-major tile buffer ``(nty, ntx B H, F, ty tx)`` (uninitialized)."""
+        return like.new_empty(self.nty, self.ntx * self.bh, f, self.t2)
+
+    def divide(self, yt: torch.Tensor, eps: torch.Tensor, out: torch.Tensor, den: torch.Tensor) -> None:
+        """A feature-major tile buffer of numerators and denominators ``(nty, ntx B H, D+1, ty tx)``
+        -> ``den (B, H, N) =`` its denominators plus ``eps (H,)`` and ``out (B, H, N, D) =`` the
+        numerators over them (both written in place)."""
+        f = yt.shape[2]
+        d = f - 1
+        y = yt.view(self.nty, self.ntx, self.b, self.h, f, self.ty, self.tx).permute(2, 3, 0, 5, 1, 6, 4)
+        if (self.hq, self.wq) == (self.hg, self.wg):
+            dv, ov = den.view(self.b, self.h, self.nty, self.ty, self.ntx, self.tx), out.view(*y.shape[:-1], d)
+            e = eps.view(1, -1, 1, 1, 1, 1)
+        else:
+            y = y.reshape(self.b, self.h, self.hq, self.wq, f)[:, :, : self.hg, : self.wg]
+            dv, ov = den.view(self.b, self.h, self.hg, self.wg), out.view(self.b, self.h, self.hg, self.wg, d)
+            e = eps.view(1, -1, 1, 1)
+        torch.add(y[..., d], e, out=dv)
+        torch.div(y[..., :d], dv[..., None], out=ov)
+
+    def from_strips(self, buf: torch.Tensor, out: torch.Tensor) -> None:
+        """A strip buffer ``(L, F)`` -> ``out (B, H, N, F)`` (its tokens on the grid, written in place)."""
+        f = buf.shape[-1]
+        region = buf.view(self.ntx, self.b, self.h, self.hq, self.tx, f)
+        og = out.view(self.b, self.h, self.hg, self.wg, f)
+        full = self.wg // self.tx
+        if full:
+            og[:, :, :, : full * self.tx].view(self.b, self.h, self.hg, full, self.tx, f).copy_(
+                region[:full, :, :, : self.hg].permute(1, 2, 3, 0, 4, 5))
+        if full < self.ntx:
+            og[:, :, :, full * self.tx :].copy_(region[full, :, :, : self.hg, : self.wg - full * self.tx])
+
     def new_tiles(self, like: torch.Tensor, f: int) -> torch.Tensor:
         """A tile buffer ``(nty, ntx B H, ty tx, F)``: tile row, then column (the tiles of one
         row of consecutive columns are one contiguous block); uninitialized (offset 0, first,
@@ -195,47 +282,9 @@ class TilePlan:
             return a * self.bh, z * self.bh
         return (a * self.bh + r0, a * self.bh + r1) if a < z else (0, 0)
 
-    def _view(self, buf: torch.Tensor, start: int, c0: int, c1: int, tokens: int, width: int | None) -> torch.Tensor:
-        ld = buf.stride(0)
-        width = buf.shape[-1] if width is None else width
-        return buf.as_strided((c1 - c0, tokens, width), (self.column * ld, ld, buf.stride(-1)),
-                              buf.storage_offset() + (c0 * self.column + start) * ld)
-
-    def tiles(self, buf: torch.Tensor, r: int, c0: int, c1: int, width: int | None = None) -> torch.Tensor:
-        """Tile row ``r`` of the columns ``[c0, c1)`` of a strip buffer: ``(c1 - c0, ty tx, F)``."""
-        return self._view(buf, r * self.t2, c0, c1, self.t2, width)
-
-    def runs(self, buf: torch.Tensor, i: int, r: int, c0: int, c1: int, width: int | None = None) -> torch.Tensor:
-        """The runs of offset ``i`` of tile row ``r`` of the columns ``[c0, c1)`` (the rows on the
-        grid): ``(c1 - c0, keys, F)``."""
-        lo, _, keys = self.rows[i][r]
-        return self._view(buf, self.offsets[i][0] * self.bh * self.column + lo * self.tx, c0, c1, keys, width)
-
     def per_column(self, x: torch.Tensor) -> torch.Tensor:
         """A tensor ``(B H, ...)`` per (batch row, head) -> ``(ntx B H, ...)``, one per column."""
         return x.repeat(self.ntx, *([1] * (x.dim() - 1)))
-
-    def _by_head(self, blocks: torch.Tensor, c0: int, c1: int) -> tuple[torch.Tensor, slice]:
-        """Blocks ``(c1 - c0, ...)`` of consecutive columns as ``(n, heads, ...)``, with the heads
-        they hold (a group holds whole batch rows, or some heads of one)."""
-        heads = min(c1 - c0, self.h)
-        h0 = c0 % self.h
-        return blocks.view(-1, heads, *blocks.shape[1:]), slice(h0, h0 + heads)
-
-    def weigh(self, blocks: torch.Tensor, w: torch.Tensor, i: int, r: int, c0: int, c1: int) -> None:
-        """In place: the blocks ``(c1 - c0, keys, ty tx)`` of offset ``i``'s runs of tile row ``r``
-        (the rows on the grid) of the columns ``[c0, c1)`` times their weights (:meth:`weights`)."""
-        view, heads = self._by_head(blocks, c0, c1)
-        _, first, keys = self.rows[i][r]
-        view.mul_(w[heads, i, first : first + keys])
-
-    def weigh_backward(self, dw: torch.Tensor, blocks: torch.Tensor, grads: torch.Tensor, i: int, r: int, c0: int,
-                       c1: int) -> None:
-        """``dw (H, offsets, max keys, ty tx) +=`` the gradient of :meth:`weigh` for the blocks
-        and the gradients of the weighted ones, summed over batch rows and strips."""
-        _, first, keys = self.rows[i][r]
-        view, heads = self._by_head(blocks * grads, c0, c1)
-        dw[heads, i, first : first + keys] += view.sum(0)
 
 
 @functools.lru_cache(maxsize=32)
@@ -254,41 +303,39 @@ class ManhattanAttention(torch.autograd.Function):
 
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c (H, K+1)`` the per-distance coefficients
     ``exp(b_d)``, ``eps (H,)`` per head; ``grid``, ``clip`` and ``tile`` as for :class:`TilePlan`.
-    Returns ``(B, H, N, D)``. Saves its inputs and the numerator with its denominator ``(B, H,
-    N, D+1)``; the backward rebuilds the strips and recomputes the products: the gradient of q
-    from each query's tile against its keys' runs, those of k, v and the weights from each key's
-    tile against its queries' runs (the weights are symmetric in the two, so the blocks and
-    their weights are the same)."""
+    Returns ``(B, H, N, D)``. Saves its inputs, the output and the denominator ``(B, H, N)``;
+    the backward rebuilds the strips and recomputes the products, each key's tile against its
+    queries' runs (the weights are symmetric in the two, so the blocks and their weights are
+    those of the forward): the gradients of k, v and the weights into the tile, that of q added
+    into the queries' runs."""
 
     @staticmethod
     @full_precision
     def forward(ctx, q, k, v, c, eps, grid, clip, tile):  # type: ignore[override]
         b, h, n, m = q.shape
         d = v.shape[-1]
-        y = q.new_empty(b, h, n, d + 1)
+        out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
         for (b0, b1, h0, h1), plan in _chunks(q, d, grid, clip, tile):
             part = (slice(b0, b1), slice(h0, h1))
-            _near_forward(plan, q[part], k[part], v[part], c[h0:h1], y[part])
-        y[..., d].add_(eps[:, None])
-        ctx.save_for_backward(q, k, v, c, y)
+            _near_forward(plan, q[part], k[part], v[part], c[h0:h1], eps[h0:h1], out[part], den[part])
+        ctx.save_for_backward(q, k, v, c, out, den)
         ctx.layout = (grid, clip, tile)
-        return y[..., :d] / y[..., d:]
+        return out
 
     @staticmethod
     @full_precision
     def backward(ctx, dout):  # type: ignore[override]
-        q, k, v, c, y = ctx.saved_tensors
+        q, k, v, c, out, den = ctx.saved_tensors
         d = v.shape[-1]
         need = ctx.needs_input_grad[:4]
-        dq, dk, dv = (torch.empty_like(x) if flag else None for x, flag in zip((q, k, v), need))
+        dq, dk, dv = (x.new_empty(x.shape) if flag else None for x, flag in zip((q, k, v), need))  # contiguous
         dc = c.new_zeros(c.shape) if need[3] else None
         for (b0, b1, h0, h1), plan in _chunks(q, d, *ctx.layout):
             part = (slice(b0, b1), slice(h0, h1))
-            # the gradient of the numerator and denominator: [g / den, -(g . num) / den^2]
-            yp = y[part]
-            g = torch.empty_like(yp)
-            torch.div(dout[part], yp[..., d:], out=g[..., :d])
-            g[..., d] = -(g[..., :d] * yp[..., :d]).sum(-1) / yp[..., d]
+            # the gradient of the numerator and denominator: [g / den, -(g . num) / den^2 = -(g / den) . out]
+            g = q.new_empty(b1 - b0, h1 - h0, q.shape[2], d + 1)
+            torch.div(dout[part], den[part][..., None], out=g[..., :d])
+            g[..., d] = -(g[..., :d] * out[part]).sum(-1)
             grads = [None if x is None else x[part] for x in (dq, dk, dv)]
             dcp = _near_backward(plan, q[part], k[part], v[part], c[h0:h1], g, *grads, need[3])
             if dcp is not None:
@@ -320,32 +367,40 @@ def _chunks(q: torch.Tensor, d: int, grid: tuple[int, int], clip: int, tile: tup
         yield (b0, b1, h0, h1), _plan(b1 - b0, h1 - h0, grid, clip, tile, q.device, GROUP_TOKENS)
 
 
-def _near_forward(plan: TilePlan, q, k, v, c, y) -> None:
-    """``y (B, H, N, D+1) =`` the numerator and denominator of the chunk ``q, k, v, c`` (far
-    term and near sum), written in place."""
+def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
+    """``out (B, H, N, D)`` and ``den (B, H, N)`` of the chunk ``q, k, v, c, eps``: the numerator
+    (far term and near sum) over the denominator plus ``eps``, written in place. The value
+    products run feature-major (``[v, 1]^T`` runs times the score blocks, into ``(D+1, ty tx)``
+    tiles): at 65 columns this orientation runs well faster than its transpose."""
     d = v.shape[-1]
     w = plan.weights(c)
-    qb, kb, vb = plan.to_strips(q), plan.to_strips(k), plan.to_strips(v, ones=True)
-    far = plan.per_column(_far_sums(k, v) * c[:, plan.clip].repeat(plan.b)[:, None, None])  # c_K k^T [v, 1]
-    yt = plan.new_tiles(q, d + 1)
-    for group in plan.groups:
-        for r in range(plan.nty):
-            c0, c1 = plan.columns(None, group)
-            torch.bmm(plan.tiles(qb, r, c0, c1), far[c0:c1], out=yt[r, c0:c1])  # the far term: every key with c_K
-            for i in range(len(plan.offsets)):
-                c0, c1 = plan.columns(i, group)
-                if c0 >= c1:
-                    continue
-                scores = torch.bmm(plan.runs(kb, i, r, c0, c1), plan.tiles(qb, r, c0, c1).transpose(1, 2))  # (cols, keys, ty tx)
-                plan.weigh(scores, w, i, r, c0, c1)
-                yt[r, c0:c1].baddbmm_(scores.transpose(1, 2), plan.runs(vb, i, r, c0, c1))
-    plan.from_tiles(yt, y)
+    qb, kb, vt = plan.to_strips(q), plan.to_strips(k), plan.to_strips_t(v, ones=True)
+    far = plan.per_column(plan.far_t(kb, vt, d + 1) * c[:, plan.clip].repeat(plan.b)[:, None, None])  # c_K [v, 1]^T k
+    yt = plan.new_tiles_t(q, d + 1)
+    m, f, col, t2 = q.shape[-1], d + 1, plan.column, plan.t2
+    oq, ok, ov = qb.storage_offset(), kb.storage_offset(), vt.storage_offset()
+    weights = {}  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    for a, z, r, start, items in plan.steps:
+        tiles = qb.as_strided((z - a, m, t2), (col * m, 1, m), oq + start * m)  # the queries' tiles, transposed
+        torch.bmm(far[a:z], tiles, out=yt[r, a:z])  # far: every key with c_K
+        for i, c0, c1, run, keys, h0, heads, first in items:
+            n = c1 - c0
+            scores = torch.bmm(kb.as_strided((n, keys, m), (col * m, m, 1), ok + run * m), tiles[c0 - a : c1 - a])  # (cols, keys, ty tx)
+            key = (i, h0, heads, first, keys)
+            wb = weights.get(key)
+            if wb is None:
+                wb = weights[key] = w[h0 : h0 + heads, i, first : first + keys]
+            scores.view(-1, heads, keys, t2).mul_(wb)
+            yt[r, c0:c1].baddbmm_(vt.as_strided((n, f, keys), (f * col, col, 1), ov + (run // col) * f * col + run % col), scores)
+    plan.divide(yt, eps, out, den)
 
 
 def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
     """The gradients of a chunk: ``g (B, H, N, D+1)`` the gradient of the numerator and
     denominator -> ``dq, dk, dv`` written in place (those not None), and ``dc (H, K+1)`` if
-    ``need_c`` (else None)."""
+    ``need_c`` (else None). Each key's tile against the runs of its queries: one score block
+    and one block of ``g . [v, 1]`` per pair, whose weighted form gives the gradients of k
+    (into the tile) and of q (added into the queries' runs of a strip buffer)."""
     b, h, n, m = q.shape
     d = v.shape[-1]
     need_q, need_k, need_v = dq is not None, dk is not None, dv is not None
@@ -355,44 +410,56 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
     kv = _far_sums(k, v)  # (B H, M, D+1)
     qg = q.reshape(b * h, n, m).transpose(1, 2) @ g.reshape(b * h, n, d + 1)  # (B H, M, D+1)
     c_far = c[:, plan.clip].repeat(b)[:, None, None]  # (B H, 1, 1)
-    far_q = plan.per_column((kv * c_far).transpose(1, 2)) if need_q else None
     far_k = plan.per_column((qg * c_far).transpose(1, 2)) if need_k else None
     far_v = plan.per_column(qg[:, :, :d] * c_far) if need_v else None
-    dqt = plan.new_tiles(q, m) if need_q else None
+    dqb = q.new_zeros(plan.length, m) if need_q else None  # the near sum of dq, strip by strip
     dkt = plan.new_tiles(q, m) if need_k else None
     dvt = plan.new_tiles(q, d) if need_v else None
     dw = w.new_zeros(w.shape) if need_c else None
-    for group in plan.groups:
-        for r in range(plan.nty):
-            c0, c1 = plan.columns(None, group)
-            if need_q:
-                torch.bmm(plan.tiles(gb, r, c0, c1), far_q[c0:c1], out=dqt[r, c0:c1])
-            if need_k:
-                torch.bmm(plan.tiles(vb, r, c0, c1), far_k[c0:c1], out=dkt[r, c0:c1])
+    col, t2 = plan.column, plan.t2
+
+    def run_view(buf, run, n, keys, width=None):  # the runs of n columns from token ``run`` of a strip buffer
+        ld = buf.stride(0)
+        return buf.as_strided((n, keys, width or buf.shape[1]), (col * ld, ld, 1), buf.storage_offset() + run * ld)
+
+    def tile_view(buf, start, n):  # the tiles of n columns from token ``start``: (n, ty tx, F)
+        ld = buf.stride(0)
+        return buf.as_strided((n, t2, ld), (col * ld, ld, 1), buf.storage_offset() + start * ld)
+
+    weights = {}  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    for a, z, r, start, items in plan.steps:
+        ktiles, vtiles = tile_view(kb, start, z - a), tile_view(vb, start, z - a)
+        if need_k:
+            torch.bmm(vtiles, far_k[a:z], out=dkt[r, a:z])
+        if need_v:
+            torch.bmm(ktiles, far_v[a:z], out=dvt[r, a:z])
+        for i, c0, c1, run, keys, h0, heads, first in items:
+            # each key's tile against the runs of its queries (the weights are symmetric)
+            nc = c1 - c0
+            kt, vt = ktiles[c0 - a : c1 - a], vtiles[c0 - a : c1 - a]
+            qr = run_view(qb, run, nc, keys)
+            key = (i, h0, heads, first, keys)
+            wb = weights.get(key)
+            if wb is None:
+                wb = weights[key] = w[h0 : h0 + heads, i, first : first + keys]
+            scores = torch.bmm(qr, kt.transpose(1, 2)) if need_v or need_c else None
+            if need_q or need_k or need_c:
+                dp = torch.bmm(run_view(gb, run, nc, keys), vt.transpose(1, 2))
+                if need_c:  # every (query, key) pair once, as in the forward
+                    dw[h0 : h0 + heads, i, first : first + keys] += (scores * dp).view(-1, heads, keys, t2).sum(0)
+                if need_q or need_k:
+                    dp.view(-1, heads, keys, t2).mul_(wb)
+                if need_k:
+                    dkt[r, c0:c1].baddbmm_(dp.transpose(1, 2), qr)
+                if need_q:
+                    run_view(dqb, run, nc, keys).baddbmm_(dp, kt)
             if need_v:
-                torch.bmm(plan.tiles(kb, r, c0, c1), far_v[c0:c1], out=dvt[r, c0:c1])
-            for i in range(len(plan.offsets)):
-                c0, c1 = plan.columns(i, group)
-                if c0 >= c1:
-                    continue
-                if need_q:  # each query's tile against the runs of its keys
-                    dp = torch.bmm(plan.runs(vb, i, r, c0, c1), plan.tiles(gb, r, c0, c1).transpose(1, 2))
-                    plan.weigh(dp, w, i, r, c0, c1)
-                    dqt[r, c0:c1].baddbmm_(dp.transpose(1, 2), plan.runs(kb, i, r, c0, c1))
-                if need_k or need_v or need_c:  # each key's tile against the runs of its queries (the same weights)
-                    qr, gr = plan.runs(qb, i, r, c0, c1), plan.runs(gb, i, r, c0, c1)
-                    scores = torch.bmm(qr, plan.tiles(kb, r, c0, c1).transpose(1, 2))
-                    if need_k or need_c:
-                        dp = torch.bmm(gr, plan.tiles(vb, r, c0, c1).transpose(1, 2))
-                        if need_c:  # every (query, key) pair once, as in the forward
-                            plan.weigh_backward(dw, scores, dp, i, r, c0, c1)
-                        if need_k:
-                            plan.weigh(dp, w, i, r, c0, c1)
-                            dkt[r, c0:c1].baddbmm_(dp.transpose(1, 2), qr)
-                    if need_v:
-                        plan.weigh(scores, w, i, r, c0, c1)
-                        dvt[r, c0:c1].baddbmm_(scores.transpose(1, 2), plan.runs(gb, i, r, c0, c1, d))
-    for tiles, out in ((dqt, dq), (dkt, dk), (dvt, dv)):
+                scores.view(-1, heads, keys, t2).mul_(wb)
+                dvt[r, c0:c1].baddbmm_(scores.transpose(1, 2), run_view(gb, run, nc, keys, d))
+    if need_q:
+        plan.from_strips(dqb, dq)
+        dq.view(b * h, n, m).baddbmm_(g.reshape(b * h, n, d + 1), (kv * c_far).transpose(1, 2))
+    for tiles, out in ((dkt, dk), (dvt, dv)):
         if tiles is not None:
             plan.from_tiles(tiles, out)
     if not need_c:
@@ -407,7 +474,7 @@ def _far_sums(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """``k^T [v, 1]`` per (batch row, head): ``(B H, M, D+1)``."""
     b, h, n, m = k.shape
     kf = k.reshape(b * h, n, m)
-    return torch.cat([kf.transpose(1, 2) @ v.reshape(b * h, n, -1), kf.sum(1)[:, :, None]], dim=2)
+    return torch.cat([kf.transpose(1, 2) @ v.reshape(b * h, n, -1), kf.transpose(1, 2) @ kf.new_ones(n, 1)], dim=2)
 
 
 def tile_shape(grid: tuple[int, int], clip: int) -> tuple[int, int]:

@@ -150,3 +150,22 @@ def test_groups_hold_whole_batch_rows_or_heads_of_one(monkeypatch, group_tokens)
     monkeypatch.setattr(kernels_manhattan, "WHOLE_GRID_MAX_N", 0)
     monkeypatch.setattr(kernels_manhattan, "GROUP_TOKENS", group_tokens)
     _compare((7, 6), 3, seed=6)
+
+
+def test_inputs_laid_out_token_major_give_the_same_result(monkeypatch):
+    """q, k, v as the attention module passes them ((B, N, H, F) transposed to (B, H, N, F):
+    not contiguous): the same outputs and gradients as from contiguous copies."""
+    monkeypatch.setattr(kernels_manhattan, "WHOLE_GRID_MAX_N", 0)
+    grid, clip = (7, 6), 3
+    q, k, v, table, _ = _inputs(grid, clip, seed=11)
+    results = []
+    for strided in (False, True):
+        xs = [x.transpose(1, 2).contiguous().transpose(1, 2) if strided else x.clone() for x in (q, k, v)]
+        xs = [x.requires_grad_(True) for x in xs] + [table.clone().requires_grad_(True)]
+        assert all(x.is_contiguous() != strided for x in xs[:3])
+        out = manhattan_attention(*xs[:3], rpe_bias=xs[3], grid=grid, rpe_clip=clip)
+        results.append((out, torch.autograd.grad((out * out.detach()).sum(), xs)))
+    (out, grads), (ref, ref_grads) = results
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-13)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
