@@ -842,15 +842,17 @@ class _DecodingSession:
             if spec[-1] is not None and not (type(layer.window_start) is int
                                              and 0 <= layer.window_start < max(spec[-1][1], 1)):
                 return None  # a window start set by hand: the module path checks it
-        hidden = F.embedding(input_ids, self.wte._parameters["weight"])
+        # hidden states as (B, C) rows: the module path's (B, 1, C) products are these (a linear layer folds a
+        # contiguous (B, 1, C) input into (B, C) rows), without the folding views
+        hidden = F.embedding(input_ids.view(batch), self.wte._parameters["weight"])
         if self.wpe is not None:
             table = self.wpe._parameters["weight"]
-            hidden = hidden + (table[past] if position_ids is None else F.embedding(position_ids, table))
+            hidden = hidden + (table[past] if position_ids is None else F.embedding(position_ids.reshape(batch), table))
         rope = rotary = None
         if self.rotary:
             cos_sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, self.dtype)
             rope, rotary = (cos_sin, None) if self.rope else (None, cos_sin)
-        zero, width, head_dim = self.zero, (batch, 1, self.heads * self.head_dim), self.head_dim
+        zero, width, head_dim = self.zero, (batch, self.heads * self.head_dim), self.head_dim
         cudnn = torch.backends.cudnn.enabled  # what F.layer_norm passes
         linear = F.linear
         one = self.one
@@ -899,7 +901,7 @@ class _DecodingSession:
         hidden = _norm(self.ln_f, self.ln_f_params, hidden, cudnn)
         for layer in self.cache_layers:
             layer.cumulative_length += 1
-        logits = linear(hidden, self.head["weight"], self.head["bias"])
+        logits = linear(hidden, self.head["weight"], self.head["bias"]).unsqueeze(1)  # (B, 1, V)
         out_cache = cache if (cfg.use_cache if use_cache is None else use_cache) else None
         if not (cfg.return_dict if return_dict is None else return_dict):
             return (logits,) if out_cache is None else (logits, out_cache)

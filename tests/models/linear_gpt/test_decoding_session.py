@@ -138,6 +138,21 @@ def test_float64_plain_steps_equal_the_module_path_bitwise(name, fast_steps):
     hook.remove()
 
 
+def test_batch_one_steps_equal_the_module_path_bitwise(fast_steps):
+    """Batch 1 (what a single generation runs), every configuration, float32 and float64: the
+    session's products over (B, C) rows are bitwise the module path's over (B, 1, C)."""
+    for name, config in CONFIGS.items():
+        for dtype in (torch.float32, torch.float64):
+            model = _model(dtype, **config)
+            ids = _ids(batch=1, n=8)
+            fast_steps.clear()
+            fast = _decode(model, ids)
+            assert fast_steps == [True] * 3, name
+            hook = _force_modules(model)
+            _assert_bitwise(fast, _decode(model, ids))
+            hook.remove()
+
+
 @pytest.mark.parametrize("use_cache", [True, False])
 def test_fast_step_output_is_the_constructed_output(use_cache, fast_steps):
     """The session's output object has the items, order, attributes and tuple of
