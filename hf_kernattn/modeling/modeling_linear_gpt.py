@@ -45,7 +45,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .attention import KernelizedSelfAttention
 from .dispatch import decoding_step_spec, get_backend, hybrid_step_spec, registered_backend, zero_padded_token
 from .kernels_common import per_head
-from .kernels_hybrid import HybridState, _mask_padded, _step as hybrid_step
+from .kernels_hybrid import HybridState, _mask_padded, _step as hybrid_step, step_reshapes
 from .kernels_common import step_constant
 from .kernels_linear import recurrent_step, step_in_place, step_views
 from .cache import CACHE_FIELD, UNSET, LinearGPTCache, LinearGPTCacheLayer, cache_argument, is_linear_gpt_cache
@@ -640,7 +640,7 @@ class _DecodingSession:
             else:  # the sliding-window hybrid: its decoding step, with the window's scale
                 if hybrid_step_spec(backend, False, wte.weight.device.type, dtype, attn.num_heads) is None:
                     return None
-                hybrid = (float(attn.head_dim ** -0.5), attn.softmax_window - 1, backend == "auto")
+                hybrid = (float(attn.head_dim ** -0.5), attn.softmax_window - 1, backend == "auto", len(layers))
             attns.append(attn)
             layers.append((ln_1, _ln_params(ln_1), attn, attn.num_heads != attn.num_key_value_heads,
                            attn._modules["o_proj"]._parameters, ln_2, _ln_params(ln_2), type(mlp) is LinearGPTGatedMLP,
@@ -659,6 +659,7 @@ class _DecodingSession:
         self.spec = decoding_step_spec("recurrent")
         self.auto_hybrid = any(layer[-1] is not None and layer[-1][2] for layer in layers)  # auto's choice, see step
         self.auto_seen, self.auto_runs_hybrid = None, {}
+        self.mixing = [[None] * 8 for _ in layers]  # per layer: the hybrid's mixing weights and what they were made from
         self.backends = list(map(_backend, attns))
         # a named backend is checked against the model again when it is re-registered
         self.named_specs = [(name, registered_backend(name)) for name in set(self.backends) if name != "auto"]
@@ -750,16 +751,18 @@ class _DecodingSession:
                     return False
             else:  # the window's tensors, written in place: contiguous, of the hybrid's shapes
                 keep = hybrid[1]
-                views = tuple(found[i] for i in range(6))
+                views = HybridState(*(found[i] for i in range(6)))
                 shapes = (shape, shape[:3], (b, h, keep, m), (b, h, keep, d), (b, h, keep, d), (b, 1, keep))
                 if not all(type(x) is torch.Tensor and x.shape == want and x.device == self.device and x.is_contiguous()
                            and x.dtype == (torch.bool if i == 5 else self.dtype)
                            for i, (x, want) in enumerate(zip(views, shapes))):
                     return False
+                views = (views, step_reshapes(views))
             states.append((found, kv, z, views, layer))
         for layer, kind in zip(layers, self.kinds):
             layer.state_kind = kind  # what a step of the module path records
         self.cache, self.cache_layers, self.states, self.batch = cache, layers, states, batch
+        self.all_valid = torch.ones(batch, 1, 1, dtype=torch.bool, device=self.device)
         self.keep_shape = (batch, 1, 1, 1)
         return True
 
@@ -789,7 +792,7 @@ class _DecodingSession:
         for (found, kv, z, views, layer), kind in zip(self.states, self.kinds):
             if found[0] is not kv or found[1] is not z or layer.state_kind is not kind or not layer.has_previous_state[0]:
                 return self.bind(cache, batch)
-            if type(views) is tuple and not all(map(_is, map(found.__getitem__, range(6)), views)):  # the hybrid's window replaced
+            if type(views) is tuple and not all(map(_is, map(found.__getitem__, range(6)), views[0])):  # the hybrid's window replaced
                 return self.bind(cache, batch)
         return True
 
@@ -914,15 +917,21 @@ class _DecodingSession:
         dtype = q.dtype
         raw_q, raw_k = raw[0].to(dtype), attn._repeat_kv(raw[1]).to(dtype)
         if keep is None:
-            valid = torch.ones(q.shape[0], 1, 1, dtype=torch.bool, device=q.device)
+            valid = self.all_valid  # (B, 1, 1) True, read only
         else:
             raw_k, k, v = _mask_padded(raw_k, k, v, keep)
             valid = keep[:, None, :]
         layer = state[4]
+        mixing = self.mixing[hybrid[3]]  # the mixing weights as the module path makes them, again when changed
+        params = attn._parameters
+        w, l = params["window_log_weight"], params["linear_log_weight"]
+        if not (w is mixing[0] and l is mixing[1] and w._version == mixing[2] and l._version == mixing[3]
+                and w.data_ptr() == mixing[4] and l.data_ptr() == mixing[5]):
+            mixing[:] = (w, l, w._version, l._version, w.data_ptr(), l.data_ptr(),
+                         per_head(w.exp().to(dtype), 3), per_head(l.exp().to(dtype), 3))
         out, (_, layer.window_start) = hybrid_step(
-            raw_q, raw_k, q, k, v, valid, hybrid[0], per_head(attn.window_log_weight.exp().to(dtype), 3),
-            per_head(attn.linear_log_weight.exp().to(dtype), 3), eps, HybridState(*state[3]), True,
-            layer.window_start, True)
+            raw_q, raw_k, q, k, v, valid, hybrid[0], mixing[6], mixing[7], eps, state[3][0], True,
+            layer.window_start, True, state[3][1])
         return out
 
 

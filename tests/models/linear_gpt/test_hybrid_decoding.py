@@ -240,3 +240,33 @@ def test_auto_is_asked_again_only_when_a_table_or_a_backend_changes(monkeypatch,
     hook = _force_modules(model)
     _assert_bitwise(fast, _decode(model, ids))
     hook.remove()
+
+
+def test_mixing_weights_changed_between_steps_are_used(fast_steps):
+    """The session keeps each layer's mixing weights as made from the parameters and makes them
+    again after an in-place write (version) or a replaced tensor (``.data``): bitwise the module path."""
+
+    def run(force):
+        model = _hybrid(**CONFIGS["w3_elu_absolute"])
+        attn = model.transformer.h[1].attn
+
+        def between(t):
+            with torch.no_grad():
+                if t == 7:
+                    attn.window_log_weight.add_(0.25)
+                elif t == 9:
+                    attn.linear_log_weight.data = attn.linear_log_weight.data - 0.5
+                elif t == 11:
+                    attn.window_log_weight.data = attn.window_log_weight.data.clone()  # same values, other memory
+
+        hook = _force_modules(model) if force else None
+        got = _decode(model, _ids(n=14), between=between)
+        if hook is not None:
+            hook.remove()
+        return got
+
+    fast = run(False)
+    assert fast_steps == [True] * 9
+    fast_steps.clear()
+    _assert_bitwise(fast, run(True))
+    assert not any(fast_steps)
