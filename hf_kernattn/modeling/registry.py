@@ -211,6 +211,7 @@ def register_backend(
     ranks every registered backend that can run each measured kind of call), or where no ranked
     backend can run the call; by name it is always usable.
     """
+    global _AUTO_VERSION
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
     if not callable(fn):
@@ -258,7 +259,6 @@ def register_backend(
         propagates_non_finite=bool(propagates_non_finite),
         keeps_inputs=bool(keeps_inputs),
     )
-    global _AUTO_VERSION
     _REGISTRY[name] = spec
     _AUTO_VERSION += 1
     return spec
