@@ -211,6 +211,7 @@ def test_auto_is_asked_again_only_when_a_table_or_a_backend_changes(monkeypatch,
     from hf_kernattn.modeling import modeling_linear_gpt, registry
 
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_ACTIVE_TABLE", registry._ACTIVE_TABLE)  # restored after the test
     asked = []
     real = modeling_linear_gpt.hybrid_step_spec
 
