@@ -305,14 +305,14 @@ def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridSta
     if not output_final_state:
         return out
     # the oldest key (slot window_start) enters (S, z); the new one takes its slot
-    leaving_k, leaving_v = win_k[:, :, window_start], win_v[:, :, window_start]
+    leaving_k, leaving_v = win_k.select(2, window_start), win_v.select(2, window_start)
     outer = (leaving_k.reshape(bh, m, 1), leaving_v.reshape(bh, 1, d))
     start = window_start + 1 if window_start + 1 < keep else 0
     if in_place:
         reshapes.kv.baddbmm_(*outer)
         z.add_(leaving_k)
         for held, new in ((win_k, k_feat), (win_v, v), (win_raw, k), (win_valid, valid)):
-            held[:, :, window_start].copy_(new[:, :, 0])
+            held.select(2, window_start).copy_(new.select(2, 0))
         return out, (state, start)
     kv, z = torch.baddbmm(kv.reshape(bh, m, d), *outer).view(b, h, m, d), z + leaving_k
     at = dict(dim=2, start=window_start, end=window_start + 1)
