@@ -288,7 +288,7 @@ def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridSta
     # scores of the window's keys (slot order) and of the new one
     s = torch.cat([torch.bmm(q3, reshapes.raw_t),
                    torch.bmm(q3, k.reshape(bh, dk, 1))], dim=-1).mul_(scale).view(b, h, 1, keep + 1)
-    s = s.masked_fill_(~torch.cat([win_valid, valid], dim=2)[:, :, None, :], -torch.inf)
+    s = s.masked_fill_(torch.cat([win_valid, valid], dim=2).logical_not_().unsqueeze(2), -torch.inf)
     m_ = s.amax(dim=-1, keepdim=True).clamp_min_(0)
     em = m_.neg().exp_()
     p = s.sub_(m_).exp_()
