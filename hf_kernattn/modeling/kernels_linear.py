@@ -266,6 +266,30 @@ def step_views(state: torch.Tensor, normalizer: torch.Tensor, eps: float) -> Opt
                      step_constant(eps, normalizer))
 
 
+def step_in_place(
+    q_row: torch.Tensor,
+    k_row: torch.Tensor,
+    v_row: torch.Tensor,
+    state: torch.Tensor,
+    views: StepViews,
+    q_den_row: Optional[torch.Tensor] = None,
+    k_den_row: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The arithmetic of the in-place decoding step (:func:`recurrent_step` with ``views``), for
+    callers that have the new token's tensors in its shapes already: ``S += k v^T`` and
+    ``z += k_den`` in place (``state`` and its :func:`step_views`), then ``q S / (q_den . z + eps)``
+    as batched products over the ``B H`` rows. ``q_row``, ``k_row`` ``(B, H, 1, M)``,
+    ``v_row (B, H, 1, D)``; ``q_den_row``, ``k_den_row`` ``(B, H, 1, M')`` (default ``q_row``,
+    ``k_row``). Returns ``(B H, 1, D)``, a fresh tensor."""
+    state.addcmul_(k_row.transpose(-1, -2), v_row)
+    views.z_row.add_(k_row if k_den_row is None else k_den_row)
+    kv3 = views.kv3
+    q3 = q_row.reshape(kv3.shape[0], 1, -1)
+    q_den3 = q3 if q_den_row is None else q_den_row.reshape(kv3.shape[0], 1, -1)
+    # (B H, 1, D) / (B H, 1, 1): nothing records gradients, the quotient is formed in the fresh buffer
+    return torch.bmm(q3, kv3).div_(torch.bmm(q_den3, views.z_col3).add_(views.eps))
+
+
 def recurrent_step(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
@@ -304,19 +328,21 @@ def recurrent_step(
     if not split:
         q_den_t, k_den_t = q_t, k_t
     if q_t.dim() == 4:  # (B, H, 1, .): rows already
-        q_row, q_den_row, k_col, v_row, k_den_row = q_t, q_den_t, k_t.transpose(-1, -2), v_t, k_den_t
+        q_row, q_den_row, k_row, v_row, k_den_row = q_t, q_den_t, k_t, v_t, k_den_t
     else:
-        q_row, q_den_row, k_col, v_row = q_t.unsqueeze(-2), q_den_t.unsqueeze(-2), k_t.unsqueeze(-1), v_t.unsqueeze(-2)
+        q_row, q_den_row, k_row, v_row = q_t.unsqueeze(-2), q_den_t.unsqueeze(-2), k_t.unsqueeze(-2), v_t.unsqueeze(-2)
         k_den_row = k_den_t.unsqueeze(-2)
+    k_col = k_row.transpose(-1, -2)
     if in_place:
-        state.addcmul_(k_col, v_row)
         if views is None:
+            state.addcmul_(k_col, v_row)
             normalizer.unsqueeze(-2).add_(k_den_row)  # writes z
             m, d = state.shape[-2:]
             kv3, z_col3, eps_t = state.reshape(-1, m, d), normalizer.reshape(-1, normalizer.shape[-1], 1), eps
         else:
-            views.z_row.add_(k_den_row)
-            kv3, z_col3, eps_t = views.kv3, views.z_col3, views.eps
+            out = step_in_place(q_row, k_row, v_row, state, views, q_den_row if split else None, k_den_row)
+            out = out.view(*q_row.shape[:-1], out.shape[-1])
+            return (out if q_t.dim() == 4 else out.squeeze(-2)), state, normalizer
         rows = kv3.shape[0]
         q3 = q_row.reshape(rows, 1, -1)
         q_den3 = q_den_row.reshape(rows, 1, -1) if split else q3

@@ -27,8 +27,10 @@ core's separate denominator features ``q_den``, ``k_den``); the state then carri
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
+from collections import OrderedDict
 from typing import Optional, Union
 
 import torch
@@ -43,13 +45,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from .attention import KernelizedSelfAttention
 from .dispatch import decoding_step_spec, get_backend, hybrid_step_spec, registered_backend, zero_padded_token
 from .kernels_common import per_head
-from .kernels_hybrid import HybridState, _mask_padded, _step as hybrid_step
+from .kernels_hybrid import HybridState, _mask_padded, _step as hybrid_step, step_reshapes
 from .kernels_common import step_constant
-from .kernels_linear import recurrent_step, step_views
+from .kernels_linear import recurrent_step, step_in_place, step_views
 from .cache import CACHE_FIELD, UNSET, LinearGPTCache, LinearGPTCacheLayer, cache_argument, is_linear_gpt_cache
 from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin  # noqa: F401  (apply_rotary: public here)
+from .registry import auto_version
 from .pretrained import (
     KernelizedPreTrainedModel,
     drop_default_generation_attentions,
@@ -523,6 +526,24 @@ _is = operator.is_
 _STATELESS = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.ModuleList)
 
 
+_OUTPUT_FIELDS = dict.fromkeys(field.name for field in dataclasses.fields(CausalLMOutputWithPast))
+_new_output, _set_output_item = OrderedDict.__new__, OrderedDict.__setitem__
+
+
+def _step_output(logits: torch.Tensor, cache: Optional[LinearGPTCache]) -> CausalLMOutputWithPast:
+    """``CausalLMOutputWithPast(logits=logits, <cache field>=cache)`` as the constructor makes it
+    (the same items, in order, and attributes: every field, None where not given), without its
+    per-field checks (a decoding step makes one per token)."""
+    out = _new_output(CausalLMOutputWithPast)
+    _set_output_item(out, "logits", logits)
+    if cache is not None:
+        _set_output_item(out, CACHE_FIELD, cache)
+    fields = out.__dict__
+    fields.update(_OUTPUT_FIELDS)
+    fields["logits"], fields[CACHE_FIELD] = logits, cache
+    return out
+
+
 def _norm(module: nn.Module, params: Optional[dict], x: torch.Tensor, cudnn: bool) -> torch.Tensor:
     """``module(x)`` without the module call: ``params`` is the parameter dict of an
     ``nn.LayerNorm`` (:func:`_ln_params`; ``cudnn`` what ``F.layer_norm`` passes), None for a
@@ -619,7 +640,7 @@ class _DecodingSession:
             else:  # the sliding-window hybrid: its decoding step, with the window's scale
                 if hybrid_step_spec(backend, False, wte.weight.device.type, dtype, attn.num_heads) is None:
                     return None
-                hybrid = (float(attn.head_dim ** -0.5), attn.softmax_window - 1, backend == "auto")
+                hybrid = (float(attn.head_dim ** -0.5), attn.softmax_window - 1, backend == "auto", len(layers))
             attns.append(attn)
             layers.append((ln_1, _ln_params(ln_1), attn, attn.num_heads != attn.num_key_value_heads,
                            attn._modules["o_proj"]._parameters, ln_2, _ln_params(ln_2), type(mlp) is LinearGPTGatedMLP,
@@ -627,9 +648,18 @@ class _DecodingSession:
                            mlp_linears[2]._parameters, act, type(act).forward, attn.maps_in_place(),
                            attn.feature_map._buffers, float(attn.eps), hybrid))
         first = attns[0]
+        # layers whose step is the plain one with the feature map in place and nothing between the map and the
+        # core's step (no rotation, one key/value head per query head): the split sizes and the map, inlined
+        self.plain = [((attn.num_heads + attn.num_key_value_heads, attn.num_key_value_heads),
+                       (attn.num_heads, attn.num_key_value_heads), attn.feature_map.kind == "elu")
+                      if (spec[-1] is None and spec[13] and not spec[3] and cfg.position_embedding_type in ("absolute", "none"))
+                      else None for attn, spec in zip(attns, layers)]
+        self.one = step_constant(1.0, wte.weight)
         self.model, self.transformer, self.layers, self.attns = model, tr, layers, attns
         self.spec = decoding_step_spec("recurrent")
-        self.auto_hybrid = any(layer[-1] is not None and layer[-1][2] for layer in layers)  # auto's choice asked per step
+        self.auto_hybrid = any(layer[-1] is not None and layer[-1][2] for layer in layers)  # auto's choice, see step
+        self.auto_seen, self.auto_runs_hybrid = None, {}
+        self.mixing = [[None] * 8 for _ in layers]  # per layer: the hybrid's mixing weights and what they were made from
         self.backends = list(map(_backend, attns))
         # a named backend is checked against the model again when it is re-registered
         self.named_specs = [(name, registered_backend(name)) for name in set(self.backends) if name != "auto"]
@@ -721,16 +751,18 @@ class _DecodingSession:
                     return False
             else:  # the window's tensors, written in place: contiguous, of the hybrid's shapes
                 keep = hybrid[1]
-                views = tuple(found[i] for i in range(6))
+                views = HybridState(*(found[i] for i in range(6)))
                 shapes = (shape, shape[:3], (b, h, keep, m), (b, h, keep, d), (b, h, keep, d), (b, 1, keep))
                 if not all(type(x) is torch.Tensor and x.shape == want and x.device == self.device and x.is_contiguous()
                            and x.dtype == (torch.bool if i == 5 else self.dtype)
                            for i, (x, want) in enumerate(zip(views, shapes))):
                     return False
+                views = (views, step_reshapes(views))
             states.append((found, kv, z, views, layer))
         for layer, kind in zip(layers, self.kinds):
             layer.state_kind = kind  # what a step of the module path records
         self.cache, self.cache_layers, self.states, self.batch = cache, layers, states, batch
+        self.all_valid = torch.ones(batch, 1, 1, dtype=torch.bool, device=self.device)
         self.keep_shape = (batch, 1, 1, 1)
         return True
 
@@ -760,7 +792,7 @@ class _DecodingSession:
         for (found, kv, z, views, layer), kind in zip(self.states, self.kinds):
             if found[0] is not kv or found[1] is not z or layer.state_kind is not kind or not layer.has_previous_state[0]:
                 return self.bind(cache, batch)
-            if type(views) is tuple and not all(map(_is, map(found.__getitem__, range(6)), views)):  # the hybrid's window replaced
+            if type(views) is tuple and not all(map(_is, map(found.__getitem__, range(6)), views[0])):  # the hybrid's window replaced
                 return self.bind(cache, batch)
         return True
 
@@ -798,28 +830,57 @@ class _DecodingSession:
         elif self.rotary:
             position_ids = torch.arange(past, past + 1, device=self.device)[None].expand(batch, 1)
 
-        if self.auto_hybrid and hybrid_step_spec("auto", keep is not None, self.device_type, self.dtype,
-                                                 self.heads) is None:
-            return None  # auto would not run the hybrid's step here
+        if self.auto_hybrid:  # auto's choice for the hybrid's step, asked again when a table or backend changed
+            version = auto_version()
+            if version != self.auto_seen:
+                self.auto_seen, self.auto_runs_hybrid = version, {}
+            masked = keep is not None
+            runs = self.auto_runs_hybrid.get(masked)
+            if runs is None:
+                runs = self.auto_runs_hybrid[masked] = hybrid_step_spec(
+                    "auto", masked, self.device_type, self.dtype, self.heads) is not None
+            if not runs:
+                return None  # auto would not run the hybrid's step here
         for (_, _, _, views, layer), spec in zip(self.states, self.layers):
             if spec[-1] is not None and not (type(layer.window_start) is int
                                              and 0 <= layer.window_start < max(spec[-1][1], 1)):
                 return None  # a window start set by hand: the module path checks it
-        hidden = F.embedding(input_ids, self.wte._parameters["weight"])
+        # hidden states as (B, C) rows: the module path's (B, 1, C) products are these (a linear layer folds a
+        # contiguous (B, 1, C) input into (B, C) rows), without the folding views
+        hidden = F.embedding(input_ids.view(batch), self.wte._parameters["weight"])
         if self.wpe is not None:
             table = self.wpe._parameters["weight"]
-            hidden = hidden + (table[past] if position_ids is None else F.embedding(position_ids, table))
+            hidden = hidden + (table[past] if position_ids is None else F.embedding(position_ids.reshape(batch), table))
         rope = rotary = None
         if self.rotary:
             cos_sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, self.dtype)
             rope, rotary = (cos_sin, None) if self.rope else (None, cos_sin)
-        zero, width, head_dim = self.zero, (batch, 1, self.heads * self.head_dim), self.head_dim
+        zero, width, head_dim = self.zero, (batch, self.heads * self.head_dim), self.head_dim
         cudnn = torch.backends.cudnn.enabled  # what F.layer_norm passes
         linear = F.linear
+        one = self.one
         for (ln_1, p_1, attn, grouped, o_proj, ln_2, p_2, gated, fc, up, down, act, act_forward, in_place, buffers,
-             eps, hybrid), state, fused in zip(self.layers, self.states, self.fused):
+             eps, hybrid), state, fused, plain in zip(self.layers, self.states, self.fused, self.plain):
             h = _norm(ln_1, p_1, hidden, cudnn)
             x = linear(h, fused[1], fused[2]).view(batch, -1, 1, head_dim)
+            if plain is not None:  # attn.step_features and the core's step in place, inlined (the same operations)
+                qk, v = x.split_with_sizes(plain[0], 1)
+                if plain[2]:
+                    F.elu_(qk).add_(one)
+                else:
+                    qk.relu_()
+                q, k = qk.split_with_sizes(plain[1], 1)
+                if keep4 is not None:
+                    k, v, _ = zero_padded_token(keep4, k, v, None, zero)
+                out = step_in_place(q, k, v, state[1], state[3]).view(width)
+                hidden.add_(linear(out, o_proj["weight"], o_proj["bias"]))  # hidden: this step's own tensor
+                h = _norm(ln_2, p_2, hidden, cudnn)
+                if gated:
+                    h = act_forward(act, linear(h, fc["weight"], fc["bias"])) * linear(h, up["weight"], up["bias"])
+                else:
+                    h = act_forward(act, linear(h, fc["weight"], fc["bias"]))
+                hidden.add_(linear(h, down["weight"], down["bias"]))
+                continue
             q, k, v, raw = attn.step_features(x, rope, buffers.get("projection"), keep, in_place)
             if grouped:
                 k, v = attn._repeat_kv(k), attn._repeat_kv(v)
@@ -843,12 +904,11 @@ class _DecodingSession:
         hidden = _norm(self.ln_f, self.ln_f_params, hidden, cudnn)
         for layer in self.cache_layers:
             layer.cumulative_length += 1
-        logits = linear(hidden, self.head["weight"], self.head["bias"])
+        logits = linear(hidden, self.head["weight"], self.head["bias"]).unsqueeze(1)  # (B, 1, V)
         out_cache = cache if (cfg.use_cache if use_cache is None else use_cache) else None
         if not (cfg.return_dict if return_dict is None else return_dict):
             return (logits,) if out_cache is None else (logits, out_cache)
-        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: out_cache})
-
+        return _step_output(logits, out_cache)
 
     def _hybrid_step(self, attn, hybrid, q, k, v, raw, keep, state, eps):
         """One layer's sliding-window hybrid step (``kernels_hybrid._step`` in place on the cache
@@ -857,15 +917,21 @@ class _DecodingSession:
         dtype = q.dtype
         raw_q, raw_k = raw[0].to(dtype), attn._repeat_kv(raw[1]).to(dtype)
         if keep is None:
-            valid = torch.ones(q.shape[0], 1, 1, dtype=torch.bool, device=q.device)
+            valid = self.all_valid  # (B, 1, 1) True, read only
         else:
             raw_k, k, v = _mask_padded(raw_k, k, v, keep)
             valid = keep[:, None, :]
         layer = state[4]
+        mixing = self.mixing[hybrid[3]]  # the mixing weights as the module path makes them, again when changed
+        params = attn._parameters
+        w, l = params["window_log_weight"], params["linear_log_weight"]
+        if not (w is mixing[0] and l is mixing[1] and w._version == mixing[2] and l._version == mixing[3]
+                and w.data_ptr() == mixing[4] and l.data_ptr() == mixing[5]):
+            mixing[:] = (w, l, w._version, l._version, w.data_ptr(), l.data_ptr(),
+                         per_head(w.exp().to(dtype), 3), per_head(l.exp().to(dtype), 3))
         out, (_, layer.window_start) = hybrid_step(
-            raw_q, raw_k, q, k, v, valid, hybrid[0], per_head(attn.window_log_weight.exp().to(dtype), 3),
-            per_head(attn.linear_log_weight.exp().to(dtype), 3), eps, HybridState(*state[3]), True,
-            layer.window_start, True)
+            raw_q, raw_k, q, k, v, valid, hybrid[0], mixing[6], mixing[7], eps, state[3][0], True,
+            layer.window_start, True, state[3][1])
         return out
 
 

@@ -144,6 +144,18 @@ class BackendSpec:
 
 
 _REGISTRY: dict[str, BackendSpec] = {}
+# bumped by every registration and every table made active (load_auto_table, the environment's table read on
+# the first automatic choice): what auto chooses can change only with it (see auto_version)
+_AUTO_VERSION = 0
+
+
+def auto_version() -> tuple:
+    """A token that changes whenever ``auto``'s choices may: a backend registered (or replaced),
+    another table made active, or the registry or table replaced as objects. A caller that asks
+    ``auto`` the same question repeatedly (a decoding step, per token) keeps the answer while the
+    token compares equal (identity of its items). Removing an entry from the private registry
+    dict by hand does not change it (:func:`auto_candidates` itself compares the entries)."""
+    return (_AUTO_VERSION, _REGISTRY, _ACTIVE_TABLE)
 
 
 def register_backend(
@@ -199,6 +211,7 @@ def register_backend(
     ranks every registered backend that can run each measured kind of call), or where no ranked
     backend can run the call; by name it is always usable.
     """
+    global _AUTO_VERSION
     if not isinstance(name, str) or not name or name == "auto":
         raise ValueError(f"backend name must be a non-empty string other than 'auto', got {name!r}")
     if not callable(fn):
@@ -247,6 +260,7 @@ def register_backend(
         keeps_inputs=bool(keeps_inputs),
     )
     _REGISTRY[name] = spec
+    _AUTO_VERSION += 1
     return spec
 
 
@@ -425,10 +439,11 @@ def load_auto_table(source=None, *, replace: bool = False) -> dict:
     naming the problem for a table that cannot be read or is malformed (the active table is then
     unchanged). Returns the active table in the checked form. The environment variable
     ``HF_KERNATTN_AUTO_TABLE`` names a file loaded the same way on the first automatic choice."""
-    global _ACTIVE_TABLE
+    global _ACTIVE_TABLE, _AUTO_VERSION
     shipped = _shipped_table()
     if source is None:
         _ACTIVE_TABLE = shipped
+        _AUTO_VERSION += 1
         return dict(shipped)
     if isinstance(source, dict):
         table = source
@@ -441,6 +456,7 @@ def load_auto_table(source=None, *, replace: bool = False) -> dict:
         given = {key[:5] for key in checked}
         checked = {**{key: r for key, r in shipped.items() if key[:5] not in given}, **checked}
     _ACTIVE_TABLE = checked
+    _AUTO_VERSION += 1
     return dict(_ACTIVE_TABLE)
 
 

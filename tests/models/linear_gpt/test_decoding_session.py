@@ -26,6 +26,9 @@ CONFIGS = {
                                    mlp_type="gated", norm_type="rmsnorm", attention_bias=True, hidden_act="silu"),
     "elu_normalized_none": dict(normalize_qk=True, position_embedding_type="none"),
     "hedgehog_gqa": dict(feature_map="hedgehog", num_attention_heads=4, num_key_value_heads=2),
+    # the plain layer's inlined step (map in place, no rotation, no grouping) with the gated MLP and RMSNorm
+    "relu_gated_rmsnorm": dict(feature_map="relu", position_embedding_type="none", mlp_type="gated",
+                               norm_type="rmsnorm", hidden_act="silu", attention_bias=True),
 }
 
 
@@ -121,6 +124,55 @@ def test_float64_steps_equal_the_module_path_bitwise(fast_steps):
     hook = _force_modules(model)
     _assert_bitwise(fast, _decode(model, ids, _padded_mask(ids)))
     hook.remove()
+
+
+@pytest.mark.parametrize("name", ["elu_absolute", "relu_gated_rmsnorm"])
+def test_float64_plain_steps_equal_the_module_path_bitwise(name, fast_steps):
+    """The plain layers' inlined step in float64, padded: bitwise the module path."""
+    model = _model(torch.float64, **CONFIGS[name])
+    ids = _ids()
+    fast = _decode(model, ids, _padded_mask(ids))
+    assert all(fast_steps) and fast_steps
+    hook = _force_modules(model)
+    _assert_bitwise(fast, _decode(model, ids, _padded_mask(ids)))
+    hook.remove()
+
+
+def test_batch_one_steps_equal_the_module_path_bitwise(fast_steps):
+    """Batch 1 (what a single generation runs), every configuration, float32 and float64: the
+    session's products over (B, C) rows are bitwise the module path's over (B, 1, C)."""
+    for name, config in CONFIGS.items():
+        for dtype in (torch.float32, torch.float64):
+            model = _model(dtype, **config)
+            ids = _ids(batch=1, n=8)
+            fast_steps.clear()
+            fast = _decode(model, ids)
+            assert fast_steps == [True] * 3, name
+            hook = _force_modules(model)
+            _assert_bitwise(fast, _decode(model, ids))
+            hook.remove()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_fast_step_output_is_the_constructed_output(use_cache, fast_steps):
+    """The session's output object has the items, order, attributes and tuple of
+    ``CausalLMOutputWithPast(logits=..., <cache field>=...)``."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from hf_kernattn.modeling.cache import CACHE_FIELD
+
+    model = _model()
+    ids = _ids()
+    with torch.no_grad():
+        cache = model(ids[:, :4], use_cache=True).past_key_values
+        model(ids[:, 4:5], past_key_values=cache, use_cache=True)
+        out = model(ids[:, 5:6], past_key_values=cache, use_cache=use_cache)
+    assert fast_steps == [True]
+    made = CausalLMOutputWithPast(logits=out.logits, **{CACHE_FIELD: cache if use_cache else None})
+    assert type(out) is CausalLMOutputWithPast and vars(out) == vars(made)
+    assert list(out.keys()) == list(made.keys()) and out.to_tuple() == made.to_tuple()
+    assert out[0] is out.logits and out["logits"] is out.logits and repr(out) == repr(made)
+    assert (out[CACHE_FIELD] is cache) if use_cache else (CACHE_FIELD not in out and out.loss is None)
 
 
 @pytest.mark.parametrize("mode", [dict(do_sample=False), dict(do_sample=False, num_beams=3)])

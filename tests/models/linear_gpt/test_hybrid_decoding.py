@@ -202,3 +202,72 @@ def test_window_start_is_checked():
     with pytest.raises(TypeError, match="window_start must be an int"):
         AttentionState(kv, z, *window, window_start=True)
     assert "window_start=2" in repr(AttentionState(kv, z, *window, window_start=2))
+
+
+def test_auto_is_asked_again_only_when_a_table_or_a_backend_changes(monkeypatch, fast_steps):
+    """Under ``backend="auto"`` the session asks auto whether it runs the hybrid's step once, then
+    again only after a table was loaded or a backend registered (:func:`registry.auto_version`)."""
+    import hf_kernattn
+    from hf_kernattn.modeling import modeling_linear_gpt, registry
+
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_ACTIVE_TABLE", registry._ACTIVE_TABLE)  # restored after the test
+    asked = []
+    real = modeling_linear_gpt.hybrid_step_spec
+
+    def counting(backend, *args):
+        asked.append(backend)
+        return real(backend, *args)
+
+    monkeypatch.setattr(modeling_linear_gpt, "hybrid_step_spec", counting)
+
+    def mine(q, k, v, *, eps):
+        return hf_kernattn.get_backend("linear").fn(q, k, v, eps=eps)
+
+    def between(t):
+        if t == 5:  # the session started at the step before (asking once per layer)
+            asked.clear()
+        elif t == 8:
+            hf_kernattn.load_auto_table(None)  # a table made active (the shipped one again)
+        elif t == 10:
+            hf_kernattn.register_backend("test_auto_version", mine, key_mask=False, takes=("eps",))
+
+    model = _hybrid(**CONFIGS["w3_elu_absolute"])
+    assert model.config.attn_backend == "auto"
+    ids = _ids(n=12)
+    fast = _decode(model, ids, between=between)
+    assert fast_steps == [True] * 7
+    assert asked == ["auto"] * 3  # the session's first step, after the table, after the registration
+    hook = _force_modules(model)
+    _assert_bitwise(fast, _decode(model, ids))
+    hook.remove()
+
+
+def test_mixing_weights_changed_between_steps_are_used(fast_steps):
+    """The session keeps each layer's mixing weights as made from the parameters and makes them
+    again after an in-place write (version) or a replaced tensor (``.data``): bitwise the module path."""
+
+    def run(force):
+        model = _hybrid(**CONFIGS["w3_elu_absolute"])
+        attn = model.transformer.h[1].attn
+
+        def between(t):
+            with torch.no_grad():
+                if t == 7:
+                    attn.window_log_weight.add_(0.25)
+                elif t == 9:
+                    attn.linear_log_weight.data = attn.linear_log_weight.data - 0.5
+                elif t == 11:
+                    attn.window_log_weight.data = attn.window_log_weight.data.clone()  # same values, other memory
+
+        hook = _force_modules(model) if force else None
+        got = _decode(model, _ids(n=14), between=between)
+        if hook is not None:
+            hook.remove()
+        return got
+
+    fast = run(False)
+    assert fast_steps == [True] * 9
+    fast_steps.clear()
+    _assert_bitwise(fast, run(True))
+    assert not any(fast_steps)
