@@ -20,9 +20,11 @@ each block's pair gradients along their offsets (a copy into a skewed buffer and
 Cost: time O(N^2 (M + D)) (causal: half); memory O(N (M + D)) besides one block of scores
 (the forward and backward keep no N x N matrix). Traced calls (``torch.export``, ``torch.compile``,
 symbolic sizes) and small calls with a backward (:func:`runs_unblocked`: a few hundred tokens
-with a bias or causal, at most :data:`DENSE_UNBLOCKED_SCORES` scores in all otherwise) run the
+with a bias or causal and at most :data:`DENSE_UNBLOCKED_TABLE_SCORES` scores in all, at most
+:data:`DENSE_UNBLOCKED_SCORES` scores otherwise) run the
 same formula unblocked (:func:`dense_attention_unblocked`), which materialises the ``N x N``
-matrix.
+matrix (:func:`materialized_scores`; ``backend="auto"`` passes over dense where that matrix would
+exceed ``registry.AUTO_MAX_NN_BYTES``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ DENSE_UNBLOCKED_SCORES = 1 << 21
 # backward, and is 0.8-1.0x the blocked one up to here, 1.1-1.3x at 256-324 tokens and 1.2-3.5x
 # from 512 tokens (1 head: 1D 512 1.2x, 1,024 1.4-2.0x; causal 1,024 2.8x; 2D 32 x 32 3.0x)
 DENSE_UNBLOCKED_TOKENS = 196
+# and, with a table, at most this many scores in all (batch x heads x N^2; 16 MB in float32): autograd
+# keeps two (B, H, N, N) matrices of the unblocked form per call, so a large batch runs blocked (at
+# 64 x 12 heads x 196 tokens, 29.5M scores, the unblocked form keeps 236 MB per layer and peaks at
+# 537 MB, the blocked one at 347 MB); blocked / unblocked fwd+bwd CPU time at 196 tokens, 12 heads,
+# 1D bias: 1.05x at batch 1 and 2, 1.03-1.04x at 8 to 64 (about 9 batch rows fit under the cap)
+DENSE_UNBLOCKED_TABLE_SCORES = 1 << 22
 # 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
 DENSE_SHORT_RUN = 32
 
@@ -249,11 +257,23 @@ class DenseBlockProduct(torch.autograd.Function):
 def runs_unblocked(b: int, h: int, n: int, table: bool) -> bool:
     """Whether a forward+backward of ``b`` batch rows, ``h`` heads and ``n`` tokens runs the
     unblocked form (:func:`dense_attention_unblocked`) in eager mode: with a coefficient table
-    (``table``: a bias, or causal) at most :data:`DENSE_UNBLOCKED_TOKENS` tokens, otherwise at most
+    (``table``: a bias, or causal) at most :data:`DENSE_UNBLOCKED_TOKENS` tokens and
+    :data:`DENSE_UNBLOCKED_TABLE_SCORES` scores in all (batch x heads x N^2), otherwise at most
     :data:`DENSE_UNBLOCKED_SCORES` scores in all. Forwards without autograd always run blocked."""
     if table:
-        return n <= DENSE_UNBLOCKED_TOKENS
+        return n <= DENSE_UNBLOCKED_TOKENS and b * h * n * n <= DENSE_UNBLOCKED_TABLE_SCORES
     return b * h * n * n <= DENSE_UNBLOCKED_SCORES
+
+
+def materialized_scores(b, h, n, *, table: bool, backward: bool):
+    """How many scores :func:`dense_attention` holds as one ``(B, H, N, N)`` matrix for a call of
+    ``b`` batch rows, ``h`` heads and ``n`` tokens: ``b h n^2`` where it runs unblocked (traced,
+    or a small forward+backward call, :func:`runs_unblocked`; ``table``: a bias, or causal), 0
+    where it runs in blocks (at most :data:`DENSE_BLOCK_SCORES` scores at a time). Symbolic sizes
+    give a symbolic count."""
+    if _traced(b, h, n) or (backward and runs_unblocked(b, h, n, table)):
+        return b * h * n * n
+    return 0
 
 
 def _traced(*sizes) -> bool:

@@ -547,7 +547,14 @@ def fft_attention(
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` and ``rpe_bias`` (``(H, 2N-1)``, or with
     ``grid = (Hg, Wg)`` ``(H, 2Hg-1, 2Wg-1)``) in the dtype to compute in, padded keys and
     values already zero.
+
+    Empty inputs (0 sequences, heads, tokens, features or value columns) give the formula's
+    result without a transform: an empty ``(B, H, N, D)`` tensor, or zeros when only ``M = 0``
+    (no product ``q_i . k_j`` is nonzero), attached to every input.
     """
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        attached = q.sum() + k.sum() + (0 if rpe_bias is None else rpe_bias.sum().to(v.dtype))
+        return v * 0 + attached * 0
     n = q.shape[-2]
     if rpe_bias is not None:
         rpe_bias, eps = shifted_bias(rpe_bias, n, causal, eps)

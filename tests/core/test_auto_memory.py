@@ -1,0 +1,190 @@
+"""Memory safety of ``backend="auto"`` and of the backends it runs: ``auto`` passes over the dense
+backend where that would hold a ``(B, H, N, N)`` matrix above ``AUTO_MAX_NN_BYTES`` (its
+unblocked form, which runs at any N while torch.compile / torch.export trace), dense's small-call
+unblocked form has a cap on batch x heads x N^2, and ``fft_attention`` returns empty results for
+empty inputs.
+
+Tolerances: float64 inputs against the float64 literal reference; every backend computes the same
+formula, sums of a few dozen O(1) terms, so they agree to ~1e-13 (1e-10 allowed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_kernattn
+from hf_kernattn.modeling import dispatch, kernels_dense
+from hf_kernattn.modeling.kernels_fft import fft_attention
+from hf_kernattn.modeling.registry import AUTO_MAX_NN_BYTES
+from tests.reference import WholeHeadAllocations, literal_reference
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+
+
+def _inputs(b, h, n, m=4, d=5, seed=0, dtype=torch.float64, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(b, h, n, m, generator=g, dtype=dtype)
+    k = torch.rand(b, h, n, m, generator=g, dtype=dtype)
+    v = torch.randn(b, h, n, d, generator=g, dtype=dtype)
+    bias = 0.3 * torch.randn(h, 2 * n - 1, generator=g, dtype=dtype)
+    return [x.requires_grad_(grad) for x in (q, k, v, bias)]
+
+
+def _compiled_nn(fn, n, *args):
+    """``(fn compiled and run on args, whether a tensor of its captured graphs ends in (n, n))``:
+    a TorchDynamo backend that records the FX graphs and runs them as they are (no code
+    generation: seconds, not minutes). The FFT backend does not trace as one graph (an ``out=``
+    into a strided view): its remaining operations run eagerly, as they do under torch.compile."""
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        out = torch.compile(fn, backend=record)(*args)
+    finally:
+        torch._dynamo.reset()
+    vals = [node.meta.get("example_value") for gm in graphs for node in gm.graph.nodes]
+    square = any(isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(x.shape[-2:]) == (n, n) for x in vals)
+    assert graphs
+    return out, square
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_compiled_auto_skips_dense_above_the_bound_and_keeps_it_below(monkeypatch, causal):
+    """Under torch.compile dense runs its unblocked form (the whole (B, H, N, N) matrix): ``auto``
+    takes it only while that matrix is at most ``AUTO_MAX_NN_BYTES``, the next candidate of the
+    table (here the FFT in float64) above; both match the float64 reference."""
+    b, h, n = 1, 2, 40
+    q, k, v, bias = _inputs(b, h, n)
+    nn_bytes = b * h * n * n * 8
+
+    def attend(q, k, v, bias):
+        return hf_kernattn.kernelized_attention(q, k, v, bias, causal)
+
+    want = literal_reference(q, k, v, bias, causal=causal)
+    assert kernels_dense.materialized_scores(b, h, n, table=True, backward=False) == 0  # eager forward: blocked
+    monkeypatch.setattr(dispatch, "AUTO_MAX_NN_BYTES", nn_bytes)  # the matrix just fits
+    out, square = _compiled_nn(attend, n, q, k, v, bias)
+    assert square  # dense, unblocked
+    torch.testing.assert_close(out, want, **TOL)
+    monkeypatch.setattr(dispatch, "AUTO_MAX_NN_BYTES", nn_bytes - 1)  # one byte too many
+    out, square = _compiled_nn(attend, n, q, k, v, bias)
+    assert not square  # the next candidate: the FFT (in float64 while compiling)
+    torch.testing.assert_close(out, want, **TOL)
+
+
+def test_compiled_auto_counts_batch_heads_and_dtype_and_the_shipped_bound_holds(monkeypatch):
+    """The bound counts B x H x N^2 entries of the compute dtype: a small call keeps dense under
+    the shipped bound (256 MiB), while a 12-head 2D call at 128 x 128 tokens (12.9 GB per matrix in
+    float32) would not, nor would batch 64 x 12 heads at 1,024 tokens (3.2 GB)."""
+    assert AUTO_MAX_NN_BYTES == 1 << 28
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    meta = torch.empty(1, 12, 128 * 128, 64, device="meta")
+    assert dispatch._dense_too_large(meta, torch.float32, True, True)
+    assert not dispatch._dense_too_large(torch.empty(1, 12, 64, 64, device="meta"), torch.float32, True, True)
+    assert dispatch._dense_too_large(torch.empty(64, 12, 1024, 64, device="meta"), torch.float32, False, True)
+    assert not dispatch._dense_too_large(torch.empty(1, 1, 8192, 64, device="meta"), torch.float32, False, False)
+    assert dispatch._dense_too_large(torch.empty(1, 1, 8192, 64, device="meta"), torch.float64, False, False)
+    monkeypatch.undo()
+    # eager mode: blocked from there on, nothing too large; a small forward+backward call runs unblocked
+    assert kernels_dense.materialized_scores(1, 12, 128 * 128, table=True, backward=True) == 0
+    assert kernels_dense.materialized_scores(1, 12, 100, table=True, backward=True) == 12 * 100 * 100
+
+
+def test_compiled_auto_runs_dense_when_no_other_candidate_can(monkeypatch):
+    """When the table ranks nothing else that can run the call, dense still runs above the bound
+    (the result is right; outside TorchDynamo's graphs a warning names the bound)."""
+    from hf_kernattn import load_auto_table
+
+    q, k, v, bias = _inputs(1, 2, 24, seed=3)
+    monkeypatch.setattr(dispatch, "AUTO_MAX_NN_BYTES", 0)
+    table = {"format": 1, "source": {"note": "test"}, "entries": [
+        {"mode": "fwd", "bias": "1d", "causal": False, "clip": None, "dtype": "float32", "heads": 1,
+         "ranking": [[None, ["dense"]]]}]}
+    load_auto_table(table, replace=True)
+    try:
+        out, square = _compiled_nn(lambda *x: hf_kernattn.kernelized_attention(*x), 24, q, k, v, bias)
+        assert square
+        torch.testing.assert_close(out, literal_reference(q, k, v, bias), **TOL)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        monkeypatch.setattr(torch.compiler, "is_dynamo_compiling", lambda: False)  # as torch.export's tracing
+        logged = []
+        monkeypatch.setattr(dispatch.logger, "warning", lambda msg, *a: logged.append(msg))
+        name, _ = dispatch._auto_precision([("dense", None)], q, k, lambda: bias, False, None, table=True)
+        assert name == "dense" and "AUTO_MAX_NN_BYTES" in logged[0]
+    finally:
+        load_auto_table(None)
+
+
+@pytest.mark.parametrize("grid", [None, (14, 14)])
+def test_dense_small_calls_run_unblocked_only_up_to_a_total_size(grid):
+    """Dense's small forward+backward calls with a table (a bias) run unblocked (one (B, H, N, N)
+    matrix, kept by autograd) only while B x H x N^2 is at most DENSE_UNBLOCKED_TABLE_SCORES:
+    a batch beyond it runs in blocks (no new tensor of N^2 values per head), with the same result."""
+    n, h = 196, 2
+    cap = kernels_dense.DENSE_UNBLOCKED_TABLE_SCORES
+    small = max(1, cap // (h * n * n))  # the largest batch under the cap
+    large = small + 1
+    assert kernels_dense.runs_unblocked(small, h, n, True) and not kernels_dense.runs_unblocked(large, h, n, True)
+    for b, unblocked in ((small, True), (large, False)):
+        q, k, v, _ = _inputs(b, h, n, grad=True)
+        g = torch.Generator().manual_seed(7)
+        side = grid[0] if grid else None
+        bias = (0.3 * torch.randn(h, *((2 * side - 1,) * 2 if grid else (2 * n - 1,)), generator=g,
+                                  dtype=torch.float64)).requires_grad_()
+        with WholeHeadAllocations(h, b * h * n * n) as counter:
+            out = kernels_dense.dense_attention(q, k, v, rpe_bias=bias, grid=grid)
+            out.sum().backward()
+        assert (counter.count > 0) == unblocked
+        if not unblocked:  # the blocked result is the formula's (one check: the reference builds N^2 for every pair)
+            torch.testing.assert_close(out, literal_reference(q, k, v, bias, grid=grid), **TOL)
+
+
+@pytest.mark.parametrize("shape", [(0, 3, 5, 4, 6), (2, 0, 5, 4, 6), (2, 3, 0, 4, 6), (2, 3, 5, 0, 6), (2, 3, 5, 4, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fft_attention_with_an_empty_dimension_returns_the_empty_or_zero_result(shape, causal):
+    """``fft_attention`` called directly with 0 sequences, heads, tokens, features or value columns
+    gives the formula's result (empty, or zeros for M = 0) attached to every input, not an FFT
+    library error."""
+    b, h, n, m, d = shape
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(b, h, n, m, generator=g).requires_grad_() for _ in range(2))
+    v = torch.randn(b, h, n, d, generator=g).requires_grad_()
+    bias = torch.randn(h, 2 * n - 1, generator=g).requires_grad_() if n else None
+    out = fft_attention(q, k, v, rpe_bias=bias, causal=causal)
+    assert out.shape == (b, h, n, d) and out.dtype == v.dtype
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    for x in (q, k, v) + ((bias,) if bias is not None else ()):
+        assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_calibrate_max_nn_mb_skips_dense_only_where_it_holds_the_matrix():
+    """``bench calibrate --max-nn-mb`` skips a backend where the N x N matrix it holds exceeds the
+    limit: the blocked dense backend holds none (forward; forward+backward beyond its small-call
+    rule), so it is timed there whatever the limit; its small forward+backward calls with a bias
+    run unblocked and count; a backend declared O(N^2) without saying more always counts."""
+    from hf_kernattn.bench import calibrate
+
+    h, n = 2, 16
+    nn = h * n * n * 4 / 2 ** 20
+    assert calibrate._nn_mb("dense", n, h, True, False) == 0.0  # forward: blocked
+    assert calibrate._nn_mb("dense", n, h, True, True) == nn  # a small forward+backward call: unblocked
+    assert calibrate._nn_mb("dense", 12 * 1024, 12, True, True) == 0.0  # beyond the small-call rule: blocked
+    assert calibrate._nn_mb("fft", n, h, True, True) == calibrate._nn_mb("linear", n, h, False, True) == 0.0
+    hf_kernattn.register_backend("test_quadratic", lambda q, k, v, **kw: kernels_dense.dense_attention(q, k, v, **kw),
+                                 complexity="O(N^2 M)")
+    try:
+        assert calibrate._nn_mb("test_quadratic", n, h, False, False) == nn
+    finally:
+        hf_kernattn.modeling.registry._REGISTRY.pop("test_quadratic")
+    spec = dict(bias="1d", causal=False, clip=None, mode="fwd", ns=[n], sides=[], heads=h, features=4, head_dim=4,
+                rounds=1, min_time=0.0, max_call_seconds=100.0, max_nn_mb=nn / 2, prune=3.0, threads=None,
+                device="cpu", check=False, table=None, check_drop=None, skip=["fft", "fft@float64"])
+    status = {r["backend"]: r["status"] for r in calibrate.measure_kind(spec)}
+    assert status["dense"] == "ok"  # timed: the forward runs in blocks (it was skipped by the N x N rule)
+    status = {r["backend"]: r["status"] for r in calibrate.measure_kind(dict(spec, mode="fwdbwd"))}
+    assert status["dense"].startswith("skipped: N x N")  # the unblocked small call holds it
