@@ -13,7 +13,10 @@ that is also accurate: a backend declared exact always is; an approximate one (d
 ``error_bound``, e.g. ``fft``) is kept only where its bound for the data, in the dtype it would
 compute in, is at most :data:`AUTO_MAX_ERROR` = 1e-4, otherwise ``auto`` takes the next
 candidate the table ranks (an exact backend, or the FFT computed in float64, whichever was
-measured faster).
+measured faster). Where the dense backend would hold a whole ``(B, H, N, N)`` matrix larger than
+``registry.AUTO_MAX_NN_BYTES`` (256 MiB; its unblocked form, which ``torch.compile`` /
+``torch.export`` trace at any N, while eager mode works in blocks), ``auto`` takes the next
+candidate too (dense only when nothing else can run the call).
 
 The work common to every backend happens here, once, in stages of one job each: check
 (:func:`_check`, with the checks of ``attention_inputs.py``), prepare (the dtype rule: float32

@@ -188,3 +188,78 @@ def test_calibrate_max_nn_mb_skips_dense_only_where_it_holds_the_matrix():
     assert status["dense"] == "ok"  # timed: the forward runs in blocks (it was skipped by the N x N rule)
     status = {r["backend"]: r["status"] for r in calibrate.measure_kind(dict(spec, mode="fwdbwd"))}
     assert status["dense"].startswith("skipped: N x N")  # the unblocked small call holds it
+
+
+def _bound_in_whole_float64(q, k, bias, causal, mask):
+    """The FFT error bound evaluated on whole float64 copies of q and k (its earlier form)."""
+    import math
+
+    from hf_kernattn.modeling.kernels_fft import FFT_ERROR_KAPPA
+
+    q64, k64 = q.double(), k.double()
+    if bool((q64 < 0).any()) or bool((k64 < 0).any()):
+        return math.inf
+    if mask is not None:
+        k64 = k64 * mask[:, None, :, None].double()
+    b = bias.double()
+    used = b[:, : q.shape[2]] if causal else b.reshape(b.shape[0], -1)
+    span = float((used.amax(-1) - used.amin(-1)).max())
+    ratio = 1.0
+    if causal:
+        total = k64.sum(2, keepdim=True)
+        seen, whole = (q64 * k64.cumsum(2)).sum(-1), (q64 * total).sum(-1)
+        live = seen > 0
+        if bool(live.any()):
+            ratio = float((whole[live] / seen[live]).max())
+    return FFT_ERROR_KAPPA * torch.finfo(q.dtype).eps * math.exp(span) * ratio
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 1])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fft_error_bound_in_slices_equals_the_whole_float64_evaluation(monkeypatch, causal, chunk):
+    """``fft_error_bound`` reads q and k in float64 slices of rows (the prefix sums carried from
+    slice to slice) and their signs in their own dtype: the bound equals the whole-float64
+    evaluation to float64 rounding (1e-12 relative), with padding, keys that leave the first rows
+    without mass, and negative features (inf)."""
+    from hf_kernattn.modeling import kernels_fft
+
+    if chunk is not None:
+        monkeypatch.setattr(kernels_fft, "FFT_BOUND_CHUNK", chunk)  # values per slice: slices of 1 row up
+    b, h, n, m = 2, 3, 37, 4
+    g = torch.Generator().manual_seed(11)
+    q = torch.rand(b, h, n, m, generator=g)
+    k = torch.rand(b, h, n, m, generator=g) ** 3
+    k[:, :, :5] = 0  # the first rows see no key mass (skipped); later ones a little
+    bias = torch.randn(h, 2 * n - 1, generator=g)
+    mask = torch.ones(b, n, dtype=torch.bool)
+    mask[1, 30:] = False
+    for key_mask in (None, mask):
+        got = kernels_fft.fft_error_bound(q, k, rpe_bias=bias, causal=causal, key_mask=key_mask)
+        want = _bound_in_whole_float64(q, k, bias, causal, key_mask)
+        assert got == pytest.approx(want, rel=1e-12)
+        assert (got > 10 * kernels_fft.fft_error_bound(q, k, rpe_bias=bias)) == causal  # the first rows' ratio
+    neg = q.clone()
+    neg[1, 2, 30, 3] = -1e-3
+    assert kernels_fft.fft_error_bound(neg, k, rpe_bias=bias, causal=causal) == float("inf")
+    assert kernels_fft.fft_error_bound(q, -k, rpe_bias=bias, causal=causal) == float("inf")
+    nan = q.clone()
+    nan[0, 0, 3, 0] = float("nan")  # not negative: as the whole evaluation
+    assert kernels_fft.fft_error_bound(nan, k, rpe_bias=bias, causal=causal) == pytest.approx(
+        _bound_in_whole_float64(nan, k, bias, causal, None), rel=1e-12, nan_ok=True)
+
+
+def test_fft_error_bound_makes_no_whole_copy_of_q_or_k(monkeypatch):
+    """No tensor of a quarter of q's or k's size is allocated by the bound (a float64 copy was: the
+    largest transient on auto's way to the FFT), causal or not, once q is larger than a slice."""
+    from hf_kernattn.modeling import kernels_fft
+    from hf_kernattn.modeling.kernels_fft import fft_error_bound
+
+    b, h, n, m = 1, 4, 4096, 16
+    monkeypatch.setattr(kernels_fft, "FFT_BOUND_CHUNK", b * h * n * m // 8)
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.rand(b, h, n, m, generator=g), torch.rand(b, h, n, m, generator=g)
+    bias = torch.randn(h, 2 * n - 1, generator=g)
+    for causal in (False, True):
+        with WholeHeadAllocations(h, b * h * n * m // 4) as counter:
+            fft_error_bound(q, k, rpe_bias=bias, causal=causal, key_mask=torch.ones(b, n, dtype=torch.bool))
+        assert counter.count == 0
