@@ -13,9 +13,8 @@ import pytest
 import torch
 
 import hf_kernattn
-from hf_kernattn.modeling import dispatch, kernels_dense
+from hf_kernattn.modeling import dispatch, kernels_dense, registry
 from hf_kernattn.modeling.kernels_fft import fft_attention
-from hf_kernattn.modeling.registry import AUTO_MAX_NN_BYTES
 from tests.reference import WholeHeadAllocations, literal_reference
 
 TOL = dict(rtol=1e-10, atol=1e-10)
@@ -80,7 +79,7 @@ def test_compiled_auto_counts_batch_heads_and_dtype_and_the_shipped_bound_holds(
     """The bound counts B x H x N^2 entries of the compute dtype: a small call keeps dense under
     the shipped bound (256 MiB), while a 12-head 2D call at 128 x 128 tokens (12.9 GB per matrix in
     float32) would not, nor would batch 64 x 12 heads at 1,024 tokens (3.2 GB)."""
-    assert AUTO_MAX_NN_BYTES == 1 << 28
+    assert registry.AUTO_MAX_NN_BYTES == dispatch.AUTO_MAX_NN_BYTES == 1 << 28
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     meta = torch.empty(1, 12, 128 * 128, 64, device="meta")
     assert dispatch._dense_too_large(meta, torch.float32, True, True)
