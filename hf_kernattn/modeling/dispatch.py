@@ -139,8 +139,7 @@ def _dense_too_large(q: torch.Tensor, dt: torch.dtype, table: bool, backward: bo
     scores = materialized_scores(b, h, n, table=table, backward=backward)
     if isinstance(scores, int) and scores == 0:
         return False
-    itemsize = torch.empty((), dtype=dt).element_size()
-    return not known_true(scores * itemsize <= AUTO_MAX_NN_BYTES)
+    return not known_true(scores * dt.itemsize <= AUTO_MAX_NN_BYTES)
 
 
 def kernelized_attention(
