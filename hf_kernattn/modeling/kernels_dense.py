@@ -56,8 +56,9 @@ DENSE_UNBLOCKED_TOKENS = 196
 # and, with a table, at most this many scores in all (batch x heads x N^2; 16 MB in float32): autograd
 # keeps two (B, H, N, N) matrices of the unblocked form per call, so a large batch runs blocked (at
 # 64 x 12 heads x 196 tokens, 29.5M scores, the unblocked form keeps 236 MB per layer and peaks at
-# 537 MB, the blocked one at 347 MB); blocked / unblocked fwd+bwd CPU time at 196 tokens, 12 heads,
-# 1D bias: 1.05x at batch 1 and 2, 1.03-1.04x at 8 to 64 (about 9 batch rows fit under the cap)
+# 537 MB, the blocked one at 347 MB); the price: blocked / unblocked fwd+bwd CPU time at 196 tokens,
+# 12 heads (1 thread, medians of 3 fresh-process rounds): 1D bias 1.04-1.11x, a 14 x 14 2D bias
+# 1.09-1.21x (batch 1 to 64); about 9 batch rows of 12 heads at 196 tokens fit under the cap
 DENSE_UNBLOCKED_TABLE_SCORES = 1 << 22
 # 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
 DENSE_SHORT_RUN = 32
