@@ -14,9 +14,10 @@ that is also accurate: a backend declared exact always is; an approximate one (d
 compute in, is at most :data:`AUTO_MAX_ERROR` = 1e-4, otherwise ``auto`` takes the next
 candidate the table ranks (an exact backend, or the FFT computed in float64, whichever was
 measured faster). Where the dense backend would hold a whole ``(B, H, N, N)`` matrix larger than
-``registry.AUTO_MAX_NN_BYTES`` (256 MiB; its unblocked form, which ``torch.compile`` /
-``torch.export`` trace at any N, while eager mode works in blocks), ``auto`` takes the next
-candidate too (dense only when nothing else can run the call).
+``registry.AUTO_MAX_NN_BYTES`` (256 MiB; its unblocked form, which ``torch.export`` traces at any
+N, as ``torch.compile`` does with symbolic sizes; eager mode, and ``torch.compile`` with static
+sizes beyond small calls, work in blocks), ``auto`` takes the next candidate too (dense only when
+nothing else can run the call).
 
 The work common to every backend happens here, once, in stages of one job each: check
 (:func:`_check`, with the checks of ``attention_inputs.py``), prepare (the dtype rule: float32
@@ -98,9 +99,9 @@ def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, cau
 
     Memory: the built-in ``dense`` backend is passed over where it would hold a ``(B, H, N, N)``
     matrix of more than :data:`~registry.AUTO_MAX_NN_BYTES` (:func:`_dense_too_large`: its
-    unblocked form, which runs at any N while ``torch.compile`` / ``torch.export`` trace; ``table``:
-    a bias or causal, ``backward``: autograd records); it runs only when no other candidate can
-    run the call (then with a warning, outside TorchDynamo's graphs, which cannot log)."""
+    unblocked form, which runs at any N while ``torch.export`` traces; ``table``: a bias or causal,
+    ``backward``: autograd records); it runs only when no other candidate can run the call (then
+    with a warning, outside TorchDynamo's graphs, which cannot log)."""
     dt = compute_dtype_for(q)
     approximate = None
     too_large = None  # dense passed over for its N x N matrix: run only when nothing else can

@@ -60,6 +60,12 @@ DENSE_UNBLOCKED_TOKENS = 196
 # 12 heads (1 thread, medians of 3 fresh-process rounds): 1D bias 1.04-1.11x, a 14 x 14 2D bias
 # 1.09-1.21x (batch 1 to 64); about 9 batch rows of 12 heads at 196 tokens fit under the cap
 DENSE_UNBLOCKED_TABLE_SCORES = 1 << 22
+# Under torch.compile (TorchDynamo, not torch.export) with static sizes, calls of more than this many
+# scores (batch x heads x N^2; 16 MB in float32) run the blocked form outside the graph (a graph
+# break) instead of the unblocked form inside it: memory O(N) instead of (B, H, N, N) matrices (12
+# heads at 64 x 64 tokens, fwd+bwd, 1 thread: compiled unblocked 4.3-4.5 s CPU and 2,481 MB peak,
+# eager blocked 3.8-4.6 s and 115 MB)
+DENSE_COMPILED_SCORES = 1 << 22
 # 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
 DENSE_SHORT_RUN = 32
 
@@ -270,11 +276,25 @@ def materialized_scores(b, h, n, *, table: bool, backward: bool):
     """How many scores :func:`dense_attention` holds as one ``(B, H, N, N)`` matrix for a call of
     ``b`` batch rows, ``h`` heads and ``n`` tokens: ``b h n^2`` where it runs unblocked (traced,
     or a small forward+backward call, :func:`runs_unblocked`; ``table``: a bias, or causal), 0
-    where it runs in blocks (at most :data:`DENSE_BLOCK_SCORES` scores at a time). Symbolic sizes
-    give a symbolic count."""
+    where it runs in blocks (at most :data:`DENSE_BLOCK_SCORES` scores at a time; under
+    torch.compile also calls above :data:`DENSE_COMPILED_SCORES`, outside the graph). Symbolic
+    sizes give a symbolic count."""
+    if _outside_graph(b, h, n):
+        return 0
     if _traced(b, h, n) or (backward and runs_unblocked(b, h, n, table)):
         return b * h * n * n
     return 0
+
+
+def _outside_graph(b, h, n, *sizes) -> bool:
+    """Whether TorchDynamo (torch.compile, not torch.export) traces a call of static sizes with
+    more than :data:`DENSE_COMPILED_SCORES` scores: :func:`dense_attention` then runs its blocked
+    form eagerly, outside the graph (a graph break)."""
+    if not torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():
+        return False
+    if any(isinstance(x, torch.SymInt) for x in (b, h, n, *sizes)):
+        return False
+    return b * h * n * n > DENSE_COMPILED_SCORES
 
 
 def _traced(*sizes) -> bool:
@@ -292,14 +312,19 @@ def dense_attention(
     """Exact quadratic reference: ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype, padded
     keys and values already zero (``kernels_common.mask_keys``); ``rpe_bias`` ``(H, 2N-1)`` or,
     with ``grid = (Hg, Wg)``, ``(H, 2Hg-1, 2Wg-1)``; ``q_den, k_den`` ``(B, H, N, M')`` or None.
-    Returns ``(B, H, N, D)``. Blocked (:class:`DenseBlockProduct`) in eager mode; traced calls, and
-    the small forward+backward calls :func:`runs_unblocked` names, run
-    :func:`dense_attention_unblocked`."""
+    Returns ``(B, H, N, D)``. Blocked (:class:`DenseBlockProduct`) in eager mode, and under
+    torch.compile for calls of more than :data:`DENSE_COMPILED_SCORES` scores (eagerly, outside
+    the graph: a graph break; ``fullgraph=True`` refuses it); other traced calls, and the small
+    forward+backward calls :func:`runs_unblocked` names, run :func:`dense_attention_unblocked`."""
     b, h, n = q.shape[:3]
     if grid is not None and causal:
         raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
+    sizes = (q.shape[-1], v.shape[-1], *(grid or ()))
+    if _outside_graph(b, h, n, *sizes):  # torch.compile, a large call: blocked, eagerly (a graph break)
+        return _dense_outside_graph(q, k, v, rpe_bias=rpe_bias, causal=causal, grid=grid, eps=eps,
+                                    q_den=q_den, k_den=k_den)
     # traced first: comparing symbolic sizes would add a guard that pins them
-    if _traced(b, h, n, q.shape[-1], v.shape[-1], *(grid or ())) or (
+    if _traced(b, h, n, *sizes) or (
         runs_unblocked(b, h, n, rpe_bias is not None or causal) and torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (q, k, v, rpe_bias, q_den, k_den))
     ):
@@ -325,6 +350,10 @@ def dense_attention(
     else:  # no bias on the denominator: sum_j q_den_i . k_den_j = q_den_i . (sum_j k_den_j)
         den = q_den @ k_den.sum(-2, keepdim=True).transpose(-1, -2)
     return DenseBlockProduct.apply(q, k, v, c, plan) / (den + eps)
+
+
+# dense_attention run eagerly from compiled code (TorchDynamo does not trace into it: a graph break)
+_dense_outside_graph = torch.compiler.disable(dense_attention)
 
 
 def dense_attention_unblocked(

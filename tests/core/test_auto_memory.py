@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_kernattn
-from hf_kernattn.modeling import dispatch, kernels_dense, registry
+from hf_kernattn.modeling import dispatch, kernels_dense, kernels_fft, registry
 from hf_kernattn.modeling.kernels_fft import fft_attention
 from tests.reference import WholeHeadAllocations, literal_reference
 
@@ -52,26 +52,59 @@ def _compiled_nn(fn, n, *args):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_compiled_auto_skips_dense_above_the_bound_and_keeps_it_below(monkeypatch, causal):
-    """Under torch.compile dense runs its unblocked form (the whole (B, H, N, N) matrix): ``auto``
-    takes it only while that matrix is at most ``AUTO_MAX_NN_BYTES``, the next candidate of the
-    table (here the FFT in float64) above; both match the float64 reference."""
+def test_compiled_dense_runs_blocked_outside_the_graph_above_a_size(monkeypatch, causal):
+    """Under torch.compile dense traces its unblocked form (the whole (B, H, N, N) matrix) only up
+    to ``DENSE_COMPILED_SCORES`` scores; above, its blocked form runs eagerly outside the graph (a
+    graph break), so ``auto`` keeps the table's choice (dense, no FFT) with memory linear in N;
+    both match the float64 reference."""
     b, h, n = 1, 2, 40
     q, k, v, bias = _inputs(b, h, n)
-    nn_bytes = b * h * n * n * 8
+    plans = []
+    real = kernels_dense.DensePlan.__init__
+    monkeypatch.setattr(kernels_dense.DensePlan, "__init__",
+                        lambda self, *a, **kw: plans.append(1) or real(self, *a, **kw))
 
     def attend(q, k, v, bias):
         return hf_kernattn.kernelized_attention(q, k, v, bias, causal)
 
     want = literal_reference(q, k, v, bias, causal=causal)
-    assert kernels_dense.materialized_scores(b, h, n, table=True, backward=False) == 0  # eager forward: blocked
-    monkeypatch.setattr(dispatch, "AUTO_MAX_NN_BYTES", nn_bytes)  # the matrix just fits
+    monkeypatch.setattr(kernels_dense, "DENSE_COMPILED_SCORES", b * h * n * n)  # the matrix just fits
     out, square = _compiled_nn(attend, n, q, k, v, bias)
+    assert square and not plans  # unblocked, in the graph
+    torch.testing.assert_close(out, want, **TOL)
+    monkeypatch.setattr(kernels_dense, "DENSE_COMPILED_SCORES", b * h * n * n - 1)  # one score too many
+    fft = []
+    monkeypatch.setattr(kernels_fft.FFTAttention, "apply", lambda *a: fft.append(1))
+    out, square = _compiled_nn(attend, n, q, k, v, bias)
+    assert not square and plans and not fft  # dense, blocked, outside the graph
+    torch.testing.assert_close(out, want, **TOL)
+
+
+def test_exported_auto_skips_dense_above_the_bound_and_keeps_it_below(monkeypatch):
+    """Under torch.export (one graph, no eager part) dense can only run unblocked: ``auto`` takes
+    it while its (B, H, N, N) matrix is at most ``AUTO_MAX_NN_BYTES``, the next candidate of the
+    table above (here ``linear``, without a bias); both match the float64 reference."""
+    b, h, n = 1, 2, 40
+    q, k, v, _ = _inputs(b, h, n, seed=5)
+
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v):
+            return hf_kernattn.kernelized_attention(q, k, v)
+
+    def exported():
+        program = torch.export.export(Attend(), (q, k, v))
+        vals = [node.meta.get("val") for node in program.graph.nodes]
+        square = any(isinstance(x, torch.Tensor) and tuple(x.shape[-2:]) == (n, n) for x in vals)
+        return program.module()(q, k, v), square
+
+    want = literal_reference(q, k, v)
+    monkeypatch.setattr(dispatch, "AUTO_MAX_NN_BYTES", b * h * n * n * 8)  # the matrix just fits
+    out, square = exported()
     assert square  # dense, unblocked
     torch.testing.assert_close(out, want, **TOL)
-    monkeypatch.setattr(dispatch, "AUTO_MAX_NN_BYTES", nn_bytes - 1)  # one byte too many
-    out, square = _compiled_nn(attend, n, q, k, v, bias)
-    assert not square  # the next candidate: the FFT (in float64 while compiling)
+    monkeypatch.setattr(dispatch, "AUTO_MAX_NN_BYTES", b * h * n * n * 8 - 1)
+    out, square = exported()
+    assert not square  # linear
     torch.testing.assert_close(out, want, **TOL)
 
 
