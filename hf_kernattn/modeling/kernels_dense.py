@@ -57,15 +57,17 @@ DENSE_UNBLOCKED_TOKENS = 196
 # keeps two (B, H, N, N) matrices of the unblocked form per call, so a large batch runs blocked (at
 # 64 x 12 heads x 196 tokens, 29.5M scores, the unblocked form keeps 236 MB per layer and peaks at
 # 537 MB, the blocked one at 347 MB); the price: blocked / unblocked fwd+bwd CPU time at 196 tokens,
-# 12 heads (1 thread, medians of 3 fresh-process rounds): 1D bias 1.04-1.11x, a 14 x 14 2D bias
-# 1.09-1.21x (batch 1 to 64); about 9 batch rows of 12 heads at 196 tokens fit under the cap
+# 12 heads (1 thread, medians of 2-3 fresh-process rounds, two runs): 1D bias 1.03-1.16x, a 14 x 14
+# 2D bias 1.09-1.23x (batch 1 to 64); about 9 batch rows of 12 heads at 196 tokens fit under the cap
 DENSE_UNBLOCKED_TABLE_SCORES = 1 << 22
 # Under torch.compile (TorchDynamo, not torch.export) with static sizes, calls of more than this many
-# scores (batch x heads x N^2; 16 MB in float32) run the blocked form outside the graph (a graph
-# break) instead of the unblocked form inside it: memory O(N) instead of (B, H, N, N) matrices (12
-# heads at 64 x 64 tokens, fwd+bwd, 1 thread: compiled unblocked 4.3-4.5 s CPU and 2,481 MB peak,
-# eager blocked 3.8-4.6 s and 115 MB)
-DENSE_COMPILED_SCORES = 1 << 22
+# scores (batch x heads x N^2; 256 MiB in float64, ``registry.AUTO_MAX_NN_BYTES``, so that ``auto``
+# never passes over dense under torch.compile with static sizes; 128 MiB in float32) run the blocked
+# form outside the graph (a graph break; ``fullgraph=True`` refuses it) instead of the unblocked form
+# inside it: memory O(N) instead of (B, H, N, N) matrices. 12 heads at 64 x 64 tokens (201M scores),
+# fwd+bwd, 1 thread, M = D = 64, 2D bias: compiled unblocked 4.1-4.4 s CPU and 2,483 MB peak, blocked
+# outside the graph 3.9-4.1 s and 140 MB
+DENSE_COMPILED_SCORES = 1 << 25
 # 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
 DENSE_SHORT_RUN = 32
 

@@ -113,6 +113,8 @@ def test_compiled_auto_counts_batch_heads_and_dtype_and_the_shipped_bound_holds(
     the shipped bound (256 MiB), while a 12-head 2D call at 128 x 128 tokens (12.9 GB per matrix in
     float32) would not, nor would batch 64 x 12 heads at 1,024 tokens (3.2 GB)."""
     assert registry.AUTO_MAX_NN_BYTES == dispatch.AUTO_MAX_NN_BYTES == 1 << 28
+    # torch.compile with static sizes keeps dense's matrices in its graph only up to the bound (float64 too)
+    assert kernels_dense.DENSE_COMPILED_SCORES * 8 <= registry.AUTO_MAX_NN_BYTES
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     meta = torch.empty(1, 12, 128 * 128, 64, device="meta")
     assert dispatch._dense_too_large(meta, torch.float32, True, True)
