@@ -12,9 +12,10 @@ PRF/elu map), ``v (1, H, N, D)``. The candidates of one N alternate over ``--rou
 not lengthen). Each candidate's first call is a warm-up, not counted, unless it took more than
 :data:`WARM_UP_COUNTS_FROM` CPU seconds (then it is the first round's timing).
 
-What bounds a full run (about 15 minutes on one thread of a 2-core CPU): a backend whose cost
-grows with N^2 (its declared ``complexity``, e.g. ``dense``) is skipped where ``B H N^2`` float32
-values exceed ``--max-nn-mb``; a backend is no longer timed at larger N once one call took more
+What bounds a full run (about 15 minutes on one thread of a 2-core CPU): a backend that would
+hold a ``B H N^2`` matrix of more than ``--max-nn-mb`` is skipped (one whose declared
+``complexity`` grows with N^2, except the built-in ``dense``, which holds one only where it runs
+unblocked: small forward+backward calls; it works in blocks of queries otherwise); a backend is no longer timed at larger N once one call took more
 than ``--max-call-seconds`` of CPU time, or once it was ``--prune``-times slower than the fastest at two consecutive N (from N = 2048)
 while growing at least as fast (never a backend cheaper in N than a fastest whose cost grows with N^2); a float64 variant is timed only while an exact
 backend is (otherwise it simply ranks after the same backend in float32). Backends not timed at
@@ -192,6 +193,23 @@ def _quadratic(name: str) -> bool:
     return spec is not None and "N^2" in spec.complexity
 
 
+def _nn_mb(name: str, n: int, heads: int, table: bool, backward: bool) -> float:
+    """MB of the ``(1, H, N, N)`` matrix candidate ``name`` holds for a call (float32 values; float64
+    for an ``@float64`` variant): the built-in dense only where it runs unblocked
+    (``kernels_dense.materialized_scores``; ``table``: a bias or causal), another backend whose
+    declared complexity grows with N^2 always (what it holds is not declared), 0 otherwise."""
+    dispatch, registry = _modeling()
+    base, _, variant = name.partition("@")
+    spec = registry._REGISTRY.get(base)
+    if spec is None or "N^2" not in spec.complexity:
+        return 0.0
+    if spec.fn is dispatch.dense_attention:
+        scores = dispatch.materialized_scores(1, heads, n, table=table, backward=backward)
+    else:
+        scores = heads * n * n
+    return scores * (8 if variant == "float64" else 4) / 2 ** 20
+
+
 def _approximate(name: str) -> bool:
     _, registry = _modeling()
     spec = registry._REGISTRY.get(name.partition("@")[0])
@@ -303,8 +321,9 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
         if check:
             live, untimed = check_candidates(live, lambda c: _accurate(c, q, k, b, extra, causal))
             live = ([CHECK] if CHECK not in stopped else []) + live
+        table = bias != "none" or causal
         skipped = {c: f"skipped: N x N > {spec['max_nn_mb']:g} MB" for c in live
-                   if c != CHECK and _quadratic(c) and spec["heads"] * n * n * 4 / 2 ** 20 > spec["max_nn_mb"]}
+                   if c != CHECK and _nn_mb(c, n, spec["heads"], table, backward) > spec["max_nn_mb"]}
         exact_timed = [c for c in live if c != CHECK and c not in skipped and not _approximate(c)]
         if not check and not exact_timed:
             skipped.update({c: "skipped: no exact backend timed" for c in live if c.endswith("@float64")})
@@ -540,7 +559,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds per N")
     parser.add_argument("--min-time", type=float, default=0.02, help="seconds of repeated calls per candidate and round")
     parser.add_argument("--max-call-seconds", type=float, default=4.0, help="stop timing a backend at larger N after a call took this much CPU time")
-    parser.add_argument("--max-nn-mb", type=float, default=1024.0, help="skip an O(N^2) backend where its N x N matrix exceeds this")
+    parser.add_argument("--max-nn-mb", type=float, default=1024.0,
+                        help="skip a backend where the N x N matrix it holds exceeds this many MB (a backend "
+                        "declared O(N^2); the built-in dense only where it runs unblocked, in small "
+                        "forward+backward calls: it works in blocks otherwise)")
     parser.add_argument("--prune", type=float, default=3.0, help="stop timing a backend this many times slower than the fastest")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before a kind's worker is stopped")
     parser.add_argument("--ship", action="store_true", help="also write the table into hf_kernattn/modeling/auto_table.py")

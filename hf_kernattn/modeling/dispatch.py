@@ -13,7 +13,11 @@ that is also accurate: a backend declared exact always is; an approximate one (d
 ``error_bound``, e.g. ``fft``) is kept only where its bound for the data, in the dtype it would
 compute in, is at most :data:`AUTO_MAX_ERROR` = 1e-4, otherwise ``auto`` takes the next
 candidate the table ranks (an exact backend, or the FFT computed in float64, whichever was
-measured faster).
+measured faster). Where the dense backend would hold a whole ``(B, H, N, N)`` matrix larger than
+``registry.AUTO_MAX_NN_BYTES`` (256 MiB; its unblocked form, which ``torch.export`` traces at any
+N, as ``torch.compile`` does with symbolic sizes; eager mode, and ``torch.compile`` with static
+sizes beyond small calls, work in blocks), ``auto`` takes the next candidate too (dense only when
+nothing else can run the call).
 
 The work common to every backend happens here, once, in stages of one job each: check
 (:func:`_check`, with the checks of ``attention_inputs.py``), prepare (the dtype rule: float32
@@ -52,6 +56,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
+from transformers.utils import logging
 
 from .attention_inputs import (
     check_clipped_bias,
@@ -67,16 +72,21 @@ from .attention_inputs import (
 )
 from .builtin_backends import recurrent_attention
 from .kernels_common import (
-    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, mask_keys, step_constant, tracing,
+    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, known_true, mask_keys, step_constant,
+    tracing,
 )
+from .kernels_dense import dense_attention, materialized_scores
 from .kernels_hybrid import SoftmaxWindow, hybrid_attention
 from .kernels_linear import recurrent_step, step_views
 from .kernels_manhattan import manhattan_distances, manhattan_table
-from .registry import _REGISTRY, AUTO_MAX_ERROR, auto_candidates, available_backends, get_backend
+from .registry import _REGISTRY, AUTO_MAX_ERROR, AUTO_MAX_NN_BYTES, auto_candidates, available_backends, get_backend
 from .state import AttentionState, StateKind, fold_into_state
 
+logger = logging.get_logger(__name__)
 
-def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, causal: bool, key_mask):
+
+def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, causal: bool, key_mask, *,
+                    table: bool = False, backward: bool = False):
     """``auto``'s accuracy rule over its ranked candidates (``registry.auto_candidates``): the
     first exact one, or the first approximate one (declared ``error_bound``) whose bound for these
     data, in the dtype it would compute in (the input's compute dtype, or float64 where the table
@@ -85,12 +95,22 @@ def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, cau
     the bias in full form for a bound. While compiling, data are not inspected (no host sync):
     only float64 is assumed to meet the target. When no candidate qualifies, the first
     approximate one runs in float64 (in its dtype on MPS, which has no float64). Returns the
-    backend's name and the dtype to compute in."""
+    backend's name and the dtype to compute in.
+
+    Memory: the built-in ``dense`` backend is passed over where it would hold a ``(B, H, N, N)``
+    matrix of more than :data:`~registry.AUTO_MAX_NN_BYTES` (:func:`_dense_too_large`: its
+    unblocked form, which runs at any N while ``torch.export`` traces; ``table``: a bias or causal,
+    ``backward``: autograd records); it runs only when no other candidate can run the call (then
+    with a warning, outside TorchDynamo's graphs, which cannot log)."""
     dt = compute_dtype_for(q)
     approximate = None
+    too_large = None  # dense passed over for its N x N matrix: run only when nothing else can
     for name, want in candidates:
         spec = get_backend(name)
         run_dt = want if want is not None else dt
+        if spec.fn is dense_attention and _dense_too_large(q, run_dt, table, backward):
+            too_large = too_large or (name, run_dt)
+            continue
         if spec.error_bound is None:
             return name, run_dt
         approximate = approximate or name
@@ -100,7 +120,27 @@ def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, cau
             bound = spec.error_bound(q, k, rpe_bias=full_bias(), causal=causal, key_mask=key_mask, dtype=run_dt)
         if bound <= AUTO_MAX_ERROR:
             return name, run_dt
+    if approximate is None and too_large is not None:
+        if not torch.compiler.is_dynamo_compiling():
+            b, h, n = q.shape[:3]
+            logger.warning(
+                f"backend='auto': only the dense backend can run this call (B={b}, H={h}, N={n}); it holds a "
+                f"(B, H, N, N) matrix here (traced, or a small call), more than AUTO_MAX_NN_BYTES = "
+                f"{AUTO_MAX_NN_BYTES} bytes (the largest the traced sizes allow)"
+            )
+        return too_large
     return approximate, (torch.float64 if q.device.type != "mps" else dt)
+
+
+def _dense_too_large(q: torch.Tensor, dt: torch.dtype, table: bool, backward: bool) -> bool:
+    """Whether ``dense`` computing in ``dt`` would hold a ``(B, H, N, N)`` matrix of more than
+    :data:`~registry.AUTO_MAX_NN_BYTES` (``kernels_dense.materialized_scores``); with symbolic
+    sizes, unless their declared ranges prove it smaller (no guard is added)."""
+    b, h, n = q.shape[:3]
+    scores = materialized_scores(b, h, n, table=table, backward=backward)
+    if isinstance(scores, int) and scores == 0:
+        return False
+    return not known_true(scores * dt.itemsize <= AUTO_MAX_NN_BYTES)
 
 
 def kernelized_attention(
@@ -405,7 +445,8 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
                 made.append(_full_bias(rpe_bias, call.rpe, call.n, call.grid, call.rpe_clip) if call.rpe else None)
             return made[0]
 
-        name, dt = _auto_precision(candidates, q, k, full_bias, request["causal"], call.key_mask)
+        name, dt = _auto_precision(candidates, q, k, full_bias, request["causal"], call.key_mask,
+                                   table=rpe_bias is not None or request["causal"], backward=backward)
         full = made[0] if made else None
     else:
         name = backend

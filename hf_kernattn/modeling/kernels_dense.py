@@ -20,9 +20,11 @@ each block's pair gradients along their offsets (a copy into a skewed buffer and
 Cost: time O(N^2 (M + D)) (causal: half); memory O(N (M + D)) besides one block of scores
 (the forward and backward keep no N x N matrix). Traced calls (``torch.export``, ``torch.compile``,
 symbolic sizes) and small calls with a backward (:func:`runs_unblocked`: a few hundred tokens
-with a bias or causal, at most :data:`DENSE_UNBLOCKED_SCORES` scores in all otherwise) run the
+with a bias or causal and at most :data:`DENSE_UNBLOCKED_TABLE_SCORES` scores in all, at most
+:data:`DENSE_UNBLOCKED_SCORES` scores otherwise) run the
 same formula unblocked (:func:`dense_attention_unblocked`), which materialises the ``N x N``
-matrix.
+matrix (:func:`materialized_scores`; ``backend="auto"`` passes over dense where that matrix would
+exceed ``registry.AUTO_MAX_NN_BYTES``).
 """
 
 from __future__ import annotations
@@ -51,6 +53,21 @@ DENSE_UNBLOCKED_SCORES = 1 << 21
 # backward, and is 0.8-1.0x the blocked one up to here, 1.1-1.3x at 256-324 tokens and 1.2-3.5x
 # from 512 tokens (1 head: 1D 512 1.2x, 1,024 1.4-2.0x; causal 1,024 2.8x; 2D 32 x 32 3.0x)
 DENSE_UNBLOCKED_TOKENS = 196
+# and, with a table, at most this many scores in all (batch x heads x N^2; 16 MB in float32): autograd
+# keeps two (B, H, N, N) matrices of the unblocked form per call, so a large batch runs blocked (at
+# 64 x 12 heads x 196 tokens, 29.5M scores, the unblocked form keeps 236 MB per layer and peaks at
+# 537 MB, the blocked one at 347 MB); the price: blocked / unblocked fwd+bwd CPU time at 196 tokens,
+# 12 heads (1 thread, medians of 2-3 fresh-process rounds, two runs): 1D bias 1.03-1.16x, a 14 x 14
+# 2D bias 1.09-1.23x (batch 1 to 64); about 9 batch rows of 12 heads at 196 tokens fit under the cap
+DENSE_UNBLOCKED_TABLE_SCORES = 1 << 22
+# Under torch.compile (TorchDynamo, not torch.export) with static sizes, calls of more than this many
+# scores (batch x heads x N^2; 256 MiB in float64, ``registry.AUTO_MAX_NN_BYTES``, so that ``auto``
+# never passes over dense under torch.compile with static sizes; 128 MiB in float32) run the blocked
+# form outside the graph (a graph break; ``fullgraph=True`` refuses it) instead of the unblocked form
+# inside it: memory O(N) instead of (B, H, N, N) matrices. 12 heads at 64 x 64 tokens (201M scores),
+# fwd+bwd, 1 thread, M = D = 64, 2D bias: compiled unblocked 4.1-4.4 s CPU and 2,483 MB peak, blocked
+# outside the graph 3.9-4.1 s and 140 MB
+DENSE_COMPILED_SCORES = 1 << 25
 # 2D grids narrower than this: a block's coefficients are copied out once for the backward's two weightings
 DENSE_SHORT_RUN = 32
 
@@ -249,11 +266,37 @@ class DenseBlockProduct(torch.autograd.Function):
 def runs_unblocked(b: int, h: int, n: int, table: bool) -> bool:
     """Whether a forward+backward of ``b`` batch rows, ``h`` heads and ``n`` tokens runs the
     unblocked form (:func:`dense_attention_unblocked`) in eager mode: with a coefficient table
-    (``table``: a bias, or causal) at most :data:`DENSE_UNBLOCKED_TOKENS` tokens, otherwise at most
+    (``table``: a bias, or causal) at most :data:`DENSE_UNBLOCKED_TOKENS` tokens and
+    :data:`DENSE_UNBLOCKED_TABLE_SCORES` scores in all (batch x heads x N^2), otherwise at most
     :data:`DENSE_UNBLOCKED_SCORES` scores in all. Forwards without autograd always run blocked."""
     if table:
-        return n <= DENSE_UNBLOCKED_TOKENS
+        return n <= DENSE_UNBLOCKED_TOKENS and b * h * n * n <= DENSE_UNBLOCKED_TABLE_SCORES
     return b * h * n * n <= DENSE_UNBLOCKED_SCORES
+
+
+def materialized_scores(b, h, n, *, table: bool, backward: bool):
+    """How many scores :func:`dense_attention` holds as one ``(B, H, N, N)`` matrix for a call of
+    ``b`` batch rows, ``h`` heads and ``n`` tokens: ``b h n^2`` where it runs unblocked (traced,
+    or a small forward+backward call, :func:`runs_unblocked`; ``table``: a bias, or causal), 0
+    where it runs in blocks (at most :data:`DENSE_BLOCK_SCORES` scores at a time; under
+    torch.compile also calls above :data:`DENSE_COMPILED_SCORES`, outside the graph). Symbolic
+    sizes give a symbolic count."""
+    if _outside_graph(b, h, n):
+        return 0
+    if _traced(b, h, n) or (backward and runs_unblocked(b, h, n, table)):
+        return b * h * n * n
+    return 0
+
+
+def _outside_graph(b, h, n, *sizes) -> bool:
+    """Whether TorchDynamo (torch.compile, not torch.export) traces a call of static sizes with
+    more than :data:`DENSE_COMPILED_SCORES` scores: :func:`dense_attention` then runs its blocked
+    form eagerly, outside the graph (a graph break)."""
+    if not torch.compiler.is_dynamo_compiling() or torch.compiler.is_exporting():
+        return False
+    if any(isinstance(x, torch.SymInt) for x in (b, h, n, *sizes)):
+        return False
+    return b * h * n * n > DENSE_COMPILED_SCORES
 
 
 def _traced(*sizes) -> bool:
@@ -271,14 +314,19 @@ def dense_attention(
     """Exact quadratic reference: ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype, padded
     keys and values already zero (``kernels_common.mask_keys``); ``rpe_bias`` ``(H, 2N-1)`` or,
     with ``grid = (Hg, Wg)``, ``(H, 2Hg-1, 2Wg-1)``; ``q_den, k_den`` ``(B, H, N, M')`` or None.
-    Returns ``(B, H, N, D)``. Blocked (:class:`DenseBlockProduct`) in eager mode; traced calls, and
-    the small forward+backward calls :func:`runs_unblocked` names, run
-    :func:`dense_attention_unblocked`."""
+    Returns ``(B, H, N, D)``. Blocked (:class:`DenseBlockProduct`) in eager mode, and under
+    torch.compile for calls of more than :data:`DENSE_COMPILED_SCORES` scores (eagerly, outside
+    the graph: a graph break; ``fullgraph=True`` refuses it); other traced calls, and the small
+    forward+backward calls :func:`runs_unblocked` names, run :func:`dense_attention_unblocked`."""
     b, h, n = q.shape[:3]
     if grid is not None and causal:
         raise ValueError("causal=True is only defined for 1D sequences; drop grid or causal")
+    sizes = (q.shape[-1], v.shape[-1], *(grid or ()))
+    if _outside_graph(b, h, n, *sizes):  # torch.compile, a large call: blocked, eagerly (a graph break)
+        return _dense_outside_graph(q, k, v, rpe_bias=rpe_bias, causal=causal, grid=grid, eps=eps,
+                                    q_den=q_den, k_den=k_den)
     # traced first: comparing symbolic sizes would add a guard that pins them
-    if _traced(b, h, n, q.shape[-1], v.shape[-1], *(grid or ())) or (
+    if _traced(b, h, n, *sizes) or (
         runs_unblocked(b, h, n, rpe_bias is not None or causal) and torch.is_grad_enabled()
         and any(x is not None and x.requires_grad for x in (q, k, v, rpe_bias, q_den, k_den))
     ):
@@ -304,6 +352,10 @@ def dense_attention(
     else:  # no bias on the denominator: sum_j q_den_i . k_den_j = q_den_i . (sum_j k_den_j)
         den = q_den @ k_den.sum(-2, keepdim=True).transpose(-1, -2)
     return DenseBlockProduct.apply(q, k, v, c, plan) / (den + eps)
+
+
+# dense_attention run eagerly from compiled code (TorchDynamo does not trace into it: a graph break)
+_dense_outside_graph = torch.compiler.disable(dense_attention)
 
 
 def dense_attention_unblocked(

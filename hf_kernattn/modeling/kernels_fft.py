@@ -454,15 +454,42 @@ def toeplitz_coefficients(
 FFT_ERROR_KAPPA = 1.0  # the constant of :func:`fft_error_bound`; measured: at most 0.12
 
 
-def _row_key_mass(q: torch.Tensor, k: torch.Tensor, causal: bool, absolute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q_i . P_i, q_i . K)`` per row ``(B, H, N)``: ``P_i`` the sum of the keys row i may see
-    (a prefix sum when causal, all keys otherwise), ``K`` the sum of all keys. With
-    ``absolute``, of ``|q|`` and ``|k|``: zero exactly when no product ``q_im k_jm`` is nonzero."""
-    if absolute:
-        q, k = q.abs(), k.abs()
-    total = k.sum(dim=2, keepdim=True)
-    prefix = k.cumsum(dim=2) if causal else total
-    return (q * prefix).sum(-1), (q * total).sum(-1)
+# values (float64) of the reductions :func:`fft_error_bound` makes at a time (8 MB): it reads q and
+# k in slices of rows instead of whole float64 copies
+FFT_BOUND_CHUNK = 1 << 20
+
+
+def _worst_mass_ratio(q: torch.Tensor, k: torch.Tensor, key_mask: Optional[torch.Tensor]) -> float:
+    """``R = max_i (q_i . K) / (q_i . P_i)`` over the rows with ``q_i . P_i > 0`` (1.0 when there
+    is none), ``P_i = sum_{j <= i} k_j`` the prefix sum of the (unpadded) keys and ``K = P_{N-1}``,
+    in float64 as whole float64 copies of q and k would give it, read in slices of rows: at most
+    about :data:`FFT_BOUND_CHUNK` float64 values of ``(B, H, rows, M)`` at a time instead of five
+    ``(B, H, N, M)`` float64 tensors. Two passes: ``K``, then each slice's prefix sums, carried on
+    from the previous slice (float64 sums of the same terms in another grouping: the values agree
+    to float64 rounding, ~1e-16 relative, far inside the bound's constant)."""
+    b, h, n, m = q.shape
+    rows = max(1, FFT_BOUND_CHUNK // max(1, b * h * m))
+    keep = None if key_mask is None else key_mask[:, None, :, None]
+
+    def keys(s: int, e: int) -> torch.Tensor:
+        kc = k[:, :, s:e].double()
+        return kc if keep is None else kc.mul_(keep[:, :, s:e])
+
+    total = sum(keys(s, min(s + rows, n)).sum(dim=2) for s in range(0, n, rows))  # K: (B, H, M)
+    carry = torch.zeros_like(total)[:, :, None]  # the keys before the slice, summed
+    worst = None
+    for s in range(0, n, rows):
+        e = min(s + rows, n)
+        prefix = keys(s, e).cumsum_(dim=2).add_(carry)  # P_i of the slice's rows
+        carry = prefix[:, :, -1:].clone()
+        qc = q[:, :, s:e].double()
+        whole = (qc @ total[..., None])[..., 0]  # q_i . K
+        seen = prefix.mul_(qc).sum(-1)  # q_i . P_i
+        live = seen > 0
+        if bool(live.any()):
+            top = (whole[live] / seen[live]).max()
+            worst = top if worst is None else torch.maximum(worst, top)
+    return 1.0 if worst is None else float(worst)
 
 
 def fft_error_bound(
@@ -497,16 +524,18 @@ def fft_error_bound(
     (first rows; bound ~N eps); a bias spanning 20 (+-10) costs up to ``e^20``.
 
     While ``torch.compile`` / ``torch.export`` trace, the data cannot be read: ``inf``.
+
+    Memory: the signs are read in the inputs' dtype (two reductions) and ``R`` in float64 slices
+    of rows (:func:`_worst_mass_ratio`, about 8 MB at a time): no whole copy of ``q`` or ``k``.
     """
     dt = dtype if dtype is not None else compute_dtype_for(q)
     if torch.compiler.is_compiling():  # the bound reads the data, which a trace cannot: none known
         return math.inf
     with torch.no_grad():
-        q64, k64 = q.detach().double(), k.detach().double()
-        if bool((q64 < 0).any()) or bool((k64 < 0).any()):
+        q, k = q.detach(), k.detach()
+        # signs read in the input dtype (exact; a reduction, no copy): a NaN is not negative, as before
+        if any(x.numel() and bool(x.amin() < 0) for x in (q, k)):
             return math.inf
-        if key_mask is not None:
-            k64 = k64 * key_mask[:, None, :, None].to(k64.dtype)
         span = 0.0
         if rpe_bias is not None:
             n = q.shape[2]
@@ -515,12 +544,7 @@ def fft_error_bound(
             span = float((used.amax(-1) - used.amin(-1)).max())
             if not math.isfinite(span):
                 return math.inf
-        ratio = 1.0
-        if causal:
-            seen, total = _row_key_mass(q64, k64, causal=True)
-            live = seen > 0
-            if bool(live.any()):
-                ratio = float((total[live] / seen[live]).max())
+        ratio = _worst_mass_ratio(q, k, key_mask) if causal else 1.0
     if span > 700:
         return math.inf
     return FFT_ERROR_KAPPA * torch.finfo(dt).eps * math.exp(span) * ratio
@@ -547,7 +571,14 @@ def fft_attention(
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` and ``rpe_bias`` (``(H, 2N-1)``, or with
     ``grid = (Hg, Wg)`` ``(H, 2Hg-1, 2Wg-1)``) in the dtype to compute in, padded keys and
     values already zero.
+
+    Empty inputs (0 sequences, heads, tokens, features or value columns) give the formula's
+    result without a transform: an empty ``(B, H, N, D)`` tensor, or zeros when only ``M = 0``
+    (no product ``q_i . k_j`` is nonzero), attached to every input.
     """
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        attached = q.sum() + k.sum() + (0 if rpe_bias is None else rpe_bias.sum().to(v.dtype))
+        return v * 0 + attached * 0
     n = q.shape[-2]
     if rpe_bias is not None:
         rpe_bias, eps = shifted_bias(rpe_bias, n, causal, eps)
@@ -561,7 +592,8 @@ def fft_attention(
 
 def _dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
     """``(B, H, N)`` bool: the rows for which every product ``q_im k_jm`` over their allowed keys
-    is zero (:func:`_row_key_mass` with ``absolute``, with one ``(B, H, N, M)`` temporary)."""
+    is zero (``q_i . P_i`` of :func:`_worst_mass_ratio` with ``|q|`` and ``|k|``, with one
+    ``(B, H, N, M)`` temporary)."""
     if causal:
         seen = k.abs().cumsum_(dim=2).mul_(q).abs_().sum(-1)  # |q_im| P_im = |q_im P_im| (P >= 0)
     else:

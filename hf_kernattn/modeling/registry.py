@@ -293,6 +293,13 @@ def get_backend(name: str) -> BackendSpec:
 # relative to the values, is at most this in the dtype it would compute in.
 AUTO_MAX_ERROR = 1e-4
 AUTO_FFT_MAX_ERROR = AUTO_MAX_ERROR  # the former name
+# ``auto`` skips the dense backend where it would hold a (B, H, N, N) matrix of more than this many
+# bytes (its unblocked form, which torch.export and torch.jit.trace, and torch.compile with symbolic
+# sizes, trace at any N: their graphs cannot hold the blocks' Python loops; torch.compile with
+# static sizes runs large calls blocked outside the graph instead): the next candidate the table
+# ranks runs instead. 256 MiB: about what eager softmax attention keeps per layer for ViT-Base (12
+# heads) at 48 x 48 tokens.
+AUTO_MAX_NN_BYTES = 1 << 28
 # The kinds of call a calibration table distinguishes.
 TABLE_MODES = ("fwd", "fwdbwd")  # forward only; forward and backward (autograd records through q, k or the bias)
 TABLE_BIASES = ("none", "1d", "2d")
