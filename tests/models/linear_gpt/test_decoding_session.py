@@ -116,19 +116,10 @@ def _assert_fast_steps_equal_modules_and_forward(model, ids, mask, fast_steps, n
     torch.testing.assert_close(fast[0][real], full[real], rtol=1e-4, atol=1e-4)
 
 
-def test_float64_steps_equal_the_module_path_bitwise(fast_steps):
-    model = _model(torch.float64, **CONFIGS["rope_gqa_gated_rmsnorm"])
-    ids = _ids()
-    fast = _decode(model, ids, _padded_mask(ids))
-    assert all(fast_steps) and fast_steps
-    hook = _force_modules(model)
-    _assert_bitwise(fast, _decode(model, ids, _padded_mask(ids)))
-    hook.remove()
-
-
-@pytest.mark.parametrize("name", ["elu_absolute", "relu_gated_rmsnorm"])
-def test_float64_plain_steps_equal_the_module_path_bitwise(name, fast_steps):
-    """The plain layers' inlined step in float64, padded: bitwise the module path."""
+@pytest.mark.parametrize("name", ["rope_gqa_gated_rmsnorm", "elu_absolute", "relu_gated_rmsnorm"])
+def test_float64_steps_equal_the_module_path_bitwise(name, fast_steps):
+    """Float64, padded: the session's steps (rotary and grouped heads, and the plain layers'
+    inlined step) bitwise the module path."""
     model = _model(torch.float64, **CONFIGS[name])
     ids = _ids()
     fast = _decode(model, ids, _padded_mask(ids))
