@@ -119,6 +119,14 @@ def toeplitz_kernel_spectrum(
     return torch.fft.rfftn(h, s=lengths, dim=dims)
 
 
+def _backward_spectra(c: torch.Tensor, spatial: tuple[int, ...]):
+    """What a backward pass over a table ``c`` needs: the padded lengths, the spectrum of ``C``
+    and that of ``C^T`` (its conjugate, resolved)."""
+    lengths = _fft_lengths(spatial)
+    spec = toeplitz_kernel_spectrum(c, spatial, lengths)
+    return lengths, spec, spec.conj().resolve_conj()
+
+
 def _block_size(
     b: int, h: int, m: int, d1: int, spatial: tuple[int, ...], itemsize: int = 4, target_bytes: Optional[int] = None
 ) -> tuple[int, int]:
@@ -301,9 +309,7 @@ class ToeplitzKernelProduct(torch.autograd.Function):
         spatial = ctx.spatial
         b, h, n, m = q.shape
         d1 = v.shape[-1]
-        lengths = _fft_lengths(spatial)
-        spec = toeplitz_kernel_spectrum(c, spatial, lengths)
-        spec_t = spec.conj().resolve_conj()
+        lengths, spec, spec_t = _backward_spectra(c, spatial)
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
         dq = q.new_empty(q.shape) if need_q else None
         dk = k.new_empty(k.shape) if need_k else None
@@ -386,9 +392,7 @@ class FFTAttention(torch.autograd.Function):
         spatial = ctx.spatial
         b, h, n, m = q.shape
         d = v.shape[-1]
-        lengths = _fft_lengths(spatial)
-        spec = toeplitz_kernel_spectrum(c, spatial, lengths)
-        spec_t = spec.conj().resolve_conj()
+        lengths, spec, spec_t = _backward_spectra(c, spatial)
         need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
         grads = [None, None, None]
         total = None  # the table's gradient spectrum (rows of c, *freq)
