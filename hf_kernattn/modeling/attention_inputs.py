@@ -95,18 +95,24 @@ def check_rpe_clip(rpe_clip: object) -> Optional[int]:
 def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[int]], rpe_clip: Optional[int]) -> str:
     """The kind of bias (``"1d"`` or ``"2d"``) after checking its shape; with ``rpe_clip = K`` a
     1D bias may be ``(H, 2N-1)`` or the clipped table ``(H, 2K+1)``."""
+    # the messages are formatted only when raised: formatting a symbolic size (torch.compile with
+    # dynamic shapes) would pin it to its traced value
     if grid is None:
-        want = f"(heads, 2*seq-1) = ({h}, {2 * n - 1})"
-        if rpe_clip is not None:
-            want += f" or, clipped at rpe_clip={rpe_clip}, (heads, 2*rpe_clip+1) = ({h}, {2 * rpe_clip + 1})"
+        def want() -> str:
+            doc = f"(heads, 2*seq-1) = ({h}, {2 * n - 1})"
+            if rpe_clip is not None:
+                doc += f" or, clipped at rpe_clip={rpe_clip}, (heads, 2*rpe_clip+1) = ({h}, {2 * rpe_clip + 1})"
+            return doc
+
         if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
-            raise ValueError(f"rpe_bias must have shape {want}; a 3D bias needs grid=(height, width)")
-        check_tensor("rpe_bias", rpe_bias, 2, want)
+            raise ValueError(f"rpe_bias must have shape {want()}; a 3D bias needs grid=(height, width)")
+        if not (isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 2 and rpe_bias.is_floating_point()):
+            check_tensor("rpe_bias", rpe_bias, 2, want())
         # sizes may be symbolic under torch.export: the table's width is compared without adding a guard, and
         # a table's width is not compared with a symbolic length (a guard would pin the length)
         table = rpe_clip is not None and known_true(rpe_bias.shape[1] == 2 * rpe_clip + 1)
         if rpe_bias.shape[0] != h or not (table or rpe_bias.shape[1] == 2 * n - 1):
-            raise ValueError(f"rpe_bias must have shape {want}, got {tuple(rpe_bias.shape)}")
+            raise ValueError(f"rpe_bias must have shape {want()}, got {tuple(rpe_bias.shape)}")
         return "1d"
     hg, wg = grid
     want = (h, 2 * hg - 1, 2 * wg - 1)
@@ -118,7 +124,8 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
             raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want} or, as the table of "
                              f"the clipped Manhattan distance, (heads, rpe_clip+1) = {table}, got {tuple(rpe_bias.shape)}")
         return "2d"
-    check_tensor("rpe_bias", rpe_bias, 3, f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
+    if not (isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3 and rpe_bias.is_floating_point()):
+        check_tensor("rpe_bias", rpe_bias, 3, f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
     if tuple(rpe_bias.shape) != want:
         raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want}, got {tuple(rpe_bias.shape)}")
     return "2d"

@@ -16,6 +16,16 @@ output and one denominator per row).
 Cost: time O(N M D log N), memory O(N (M + D)) plus one block of FFT buffers. Accuracy: see
 :func:`fft_attention` and :func:`fft_error_bound`.
 
+Under ``torch.compile`` (TorchDynamo, also ``torch.export(strict=True)``) the eager form's writes
+into preallocated buffers through strided ``out=`` views do not trace; :func:`fft_attention` then
+calls the same forward and backward as two custom operators (:func:`_compiled_attention`), so a
+compiled graph holds the attention as one node at any size (``fullgraph=True`` included) with
+eager mode's results, and with dynamic shapes one graph serves every N: the FFT lengths, head
+passes and blocks, which depend on N, are chosen when the operator runs. ``torch.export`` without
+TorchDynamo (``strict=False``, the default) traces the eager form itself, with static sizes only:
+its loops and FFT lengths would fix a symbolic N (the backend is not declared ``symbolic_n``; the
+custom operator would serve such a program, but ONNX cannot translate it, nor the FFT ops).
+
 The product behind it, in the same file: For every query i it computes (``r = j - i``; 1D, or 2D on a row-major ``(Sy, Sx)`` grid)::
 
     Y_i = sum_j c_{j-i} (q_i . k_j) v_j = sum_m q_im sum_j c_{j-i} k_jm v_j
@@ -44,7 +54,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .kernels_common import compute_dtype_for, dense_bias_matrix, full_precision, shifted_bias
+from .kernels_common import autocast_disabled, compute_dtype_for, dense_bias_matrix, full_precision, shifted_bias
 
 # Cost model (CPU). The product needs M * (D + 1) real FFTs and as many inverse FFTs of the
 # padded length; nothing cheaper exists for an arbitrary Toeplitz C. What is left to optimise
@@ -68,8 +78,8 @@ FFT_HEAD_CHUNK_BYTES = 64 << 20
 
 
 def spatial_shape(n: int, grid: Optional[Sequence[int]]) -> tuple[int, ...]:
-    """``(N,)`` for a sequence, ``(Hg, Wg)`` for a grid."""
-    return (n,) if grid is None else (int(grid[0]), int(grid[1]))
+    """``(N,)`` for a sequence, ``(Hg, Wg)`` for a grid (symbolic sides stay symbolic)."""
+    return (n,) if grid is None else tuple(s if isinstance(s, torch.SymInt) else int(s) for s in grid[:2])
 
 
 def _fast_length(n: int) -> int:
@@ -348,6 +358,64 @@ def _table_gradient(total: torch.Tensor, c: torch.Tensor, spatial: tuple[int, ..
     return dc_grad.to(c.dtype)
 
 
+def _attention_forward(q, k, v, c, eps, dead, spatial):
+    """The forward of :class:`FFTAttention`: ``(out (B, H, N, D), den (B, H, N))`` (``den`` the
+    denominators, ``+inf`` on the rows in ``dead``)."""
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    lengths = _fft_lengths(spatial)
+    spec = toeplitz_kernel_spectrum(c, spatial, lengths)
+    out = den = None
+    for h0, h1 in head_chunks(b, h, n, max(m, d + 1), q.element_size()):
+        y = _product_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], _heads(spec, h0, h1), spatial, lengths, ones=True)
+        y = y.reshape(b, h1 - h0, d + 1, n)
+        if out is None:  # made after the first pass, whose buffers are gone by then
+            out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
+        part = den[:, h0:h1]
+        torch.add(y[:, :, d], eps if not isinstance(eps, torch.Tensor) else eps[None, h0:h1, None], out=part)
+        if dead is not None:
+            part.masked_fill_(dead[:, h0:h1], math.inf)
+        torch.div(y[:, :, :d], part[:, :, None], out=out[:, h0:h1].transpose(-1, -2))
+        del y
+    if out is None:  # no heads
+        out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
+    return out, den
+
+
+def _attention_backward(g, q, k, v, c, out, den, spatial, needs):
+    """The backward of :class:`FFTAttention`: ``[dq, dk, dv, dc]`` for the inputs flagged in
+    ``needs`` (four bools), None for the others."""
+    b, h, n, m = q.shape
+    d = v.shape[-1]
+    lengths, spec, spec_t = _backward_spectra(c, spatial)
+    need_q, need_k, need_v, need_c = needs
+    grads = [None, None, None]
+    total = None  # the table's gradient spectrum (rows of c, *freq)
+    g = g.to(q.dtype)
+    for h0, h1 in head_chunks(b, h, n, max(m, d + 1), q.element_size()):
+        gp = g[:, h0:h1]
+        # the gradient of Y = [num, den]: [g / den, -(g . out) / den], feature-major
+        dys = q.new_empty(b, h1 - h0, d + 1, n)
+        torch.div(gp.transpose(-1, -2), den[:, h0:h1, None], out=dys[:, :, :d])
+        torch.linalg.vecdot(gp, out[:, h0:h1], out=dys[:, :, d])
+        dys[:, :, d].div_(den[:, h0:h1]).neg_()
+        parts = _backward_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], dys.reshape((b, h1 - h0, d + 1) + spatial),
+                               _heads(spec, h0, h1), _heads(spec_t, h0, h1), spatial, lengths,
+                               (need_q, need_k, need_v, need_c), ones=True)
+        del dys
+        for i, (like, part) in enumerate(zip((q, k, v), parts[:3])):
+            if part is not None:
+                if grads[i] is None:  # made after the first pass, whose buffers are gone by then
+                    grads[i] = like.new_empty(like.shape)
+                grads[i][:, h0:h1] = part[:, :, : like.shape[-1]].reshape(b, h1 - h0, like.shape[-1], n).transpose(-1, -2)
+        if need_c:
+            total = _add_table_rows(total, parts[3], c.shape[0], h0, h1)
+        del parts
+    grads = [x.new_zeros(x.shape) if need and grad is None else grad for x, need, grad in zip((q, k, v), needs, grads)]
+    dc_grad = (_table_gradient(total, c, spatial, lengths) if total is not None else torch.zeros_like(c)) if need_c else None
+    return grads + [dc_grad]
+
+
 class FFTAttention(torch.autograd.Function):
     """``out_i = Y_i[:D] / (Y_i[D] + eps)`` with ``Y`` the :class:`ToeplitzKernelProduct` of
     ``[v, 1]``, 0 on the rows in ``dead``, in one op: the ones column lives only in each pass's
@@ -357,30 +425,17 @@ class FFTAttention(torch.autograd.Function):
 
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c`` as for :class:`ToeplitzKernelProduct`,
     ``eps`` a float or ``(H,)`` (no gradient), ``dead (B, H, N)`` bool or None. Returns ``(B, H, N, D)``.
+
+    The eager form: it writes into preallocated buffers and views (``out=``, in place), which
+    TorchDynamo does not trace; under ``torch.compile`` :func:`fft_attention` calls the same two
+    functions through a custom operator instead (:func:`_compiled_attention`).
     """
 
     @staticmethod
     @full_precision
     def forward(ctx, q, k, v, c, eps, dead, spatial):  # type: ignore[override]
         spatial = tuple(int(s) for s in spatial)
-        b, h, n, m = q.shape
-        d = v.shape[-1]
-        lengths = _fft_lengths(spatial)
-        spec = toeplitz_kernel_spectrum(c, spatial, lengths)
-        out = den = None
-        for h0, h1 in head_chunks(b, h, n, max(m, d + 1), q.element_size()):
-            y = _product_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], _heads(spec, h0, h1), spatial, lengths, ones=True)
-            y = y.reshape(b, h1 - h0, d + 1, n)
-            if out is None:  # made after the first pass, whose buffers are gone by then
-                out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
-            part = den[:, h0:h1]
-            torch.add(y[:, :, d], eps if not isinstance(eps, torch.Tensor) else eps[None, h0:h1, None], out=part)
-            if dead is not None:
-                part.masked_fill_(dead[:, h0:h1], math.inf)
-            torch.div(y[:, :, :d], part[:, :, None], out=out[:, h0:h1].transpose(-1, -2))
-            del y
-        if out is None:  # no heads
-            out, den = q.new_empty(b, h, n, d), q.new_empty(b, h, n)
+        out, den = _attention_forward(q, k, v, c, eps, dead, spatial)
         ctx.save_for_backward(q, k, v, c, out, den)
         ctx.spatial = spatial
         return out
@@ -389,36 +444,72 @@ class FFTAttention(torch.autograd.Function):
     @full_precision
     def backward(ctx, g):  # type: ignore[override]
         q, k, v, c, out, den = ctx.saved_tensors
-        spatial = ctx.spatial
-        b, h, n, m = q.shape
-        d = v.shape[-1]
-        lengths, spec, spec_t = _backward_spectra(c, spatial)
-        need_q, need_k, need_v, need_c = ctx.needs_input_grad[:4]
-        grads = [None, None, None]
-        total = None  # the table's gradient spectrum (rows of c, *freq)
-        g = g.to(q.dtype)
-        for h0, h1 in head_chunks(b, h, n, max(m, d + 1), q.element_size()):
-            gp = g[:, h0:h1]
-            # the gradient of Y = [num, den]: [g / den, -(g . out) / den], feature-major
-            dys = q.new_empty(b, h1 - h0, d + 1, n)
-            torch.div(gp.transpose(-1, -2), den[:, h0:h1, None], out=dys[:, :, :d])
-            torch.linalg.vecdot(gp, out[:, h0:h1], out=dys[:, :, d])
-            dys[:, :, d].div_(den[:, h0:h1]).neg_()
-            parts = _backward_pass(q[:, h0:h1], k[:, h0:h1], v[:, h0:h1], dys.reshape((b, h1 - h0, d + 1) + spatial),
-                                   _heads(spec, h0, h1), _heads(spec_t, h0, h1), spatial, lengths,
-                                   (need_q, need_k, need_v, need_c), ones=True)
-            del dys
-            for i, (like, part) in enumerate(zip((q, k, v), parts[:3])):
-                if part is not None:
-                    if grads[i] is None:  # made after the first pass, whose buffers are gone by then
-                        grads[i] = like.new_empty(like.shape)
-                    grads[i][:, h0:h1] = part[:, :, : like.shape[-1]].reshape(b, h1 - h0, like.shape[-1], n).transpose(-1, -2)
-            if need_c:
-                total = _add_table_rows(total, parts[3], c.shape[0], h0, h1)
-            del parts
-        grads = [x.new_zeros(x.shape) if need and grad is None else grad for x, need, grad in zip((q, k, v), ctx.needs_input_grad, grads)]
-        dc_grad = (_table_gradient(total, c, spatial, lengths) if total is not None else torch.zeros_like(c)) if need_c else None
-        return grads[0], grads[1], grads[2], dc_grad, None, None, None
+        grads = _attention_backward(g, q, k, v, c, out, den, ctx.spatial, ctx.needs_input_grad[:4])
+        return (*grads, None, None, None)
+
+
+# ----------------------------------------------------------------------------- under torch.compile
+
+# The same forward and backward as one custom operator each, for TorchDynamo (torch.compile, and
+# torch.export with strict=True): the graph calls them as single nodes and they run the eager code
+# above at run time, with its loops over heads and blocks sized for the actual N. So a compiled
+# graph traces at any size (fullgraph=True), also with a symbolic N (dynamic=True, or automatic
+# dynamic shapes after a recompile): one graph serves every length, and its results are those of
+# eager mode. A namespace per module: a model's copy of this folder (loaded from a checkpoint
+# under another module name) registers its own operators beside the installed package's.
+_OP_NAMESPACE = "".join(ch if ch.isalnum() else "_" for ch in __name__)
+
+
+@torch.library.custom_op(f"{_OP_NAMESPACE}::fft_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, eps_heads: Optional[torch.Tensor],
+                  eps: float, dead: Optional[torch.Tensor], spatial: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_attention_forward` (``eps_heads`` the per-head eps, else the float ``eps``)."""
+    with autocast_disabled(q.device.type):
+        return _attention_forward(q, k, v, c, eps if eps_heads is None else eps_heads, dead, tuple(spatial))
+
+
+@_attention_op.register_fake
+def _(q, k, v, c, eps_heads, eps, dead, spatial):
+    b, h, n, _ = q.shape
+    return q.new_empty(b, h, n, v.shape[-1]), q.new_empty(b, h, n)
+
+
+@torch.library.custom_op(f"{_OP_NAMESPACE}::fft_attention_backward", mutates_args=())
+def _attention_backward_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor,
+                           out: torch.Tensor, den: torch.Tensor, spatial: list[int],
+                           needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_attention_backward`; an input's gradient that ``needs`` does not ask for is an
+    empty tensor."""
+    with autocast_disabled(q.device.type):
+        grads = _attention_backward(g, q, k, v, c, out, den, tuple(spatial), tuple(needs))
+    return tuple(x.new_empty(0) if grad is None else grad for x, grad in zip((q, k, v, c), grads))
+
+
+@_attention_backward_op.register_fake
+def _(g, q, k, v, c, out, den, spatial, needs):
+    return tuple(x.new_empty(x.shape if need else (0,)) for x, need in zip((q, k, v, c), needs))
+
+
+def _attention_op_setup(ctx, inputs, output):
+    q, k, v, c, _, _, _, spatial = inputs
+    ctx.save_for_backward(q, k, v, c, *output)
+    ctx.spatial = spatial
+
+
+def _attention_op_backward(ctx, g, _g_den):
+    q, k, v, c, out, den = ctx.saved_tensors
+    needs = [bool(x) for x in ctx.needs_input_grad[:4]]
+    grads = _attention_backward_op(g, q, k, v, c, out, den, ctx.spatial, needs)
+    return tuple(grad if need else None for grad, need in zip(grads, needs)) + (None, None, None, None)
+
+
+_attention_op.register_autograd(_attention_op_backward, setup_context=_attention_op_setup)
+
+
+def _compiled_attention(q, k, v, c, eps, dead, spatial) -> torch.Tensor:
+    """:class:`FFTAttention` through the custom operators (what TorchDynamo traces)."""
+    heads = eps if isinstance(eps, torch.Tensor) else None
+    return _attention_op(q, k, v, c, heads, 0.0 if heads is not None else float(eps), dead, list(spatial))[0]
 
 
 def toeplitz_kernel_product_reference(
@@ -579,6 +670,10 @@ def fft_attention(
     Empty inputs (0 sequences, heads, tokens, features or value columns) give the formula's
     result without a transform: an empty ``(B, H, N, D)`` tensor, or zeros when only ``M = 0``
     (no product ``q_i . k_j`` is nonzero), attached to every input.
+
+    Under ``torch.compile`` the product runs as one custom operator (forward and backward), with
+    eager mode's kernel: it traces with ``fullgraph=True`` and, with dynamic shapes, with a
+    symbolic N or grid (one graph for every size).
     """
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         attached = q.sum() + k.sum() + (0 if rpe_bias is None else rpe_bias.sum().to(v.dtype))
@@ -591,7 +686,10 @@ def fft_attention(
     # allowed keys is zero (all of them padding, or features with disjoint support) has exact
     # numerator and denominator 0, but would read rounding noise of the other rows divided by
     # eps. It gets exactly 0, as the formula (and every other backend) gives.
-    return FFTAttention.apply(q, k, v, c, eps, _dead_rows(q.detach(), k.detach(), causal), spatial_shape(n, grid))
+    args = (q, k, v, c, eps, _dead_rows(q.detach(), k.detach(), causal), spatial_shape(n, grid))
+    if torch.compiler.is_dynamo_compiling():  # the eager form's buffer writes do not trace: one operator instead
+        return _compiled_attention(*args)
+    return FFTAttention.apply(*args)
 
 
 def _dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:

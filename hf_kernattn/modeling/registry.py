@@ -64,6 +64,9 @@ class BackendSpec:
             hybrid); every other backend refuses such calls.
         symbolic_n: runs a symbolic N (``torch.export`` with a dynamic sequence or grid: one
             program serves every length): its work does not depend on N through Python loops.
+            (Under ``torch.compile``, dynamic shapes included, TorchDynamo shows the sizes to
+            Python as ints and guards every comparison made on them: a backend's loops then
+            recompile when N leaves the guarded range instead; ``symbolic_n`` does not apply.)
         propagates_non_finite: every NaN/inf entry of ``q``, ``k`` or ``v`` at a real position (a
             query anywhere, a key or value not padded) makes at least one entry of its output
             NaN/inf, so that the output alone tells whether the inputs were finite: the entry
@@ -484,6 +487,17 @@ def active_auto_table() -> dict[tuple, tuple]:
     return _ACTIVE_TABLE
 
 
+def _smallest(values, key):
+    """``min(values, key=key)`` written as a loop: TorchDynamo (``torch.compile``, where ``auto``
+    chooses inside the graph) does not trace ``min`` with a ``key``, and would break the graph."""
+    best = best_key = None
+    for value in values:
+        k = key(value)
+        if best_key is None or k < best_key:
+            best, best_key = value, k
+    return best
+
+
 def _nearest_heads(table: dict, kind: tuple, heads: Optional[int]):
     """The ranking of ``kind`` (mode, bias, causal, clip, dtype) measured at the head count
     nearest to ``heads`` (log scale; a tie or ``heads`` None: the fewer), or None."""
@@ -491,7 +505,7 @@ def _nearest_heads(table: dict, kind: tuple, heads: Optional[int]):
     if not measured:
         return None
     h = heads if type(heads) is int and heads >= 1 else 1
-    return table[kind + (min(measured, key=lambda m: (abs(math.log(h / m)), m)),)]
+    return table[kind + (_smallest(measured, lambda m: (abs(math.log(h / m)), m)),)]
 
 
 def _table_ranking(table: dict, mode: str, bias: str, causal: bool, clip: Optional[int], dtype: str,
@@ -506,7 +520,7 @@ def _table_ranking(table: dict, mode: str, bias: str, causal: bool, clip: Option
             if clip is not None:
                 measured = [key[3] for key in table if key[:3] == (md, bias, causal) and key[4] == dt and key[3] is not None]
                 if measured and clip <= CLIP_REACH * max(measured):
-                    nearest = min(measured, key=lambda c: (abs(math.log((clip + 1) / (c + 1))), c))
+                    nearest = _smallest(measured, lambda c: (abs(math.log((clip + 1) / (c + 1))), c))
                     return _nearest_heads(table, (md, bias, causal, nearest, dt), heads)
             found = _nearest_heads(table, (md, bias, causal, None, dt), heads)
             if found is not None:
@@ -555,7 +569,10 @@ def auto_candidates(
     3. A symbolic ``n`` (``torch.export`` with a dynamic sequence or grid: one program serves
        every length) reads the segment for long inputs unless the declared range of lengths
        proves a shorter one, among backends declared ``symbolic_n`` (no Python loops whose count
-       depends on N: ``fft``, ``windowed`` and ``causal_chunked`` walk blocks).
+       depends on N: ``fft``, ``windowed`` and ``causal_chunked`` walk blocks). Under
+       ``torch.compile``, dynamic shapes included, ``n`` arrives as an int (TorchDynamo guards
+       the comparisons made on it): the choice is made as for static sizes and holds while N
+       stays in the guarded range (a recompile beyond).
 
     An approximate backend (declared ``error_bound``) is a candidate here whatever its error:
     ``kernelized_attention`` runs the first candidate whose bound for the data meets

@@ -32,8 +32,8 @@ def _inputs(b, h, n, m=4, d=5, seed=0, dtype=torch.float64, grad=False):
 def _compiled_nn(fn, n, *args):
     """``(fn compiled and run on args, whether a tensor of its captured graphs ends in (n, n))``:
     a TorchDynamo backend that records the FX graphs and runs them as they are (no code
-    generation: seconds, not minutes). The FFT backend does not trace as one graph (an ``out=``
-    into a strided view): its remaining operations run eagerly, as they do under torch.compile."""
+    generation: seconds, not minutes); operations outside the graphs run eagerly, as they do
+    under torch.compile."""
     graphs = []
 
     def record(gm, example_inputs):
@@ -75,6 +75,7 @@ def test_compiled_dense_runs_blocked_outside_the_graph_above_a_size(monkeypatch,
     monkeypatch.setattr(kernels_dense, "DENSE_COMPILED_SCORES", b * h * n * n - 1)  # one score too many
     fft = []
     monkeypatch.setattr(kernels_fft.FFTAttention, "apply", lambda *a: fft.append(1))
+    monkeypatch.setattr(kernels_fft, "_compiled_attention", lambda *a: fft.append(1))  # its form under compile
     out, square = _compiled_nn(attend, n, q, k, v, bias)
     assert not square and plans and not fft  # dense, blocked, outside the graph
     torch.testing.assert_close(out, want, **TOL)
