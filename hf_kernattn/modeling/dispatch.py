@@ -15,8 +15,8 @@ compute in, is at most :data:`AUTO_MAX_ERROR` = 1e-4, otherwise ``auto`` takes t
 candidate the table ranks (an exact backend, or the FFT computed in float64, whichever was
 measured faster). Where the dense backend would hold a whole ``(B, H, N, N)`` matrix larger than
 ``registry.AUTO_MAX_NN_BYTES`` (256 MiB; its unblocked form, which ``torch.export`` traces at any
-N, as ``torch.compile`` does with symbolic sizes; eager mode, and ``torch.compile`` with static
-sizes beyond small calls, work in blocks), ``auto`` takes the next candidate too (dense only when
+N; eager mode, and ``torch.compile`` beyond small calls, dynamic shapes included, work in
+blocks), ``auto`` takes the next candidate too (dense only when
 nothing else can run the call).
 
 The work common to every backend happens here, once, in stages of one job each: check

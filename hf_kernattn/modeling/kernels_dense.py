@@ -18,11 +18,11 @@ q, k, the values and the table and recomputes each block's scores; the table's g
 each block's pair gradients along their offsets (a copy into a skewed buffer and one sum).
 
 Cost: time O(N^2 (M + D)) (causal: half); memory O(N (M + D)) besides one block of scores
-(the forward and backward keep no N x N matrix). Traced calls (``torch.export``, ``torch.compile``,
-symbolic sizes) and small calls with a backward (:func:`runs_unblocked`: a few hundred tokens
-with a bias or causal and at most :data:`DENSE_UNBLOCKED_TABLE_SCORES` scores in all, at most
-:data:`DENSE_UNBLOCKED_SCORES` scores otherwise) run the
-same formula unblocked (:func:`dense_attention_unblocked`), which materialises the ``N x N``
+(the forward and backward keep no N x N matrix). Traced calls (``torch.export``,
+``torch.jit.trace``, ``torch.compile`` up to :data:`DENSE_COMPILED_SCORES` scores) and small
+calls with a backward (:func:`runs_unblocked`: a few hundred tokens with a bias or causal and at
+most :data:`DENSE_UNBLOCKED_TABLE_SCORES` scores in all, at most :data:`DENSE_UNBLOCKED_SCORES`
+scores otherwise) run the same formula unblocked (:func:`dense_attention_unblocked`), which materialises the ``N x N``
 matrix (:func:`materialized_scores`; ``backend="auto"`` passes over dense where that matrix would
 exceed ``registry.AUTO_MAX_NN_BYTES``).
 """
@@ -60,9 +60,10 @@ DENSE_UNBLOCKED_TOKENS = 196
 # 12 heads (1 thread, medians of 2-3 fresh-process rounds, two runs): 1D bias 1.03-1.16x, a 14 x 14
 # 2D bias 1.09-1.23x (batch 1 to 64); about 9 batch rows of 12 heads at 196 tokens fit under the cap
 DENSE_UNBLOCKED_TABLE_SCORES = 1 << 22
-# Under torch.compile (TorchDynamo, not torch.export) with static sizes, calls of more than this many
-# scores (batch x heads x N^2; 256 MiB in float64, ``registry.AUTO_MAX_NN_BYTES``, so that ``auto``
-# never passes over dense under torch.compile with static sizes; 128 MiB in float32) run the blocked
+# Under torch.compile (TorchDynamo, not torch.export; dynamic shapes too: Dynamo shows the sizes to
+# Python as guarded ints), calls of more than this many scores (batch x heads x N^2; 256 MiB in
+# float64, ``registry.AUTO_MAX_NN_BYTES``, so that ``auto`` never passes over dense under
+# torch.compile; 128 MiB in float32) run the blocked
 # form outside the graph (a graph break; ``fullgraph=True`` refuses it) instead of the unblocked form
 # inside it: memory O(N) instead of (B, H, N, N) matrices. 12 heads at 64 x 64 tokens (201M scores),
 # fwd+bwd, 1 thread, M = D = 64, 2D bias: compiled unblocked 4.1-4.4 s CPU and 2,483 MB peak, blocked

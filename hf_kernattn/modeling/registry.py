@@ -297,9 +297,9 @@ def get_backend(name: str) -> BackendSpec:
 AUTO_MAX_ERROR = 1e-4
 AUTO_FFT_MAX_ERROR = AUTO_MAX_ERROR  # the former name
 # ``auto`` skips the dense backend where it would hold a (B, H, N, N) matrix of more than this many
-# bytes (its unblocked form, which torch.export and torch.jit.trace, and torch.compile with symbolic
-# sizes, trace at any N: their graphs cannot hold the blocks' Python loops; torch.compile with
-# static sizes runs large calls blocked outside the graph instead): the next candidate the table
+# bytes (its unblocked form, which torch.export and torch.jit.trace trace at any N: their graphs
+# cannot hold the blocks' Python loops; under torch.compile, dynamic shapes included, TorchDynamo
+# shows sizes as guarded ints and large calls run blocked outside the graph): the next candidate the table
 # ranks runs instead. 256 MiB: about what eager softmax attention keeps per layer for ViT-Base (12
 # heads) at 48 x 48 tokens.
 AUTO_MAX_NN_BYTES = 1 << 28
