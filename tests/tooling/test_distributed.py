@@ -136,8 +136,8 @@ def test_end_process_group_ends_the_gloo_threads_or_the_process(held):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-c", EXIT_WORKER, f"tcp://127.0.0.1:{free_port()}", "held" if held else "-"],
-                          capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    cmd = [sys.executable, "-c", EXIT_WORKER, f"tcp://127.0.0.1:{free_port()}", "held" if held else "-"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     before = [int(line.split()[-1]) for line in lines if line.startswith("threads before")]
