@@ -34,6 +34,7 @@ from tests.conftest import (  # noqa: E402
     tiny_nprf_bert_config,
     tiny_relative_performer_vit_config,
 )
+from tests.process_group_exit import end_process_group  # noqa: E402
 
 STEPS = 3
 LR = 1e-2
@@ -153,8 +154,7 @@ def main() -> None:
             dist.barrier()
     if rank == 0:
         result_file.write_text(json.dumps(results, indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_process_group()  # closed before exit: tests/process_group_exit.py
 
 
 if __name__ == "__main__":

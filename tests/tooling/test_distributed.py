@@ -105,6 +105,50 @@ def test_fsdp2_two_processes_train_as_one_and_full_state_dict_reloads_equal(fsdp
 
 
 # --------------------------------------------------------------------------------------------
+# the end of a worker's process group (tests/process_group_exit.py)
+
+# One gloo process: an all_gather of tensors Python made, then end_process_group(); with "held",
+# a reference to the group outlives destroy_process_group() (as torch's own caches do under FSDP2).
+EXIT_WORKER = r'''
+import sys, torch, torch.distributed as dist
+from tests.process_group_exit import end_process_group, gloo_worker_threads
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1)
+out = [torch.empty(3)]
+dist.all_gather(out, torch.arange(3.0))
+held = dist.group.WORLD if sys.argv[2] == "held" else None
+print("threads before", gloo_worker_threads(), flush=True)
+end_process_group()
+print("threads after", gloo_worker_threads(), flush=True)
+'''
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_end_process_group_ends_the_gloo_threads_or_the_process(held):
+    """Destroyed, the group's gloo worker threads end before the interpreter exits (nothing of
+    them is left to race with its finalization); when something still holds the group, the
+    process ends right there with status 0, without finalizing the interpreter."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("threads are counted from /proc/self/task")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCELERATE_", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-c", EXIT_WORKER, f"tcp://127.0.0.1:{free_port()}", "held" if held else "-"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    before = [int(line.split()[-1]) for line in lines if line.startswith("threads before")]
+    assert before and before[0] >= 1, proc.stdout  # the group's threads are found (torch starts 2)
+    if held:
+        assert not any(line.startswith("threads after") for line in lines), proc.stdout
+    else:
+        assert "threads after 0" in lines, proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
 # the example scripts' Accelerator under a DeepSpeed launch (no DeepSpeed needed for these)
 
 

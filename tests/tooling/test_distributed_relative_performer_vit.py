@@ -42,29 +42,38 @@ def _train(model, pixels, mask, labels):
         opt.step()
 
 
-def _worker(rank: int, world: int, port: int, out: str, overrides: dict) -> None:
-    import torch.distributed as dist
+def _shard_train_save(rank: int, out: str, overrides: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
+
+    model = _model(**overrides)
+    for layer in model.vit.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    pixels, mask, labels = _data()
+    part = slice(2 * rank, 2 * rank + 2)  # each rank its half; FSDP2 averages the gradients
+    _train(model, pixels[part], mask[part], labels[part])
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, out)
+
+
+def _worker(rank: int, world: int, port: int, out: str, overrides: dict) -> None:
+    import torch.distributed as dist
+
+    from tests.process_group_exit import end_process_group
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = _model(**overrides)
-        for layer in model.vit.layers:
-            fully_shard(layer)
-        fully_shard(model)
-        pixels, mask, labels = _data()
-        part = slice(2 * rank, 2 * rank + 2)  # each rank its half; FSDP2 averages the gradients
-        _train(model, pixels[part], mask[part], labels[part])
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            from safetensors.torch import save_file
-
-            save_file({k: v.contiguous() for k, v in state.items()}, out)
-    finally:
-        dist.destroy_process_group()
+        _shard_train_save(rank, out, overrides)  # its sharded model is gone when it returns
+    except BaseException:
+        dist.destroy_process_group()  # no barrier: the other rank may never reach it
+        raise
+    end_process_group()  # closed before exit: tests/process_group_exit.py
 
 
 def _free_port() -> int:

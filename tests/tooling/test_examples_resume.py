@@ -61,7 +61,11 @@ if dist.is_available() and dist.is_initialized():
     dist.barrier()
 resumed = main(["--output_dir", str(out / "resumed"), "--resume_from_checkpoint", "latest"])
 if rank == 0:
-    print("RESULTS " + json.dumps({"full": full, "stopped": stopped, "resumed": resumed}))
+    print("RESULTS " + json.dumps({"full": full, "stopped": stopped, "resumed": resumed}), flush=True)
+# The process group kept above is closed last, before the interpreter exits (left to exit, a gloo
+# worker thread can abort the finished process: tests/process_group_exit.py).
+from tests.process_group_exit import end_process_group
+end_process_group()
 '''
 
 
