@@ -162,7 +162,7 @@ class TilePlan:
         """Per-distance coefficients ``c (H, K+1)`` -> the near weights ``c_d - c_K`` (0 from
         distance K on) of every (run position, tile position) pair: ``(H, offsets, max keys, ty tx)``."""
         near = torch.cat([c[:, : self.clip] - c[:, self.clip :], torch.zeros_like(c[:, :1])], dim=1)
-        return near[:, self.index]
+        return near.index_select(1, self.index.flatten()).view(c.shape[0], *self.index.shape)
 
     def weights_backward(self, dw: torch.Tensor) -> torch.Tensor:
         """The gradient of :meth:`weights`: ``dw (H, offsets, max keys, ty tx)`` -> ``dc (H, K+1)``."""
@@ -214,6 +214,12 @@ class TilePlan:
         if ones:
             region[:, :, :, f].fill_(1)
         return buf
+
+    def to_tiles_t(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, H, N, F)`` -> the feature-major tiles ``(ntx B H, nty, F, ty tx)`` (column, tile
+        row; zero off the grid): each tile a contiguous ``(F, ty tx)`` matrix."""
+        f = x.shape[-1]
+        return self.to_strips(x).view(-1, self.t2, f).transpose(1, 2).contiguous().view(self.ntx * self.bh, self.nty, f, self.t2)
 
     def far_t(self, kb: torch.Tensor, vt: torch.Tensor, rows: int) -> torch.Tensor:
         """``[v, 1]^T k`` per (batch row, head) from the strip buffers of k (token-major) and of
@@ -374,14 +380,14 @@ def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
     tiles): at 65 columns this orientation runs well faster than its transpose."""
     d = v.shape[-1]
     w = plan.weights(c)
-    qb, kb, vt = plan.to_strips(q), plan.to_strips(k), plan.to_strips_t(v, ones=True)
+    qt, kb, vt = plan.to_tiles_t(q), plan.to_strips(k), plan.to_strips_t(v, ones=True)
     far = plan.per_column(plan.far_t(kb, vt, d + 1) * c[:, plan.clip].repeat(plan.b)[:, None, None])  # c_K [v, 1]^T k
     yt = plan.new_tiles_t(q, d + 1)
     m, f, col, t2 = q.shape[-1], d + 1, plan.column, plan.t2
-    oq, ok, ov = qb.storage_offset(), kb.storage_offset(), vt.storage_offset()
+    ok, ov = kb.storage_offset(), vt.storage_offset()
     weights = {}  # the weights of a block: (heads, keys, ty tx), one view per distinct block
     for a, z, r, start, items in plan.steps:
-        tiles = qb.as_strided((z - a, m, t2), (col * m, 1, m), oq + start * m)  # the queries' tiles, transposed
+        tiles = qt[a:z, r]  # the queries' tiles, feature-major (M, ty tx)
         torch.bmm(far[a:z], tiles, out=yt[r, a:z])  # far: every key with c_K
         for i, c0, c1, run, keys, h0, heads, first in items:
             n = c1 - c0
