@@ -458,9 +458,7 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
                 if need_k:
                     dkt[r, c0:c1].baddbmm_(dp.transpose(1, 2), qr)
                 if need_q:
-                    # into a fresh block, then added: baddbmm_ into the runs (not contiguous) would
-                    # run one product per column
-                    run_view(dqb, run, nc, keys).add_(torch.bmm(dp, kt))
+                    run_view(dqb, run, nc, keys).baddbmm_(dp, kt)
             if need_v:
                 scores.view(-1, heads, keys, t2).mul_(wb)
                 dvt[r, c0:c1].baddbmm_(scores.transpose(1, 2), run_view(gb, run, nc, keys, d))
