@@ -142,8 +142,10 @@ class TilePlan:
         """The products of a walk over the tiles, as plain numbers (the loop then makes only the
         views it multiplies): per group and tile row ``r``, ``(a, z, r, first tile token,
         items)`` for the columns ``[a, z)``, ``items`` one ``(i, c0, c1, first run token, keys,
-        h0, heads, first weight row)`` per strip offset ``i`` with columns ``[c0, c1)`` on the grid."""
-        out = []
+        h0, heads, first weight row, block)`` per strip offset ``i`` with columns ``[c0, c1)`` on
+        the grid, ``block`` the index of its weights ``(i, h0, heads, first, keys)`` in
+        ``self.blocks`` (set here)."""
+        out, blocks = [], {}
         for group in self.groups:
             for r in range(self.nty):
                 a, z = self.columns(None, group)
@@ -154,8 +156,10 @@ class TilePlan:
                         continue
                     lo, first, keys = self.rows[i][r]
                     heads = min(c1 - c0, self.h)
-                    items.append((i, c0, c1, (c0 + s * self.bh) * self.column + lo * self.tx, keys, c0 % self.h, heads, first))
+                    block = blocks.setdefault((i, c0 % self.h, heads, first, keys), len(blocks))
+                    items.append((i, c0, c1, (c0 + s * self.bh) * self.column + lo * self.tx, keys, c0 % self.h, heads, first, block))
                 out.append((a, z, r, a * self.column + r * self.t2, items))
+        self.blocks = list(blocks)
         return out
 
     def weights(self, c: torch.Tensor) -> torch.Tensor:
@@ -388,19 +392,20 @@ def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
     yt = plan.new_tiles_t(q, d + 1)
     m, f, col, t2 = q.shape[-1], d + 1, plan.column, plan.t2
     ok, ov = kb.storage_offset(), vt.storage_offset()
-    weights = {}  # the weights of a block: (heads, keys, ty tx), one view per distinct block
-    for a, z, r, start, items in plan.steps:
-        tiles = qt[a:z, r]  # the queries' tiles, feature-major (M, ty tx)
-        torch.bmm(far[a:z], tiles, out=yt[r, a:z])  # far: every key with c_K
-        for i, c0, c1, run, keys, h0, heads, first in items:
+    steps = plan.steps  # (sets plan.blocks)
+    weights = [None] * len(plan.blocks)  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    for a, z, r, start, items in steps:
+        tiles, ytr = qt[a:z, r], yt[r]  # the queries' tiles, feature-major (M, ty tx); the row's numerators
+        torch.bmm(far[a:z], tiles, out=ytr[a:z])  # far: every key with c_K
+        for i, c0, c1, run, keys, h0, heads, first, block in items:
             n = c1 - c0
-            scores = torch.bmm(kb.as_strided((n, keys, m), (col * m, m, 1), ok + run * m), tiles[c0 - a : c1 - a])  # (cols, keys, ty tx)
-            key = (i, h0, heads, first, keys)
-            wb = weights.get(key)
+            scores = torch.bmm(kb.as_strided((n, keys, m), (col * m, m, 1), ok + run * m),
+                               tiles if c0 == a and c1 == z else tiles[c0 - a : c1 - a])  # (cols, keys, ty tx)
+            wb = weights[block]
             if wb is None:
-                wb = weights[key] = w[h0 : h0 + heads, i, first : first + keys]
-            scores.view(-1, heads, keys, t2).mul_(wb)
-            yt[r, c0:c1].baddbmm_(vt.as_strided((n, f, keys), (f * col, col, 1), ov + (run // col) * f * col + run % col), scores)
+                wb = weights[block] = w[h0 : h0 + heads, i, first : first + keys]
+            (scores if heads == 1 else scores.view(-1, heads, keys, t2)).mul_(wb)
+            ytr[c0:c1].baddbmm_(vt.as_strided((n, f, keys), (f * col, col, 1), ov + (run // col) * f * col + run % col), scores)
     plan.divide(yt, eps, out, den)
 
 
@@ -435,22 +440,22 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
         ld = buf.stride(0)
         return buf.as_strided((n, t2, ld), (col * ld, ld, 1), buf.storage_offset() + start * ld)
 
-    weights = {}  # the weights of a block: (heads, keys, ty tx), one view per distinct block
-    for a, z, r, start, items in plan.steps:
+    steps = plan.steps  # (sets plan.blocks)
+    weights = [None] * len(plan.blocks)  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    for a, z, r, start, items in steps:
         ktiles, vtiles = tile_view(kb, start, z - a), tile_view(vb, start, z - a)
         if need_k:
             torch.bmm(vtiles, far_k[a:z], out=dkt[r, a:z])
         if need_v:
             torch.bmm(ktiles, far_v[a:z], out=dvt[r, a:z])
-        for i, c0, c1, run, keys, h0, heads, first in items:
+        for i, c0, c1, run, keys, h0, heads, first, block in items:
             # each key's tile against the runs of its queries (the weights are symmetric)
             nc = c1 - c0
             kt, vt = ktiles[c0 - a : c1 - a], vtiles[c0 - a : c1 - a]
             qr = run_view(qb, run, nc, keys)
-            key = (i, h0, heads, first, keys)
-            wb = weights.get(key)
+            wb = weights[block]
             if wb is None:
-                wb = weights[key] = w[h0 : h0 + heads, i, first : first + keys]
+                wb = weights[block] = w[h0 : h0 + heads, i, first : first + keys]
             scores = torch.bmm(qr, kt.transpose(1, 2)) if need_v or need_c else None
             if need_q or need_k or need_c:
                 dp = torch.bmm(run_view(gb, run, nc, keys), vt.transpose(1, 2))
