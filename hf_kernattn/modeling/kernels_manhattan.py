@@ -223,7 +223,12 @@ class TilePlan:
         """``(B, H, N, F)`` -> the feature-major tiles ``(ntx B H, nty, F, ty tx)`` (column, tile
         row; zero off the grid): each tile a contiguous ``(F, ty tx)`` matrix."""
         f = x.shape[-1]
-        return self.to_strips(x).view(-1, self.t2, f).transpose(1, 2).contiguous().view(self.ntx * self.bh, self.nty, f, self.t2)
+        if (self.hq, self.wq) != (self.hg, self.wg):  # tiles past the grid's edge: through the zero-padded strips
+            return self.to_strips(x).view(-1, self.t2, f).transpose(1, 2).contiguous().view(self.ntx * self.bh, self.nty, f, self.t2)
+        buf = x.new_empty(self.ntx * self.bh, self.nty, f, self.t2)
+        buf.view(self.ntx, self.b, self.h, self.nty, f, self.ty, self.tx).copy_(
+            x.reshape(self.b, self.h, self.nty, self.ty, self.ntx, self.tx, f).permute(4, 0, 1, 2, 6, 3, 5))
+        return buf
 
     def far_t(self, kb: torch.Tensor, vt: torch.Tensor, rows: int) -> torch.Tensor:
         """``[v, 1]^T k`` per (batch row, head) from the strip buffers of k (token-major) and of
