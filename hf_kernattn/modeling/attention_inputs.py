@@ -13,7 +13,7 @@ weights up to offset ``-K`` whatever its own length, so it takes that form.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -22,15 +22,21 @@ from .kernels_hybrid import SoftmaxWindow
 from .state import AttentionState, StateKind
 
 
-def check_tensor(name: str, x: object, ndim: int, shape_doc: str) -> torch.Tensor:
-    """``x`` must be a floating-point tensor with ``ndim`` dimensions (``shape_doc`` says which)."""
+def check_tensor(name: str, x: object, ndim: int, shape_doc: Union[str, Callable[[], str]]) -> torch.Tensor:
+    """``x`` must be a floating-point tensor with ``ndim`` dimensions (``shape_doc`` says which:
+    a string, or a function giving it, called only for an error message: formatting a symbolic
+    size, as torch.compile with dynamic shapes traces, would pin it to its traced value)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {shape_doc}, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {_doc(shape_doc)}, got {type(x).__name__}")
     if x.dim() != ndim:
-        raise ValueError(f"{name} must have shape {shape_doc}, got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape {_doc(shape_doc)}, got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"{name} must be a floating-point tensor (float16/bfloat16/float32/float64), got {x.dtype}")
     return x
+
+
+def _doc(shape_doc: Union[str, Callable[[], str]]) -> str:
+    return shape_doc if isinstance(shape_doc, str) else shape_doc()
 
 
 def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
@@ -106,8 +112,7 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
 
         if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
             raise ValueError(f"rpe_bias must have shape {want()}; a 3D bias needs grid=(height, width)")
-        if not (isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 2 and rpe_bias.is_floating_point()):
-            check_tensor("rpe_bias", rpe_bias, 2, want())
+        check_tensor("rpe_bias", rpe_bias, 2, want)
         # sizes may be symbolic under torch.export: the table's width is compared without adding a guard, and
         # a table's width is not compared with a symbolic length (a guard would pin the length)
         table = rpe_clip is not None and known_true(rpe_bias.shape[1] == 2 * rpe_clip + 1)
@@ -119,13 +124,12 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
     if rpe_clip is not None and isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 2:
         # the per-distance table of a bias of the clipped Manhattan distance
         table = (h, rpe_clip + 1)
-        check_tensor("rpe_bias", rpe_bias, 2, f"(heads, rpe_clip+1) = {table}")
+        check_tensor("rpe_bias", rpe_bias, 2, lambda: f"(heads, rpe_clip+1) = {table}")
         if tuple(rpe_bias.shape) != table:
             raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want} or, as the table of "
                              f"the clipped Manhattan distance, (heads, rpe_clip+1) = {table}, got {tuple(rpe_bias.shape)}")
         return "2d"
-    if not (isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3 and rpe_bias.is_floating_point()):
-        check_tensor("rpe_bias", rpe_bias, 3, f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
+    check_tensor("rpe_bias", rpe_bias, 3, lambda: f"(heads, 2*grid_h-1, 2*grid_w-1) = {want}")
     if tuple(rpe_bias.shape) != want:
         raise ValueError(f"rpe_bias must have shape (heads, 2*grid_h-1, 2*grid_w-1) = {want}, got {tuple(rpe_bias.shape)}")
     return "2d"
