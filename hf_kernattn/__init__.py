@@ -4,7 +4,9 @@ Importing the package registers every model family with the ``transformers`` Aut
 """
 
 from .modeling.dispatch import kernelized_attention  # importing it registers the built-in backends
-from .modeling.registry import BackendSpec, available_backends, get_backend, load_auto_table, register_backend
+from .modeling.registry import (
+    BackendSpec, available_backends, get_backend, load_auto_table, register_backend, unregister_backend,
+)
 from .modeling.state import AttentionState, StateKind
 from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
@@ -105,6 +107,7 @@ __all__ = [
     "lora_config",
     "lora_target_modules",
     "register_backend",
+    "unregister_backend",
 ]
 __all__ += _NPRF_BERT_ALL  # NPRF-BERT
 __all__ += [

@@ -25,21 +25,17 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 
 from .attention_config import complete_attention_fields
 from .dispatch import get_backend, kernelized_attention
-from .kernels_common import compute_dtype_for, step_constant
+from .kernels_common import compute_dtype_for
 from .registry import choose_backend
 from .feature_maps import FeatureMap
 from .kernels_hybrid import SoftmaxWindow
 from .positional import apply_rotary
 
-
-_COMPUTE_DTYPES = (torch.float32, torch.float64)  # the dtypes features are computed in
 
 # the sliding-window hybrid's per-head mixing weights (log scale) of an attention layer
 WINDOW_WEIGHTS = ("window_log_weight", "linear_log_weight")
@@ -111,48 +107,6 @@ class KernelizedSelfAttention(nn.Module):
         if self.softmax_window is not None:
             self.window_log_weight = nn.Parameter(torch.zeros(heads))
             self.linear_log_weight = nn.Parameter(torch.zeros(heads))
-        self._fused = None  # (key, weight, bias, sources) of fused_projection
-
-    def _apply(self, fn, recurse=True):
-        self._fused = None  # a device move or dtype cast: the fused projection is made again when next used
-        return super()._apply(fn, recurse)
-
-    def fused_projection(self) -> Optional[tuple[torch.Tensor, Optional[torch.Tensor]]]:
-        """The q, k and v projections as one weight ``(C + 2 C_kv, C)`` and bias, for one-token
-        steps where nothing is recorded for autograd (decoding): one matrix-vector product
-        instead of three. The checkpoint keeps the three modules as they are: the fused copy is
-        made from their parameters at the first step of each decoding session (every call that
-        is not a one-token step drops it: a prefill starts a new one) and made again when any of
-        them changed since (an optimizer step or ``load_state_dict`` writing into them, a parameter
-        replaced, a device move or dtype cast), as told by the parameters' version counters and
-        addresses (the copy keeps the parameters' memory it was made from, so no address is reused
-        while it is compared). A write through ``.data`` bumps no version counter: between the
-        steps of one session it goes unseen. Costs one copy of the three weights. None when a projection is not a plain
-        ``nn.Linear`` without hooks, e.g. one wrapped by an adapter such as LoRA or quantized, or
-        when they differ in device, dtype or in having a bias, and while ``torch.compile`` /
-        ``torch.export`` trace: the modules then run as they are."""
-        if torch.compiler.is_compiling():  # traced (compile, export): no addresses to compare; the graph has the products
-            return None
-        modules = self._modules  # read directly: this runs once per layer and decoded token
-        mods = (modules["q_proj"], modules["k_proj"], modules["v_proj"])
-        key = []
-        for m in mods:
-            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
-                return None
-            for p in m._parameters.values():
-                if p is not None:
-                    key += (p.data_ptr(), p._version)
-        cached = self._fused
-        if cached is None or cached[0] != key:
-            params = [p for m in mods for p in m._parameters.values() if p is not None]
-            first = params[0]
-            weight = bias = None
-            if len(params) in (3, 6) and all(p.dtype == first.dtype and p.device == first.device for p in params):
-                with torch.no_grad():
-                    weight = torch.cat([m.weight for m in mods])
-                    bias = torch.cat([m.bias for m in mods]) if len(params) == 6 else None
-            self._fused = cached = (key, weight, bias, [p.detach() for p in params])
-        return None if cached[1] is None else (cached[1], cached[2])
 
     def _split(self, x: torch.Tensor) -> torch.Tensor:
         b, n, _ = x.shape
@@ -306,22 +260,13 @@ class KernelizedSelfAttention(nn.Module):
             # backend; a state reaches K positions back, so the calls take the table itself
             rpe_bias, rpe_clip = self.rpe.weight, self.rpe.max_relative_position
         rpe_clip = rpe_clip if rpe_bias is not None else None
-        if initial_state is not None and hidden_states.shape[1] == 1 and extra is None and not torch.is_grad_enabled():
-            out, state = self._step(hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary,
-                                    initial_state)
-            out = self.output(out, hidden_states.dtype)
+        args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, extra, rotary, initial_state,
+                layer is not None)
+        if recompute and configured and self.recompute == "projections" and torch.is_grad_enabled():
+            # only hidden_states is kept: the backward runs the whole block again
+            out, state = torch.utils.checkpoint.checkpoint(self._block, *args, False, False, use_reentrant=False)
         else:
-            # a call that is not a decoding step (training, a prefill, a continuation) ends a decoding
-            # session: the next one fuses the projections afresh (weights written between generate()
-            # calls through ``.data``, e.g. merging an adapter, bump no version counter)
-            self._fused = None
-            args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, extra, rotary, initial_state,
-                    layer is not None)
-            if recompute and configured and self.recompute == "projections" and torch.is_grad_enabled():
-                # only hidden_states is kept: the backward runs the whole block again
-                out, state = torch.utils.checkpoint.checkpoint(self._block, *args, False, False, use_reentrant=False)
-            else:
-                out, state = self._block(*args, bool(recompute) and torch.is_grad_enabled(), configured)
+            out, state = self._block(*args, bool(recompute) and torch.is_grad_enabled(), configured)
         if state is not None:
             layer.set_state(state)
         return out
@@ -383,82 +328,6 @@ class KernelizedSelfAttention(nn.Module):
                                 sync_free=initial_state is not None and q.shape[2] == 1)
         return self._kernel(q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state,
                             raw)
-
-    def _step(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        rpe_bias: Optional[torch.Tensor],
-        grid: Optional[Sequence[int]],
-        rpe_clip: Optional[int],
-        projection: Optional[torch.Tensor],
-        rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
-        initial_state,
-    ) -> tuple[torch.Tensor, object]:
-        """One new token from a state with nothing recorded for autograd (a decoding step), as
-        :meth:`_attend` computes it with fewer operations: the projections as one product
-        (:meth:`fused_projection`) and, for a map that treats queries and keys alike, one
-        feature-map call for both."""
-        fused = self.fused_projection()
-        if fused is None:
-            q, k, v = self.projections(hidden_states, rope=rotary if self.rope else None)
-            return self._attend(q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection,
-                                rotary if self.rotary else None, initial_state, True)
-        # (B, 1, (H + 2 H_kv) D) -> (B, H + 2 H_kv, 1, D): with one token, heads first is a view
-        x = F.linear(hidden_states, *fused).view(hidden_states.shape[0], -1, 1, self.head_dim)
-        q, k, v, raw = self.step_features(x, rotary if self.rope else None, projection, attention_mask)
-        return self._kernel(q, self._repeat_kv(k), self._repeat_kv(v), attention_mask, rpe_bias, grid,
-                            rpe_clip, rotary if self.rotary else None, initial_state, True, raw)
-
-    def maps_in_place(self) -> bool:
-        """Whether one-token steps may compute the feature map themselves, in place on the fused
-        projection (:meth:`step_features`): ``elu`` or ``relu`` without ``normalize_qk`` (the same
-        elementwise formula for queries and keys), a plain :class:`FeatureMap` without hooks
-        (nor global module hooks), and no sliding-window hybrid (which reads the raw queries and keys)."""
-        fm = self._modules["feature_map"]
-        return (type(fm) is FeatureMap and fm.kind in ("elu", "relu") and not fm.normalize_qk
-                and self.softmax_window is None and not (fm._forward_hooks or fm._forward_pre_hooks)
-                and "forward" not in fm.__dict__ and not (_global_forward_hooks or _global_forward_pre_hooks))
-
-    def step_features(
-        self,
-        x: torch.Tensor,
-        rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        projection: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        in_place: Optional[bool] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[tuple[torch.Tensor, torch.Tensor]]]:
-        """One-token steps: the fused projections ``x (B, H + 2 H_kv, 1, D)`` (a fresh tensor, which
-        this may write into) -> query features ``(B, H, 1, M)``, key features ``(B, H_kv, 1, M)``
-        and values ``(B, H_kv, 1, D)`` (per key/value head, not yet repeated), and the raw queries
-        and keys of the sliding-window hybrid (else None). ``rope``: Llama's rotation of the
-        queries and keys first. The feature map of queries and keys is one call when it treats
-        them alike; with :meth:`maps_in_place` (``in_place``, None: asked here) it is computed in
-        x's own memory (``elu(x) + 1``, ``relu(x)``: the map's formula, element by element).
-        A key outside the map's range gives NaN, as in every decoding step (no host read)."""
-        h, kv_heads = self.num_heads, self.num_key_value_heads
-        qk, v = x.split_with_sizes((h + kv_heads, x.shape[1] - h - kv_heads), 1)
-        if rope is not None:
-            qk = apply_rotary(qk, *rope)
-        if in_place is None:
-            in_place = self.maps_in_place()
-        fm = self._modules["feature_map"]
-        if in_place and qk.dtype in _COMPUTE_DTYPES:
-            if fm.kind == "elu":
-                F.elu_(qk).add_(step_constant(1.0, qk))
-            else:
-                qk.relu_()
-            q, k = qk.split_with_sizes((h, kv_heads), 1)
-            return q, k, v, None
-        raw = qk.split_with_sizes((h, kv_heads), 1) if self.softmax_window is not None else None
-        if fm.same_for_queries_and_keys:
-            q, k = fm(qk, is_query=True, projection=projection).split_with_sizes((h, kv_heads), 1)
-        else:
-            q = fm(qk[:, :h], is_query=True, projection=projection)
-            k = fm(qk[:, h:], is_query=False, projection=projection, key_mask=attention_mask, sync_free=True)
-        if v.dtype != q.dtype:
-            v = v.to(q.dtype)
-        return q, k, v, raw
 
     def _kernel(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state,
                 raw=None):

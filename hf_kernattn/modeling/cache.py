@@ -255,6 +255,9 @@ class LinearGPTCache(DynamicCache):
         _check_softmax_window(softmax_window)
         self.layers = [LinearGPTCacheLayer(window, softmax_window) for _ in range(num_layers)]
         self.layer_class_to_replicate = None
+        # the flat one-token step of the model decoding from this cache (decoding.DecodingPlan), made
+        # after its first one-token step; None: not made yet; False: the model's modules run every step
+        self.decoding_plan = None
 
     @property
     def window(self) -> Union[int, None, str]:

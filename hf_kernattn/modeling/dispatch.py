@@ -70,14 +70,13 @@ from .attention_inputs import (
     check_tensor,
     normalize_mask,
 )
-from .builtin_backends import recurrent_attention
+from .builtin_backends import STATE_ARGUMENTS  # noqa: F401  (importing it registers the built-in backends)
 from .kernels_common import (
-    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, known_true, mask_keys, step_constant,
+    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, known_true, mask_keys,
     tracing,
 )
 from .kernels_dense import dense_attention, materialized_scores
-from .kernels_hybrid import SoftmaxWindow, hybrid_attention
-from .kernels_linear import recurrent_step, step_views
+from .kernels_hybrid import SoftmaxWindow
 from .kernels_manhattan import manhattan_distances, manhattan_table
 from .registry import _REGISTRY, AUTO_MAX_ERROR, AUTO_MAX_NN_BYTES, auto_candidates, available_backends, get_backend
 from .state import AttentionState, StateKind, fold_into_state
@@ -237,11 +236,6 @@ def kernelized_attention(
     of its output (and of ``q_den``, ``k_den``) after it ran: only when that is not finite are
     the inputs checked and, if one is not finite, its rows isolated and the backend run again.
     """
-    if (in_place is True and rpe_bias is None and grid is None and rpe_clip is None and softmax_window is None
-            and backend in ("auto", "recurrent")):
-        fast = _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, initial_state, output_final_state)
-        if fast is not None:
-            return fast
     call = _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
                   initial_state, output_final_state, in_place, softmax_window)
     q, k, v, q_den, k_den, sw = _prepare(call, compute_dtype_for(q), q, k, v, q_den, k_den)
@@ -572,155 +566,6 @@ def _full_bias(rpe_bias, rpe, n, grid, rpe_clip):
     if rpe == "2d":
         return manhattan_table(rpe_bias, grid[0], grid[1]) if rpe_bias.dim() == 2 else rpe_bias
     return full_bias(rpe_bias, n, rpe_clip)
-
-
-def _decoding_step(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
-    """The one-token decoding step without a bias (:func:`recurrent_step` in place on the
-    state's own tensors) when the general path would run exactly that with nothing to refuse;
-    None otherwise (the general path then runs, with its full checks and messages).
-
-    Its guard is stage 1 itself, run once per state: the first step from a state runs
-    :func:`_check` (every check and message of the general path) and records what it
-    established on the state (:class:`_CheckedStep`, kept with the state's ``S`` tensor, which
-    decoding updates in place and so keeps from step to step). Later steps compare only what can
-    change between calls (the new token's shapes, dtype and device, the mask's shape, ``eps``,
-    the state's kind, grad mode, autocast, a re-registered ``recurrent`` backend); a state that
-    is replaced (beam search reorders it into new tensors, a copy, a device move) is checked
-    again. Per-token work of the general path it skips: dispatch, dtype conversions, value-free
-    bookkeeping."""
-    if not (causal is True and output_final_state is True and isinstance(state, tuple) and len(state) in (2, 4, 6)
-            and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
-        return None
-    kv, z = state[0], state[1]
-    if any(x is not None for x in state[2:]):
-        return None  # a state with a window (a clipped bias, the sliding-window hybrid) runs the general path
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad
-                                       for x in (q, k, v, kv, z, q_den, k_den)):
-        return None  # autograd records: the general path refuses in_place with its message
-    checked = None if torch.compiler.is_compiling() else getattr(kv, _CHECKED_STEP, None)
-    if checked is None or not checked.covers(q, k, v, z, q_den, k_den, eps, state, attention_mask):
-        checked = _CheckedStep.check(q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state)
-        if checked is None:
-            return None
-    if torch.amp.is_autocast_available(q.device.type) and torch.is_autocast_enabled(q.device.type):
-        return None
-    if decoding_step_spec("recurrent") is None:  # a replaced recurrent backend runs as registered
-        return None
-    if attention_mask is not None:  # a padded token's key and value zeroed (where: whatever it holds stays out)
-        keep = attention_mask
-        if keep.dtype != torch.bool or keep.device != checked.device:
-            keep = keep.to(device=checked.device, dtype=torch.bool)
-        k, v, k_den = zero_padded_token(keep.view(-1, 1, 1, 1), k, v, k_den, step_constant(0.0, q))
-    out = recurrent_step(q, k, v, kv, z, checked.eps, q_den, k_den, in_place=True, views=checked.views)[0]  # (B, H, 1, D)
-    return out, AttentionState(kv, z, kind=checked.kind)
-
-
-def zero_padded_token(keep: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_den: Optional[torch.Tensor],
-                      zero: torch.Tensor) -> tuple:
-    """A one-token step's key, value (and ``k_den``) zeroed where ``keep`` ``(B, 1, 1, 1)`` (bool)
-    marks the token as padding (``where``: whatever a padded token holds, NaN included, stays out
-    of the state)."""
-    k, v = torch.where(keep, k, zero), torch.where(keep, v, zero)
-    return k, v, None if k_den is None else torch.where(keep, k_den, zero)
-
-
-def registered_backend(name: str):
-    """The :class:`~registry.BackendSpec` registered as ``name`` now, or None (no error)."""
-    return _REGISTRY.get(name)
-
-
-def decoding_step_spec(backend: str):
-    """The registered ``recurrent`` backend when a one-token call with ``backend`` and an
-    ``in_place`` state of ``S`` and ``z`` (no bias, no window) reaches the decoding step of
-    :func:`kernelized_attention` (:func:`recurrent_step` in place), else None: ``backend`` is
-    ``auto`` or ``recurrent`` and ``recurrent`` is the built-in one. A caller that computes the
-    same step itself compares the returned object from call to call (a re-registration replaces it)."""
-    if backend != "auto" and backend != "recurrent":
-        return None
-    spec = _REGISTRY.get("recurrent")
-    return spec if spec is not None and spec.fn is recurrent_attention else None
-
-
-def hybrid_step_spec(backend: str, key_mask: bool, device: str, dtype: torch.dtype, heads: int):
-    """The registered ``hybrid`` backend when a one-token call with ``backend`` and a state of the
-    sliding-window hybrid runs the built-in hybrid's decoding step (``kernels_hybrid._step``):
-    ``backend`` is ``hybrid``, or ``auto`` choosing it first, and ``hybrid`` is the built-in one;
-    else None. A caller that computes the same step itself asks again per call (``auto``'s choice
-    follows the registry and the active table) or compares the returned object (a re-registration
-    replaces it)."""
-    spec = _REGISTRY.get("hybrid")
-    if spec is None or spec.fn is not hybrid_attention or backend not in ("auto", "hybrid"):
-        return None
-    if backend == "auto":
-        first = auto_candidates(n=1, causal=True, rpe=None, key_mask=key_mask, device=device, rpe_clip=None,
-                                state=True, split=False, backward=False, dtype=dtype, heads=heads, window=True)[0]
-        if first[0] != "hybrid" or first[1] not in (None, dtype):
-            return None
-    return spec
-
-
-_CHECKED_STEP = "_kernattn_checked_step"  # the attribute of a state's S that records its checked step
-
-
-class _CheckedStep:
-    """What stage 1 established about one-token steps from a state (its ``S`` and ``z``
-    tensors): the shapes, dtype and device of the new token's ``q, k, v`` (and ``q_den``,
-    ``k_den``) it accepted, ``eps``, the mask's shape, the state's :class:`StateKind`. Recorded
-    on ``S`` by :meth:`check`; :meth:`covers` tells whether a later step is one of those."""
-
-    __slots__ = ("z", "q_shape", "v_shape", "den_shape", "dtype", "device", "eps", "mask_shape", "given_kind", "kind",
-                 "views")
-
-    @classmethod
-    def check(cls, q, k, v, causal, attention_mask, eps, q_den, k_den, state, output_final_state):
-        """Stage 1 (:func:`_check`) on a decoding step; the record (stored on the state's ``S``
-        outside compilation) if the step can run in place, None otherwise (an error is left to
-        the general path, which raises it with its message)."""
-        try:
-            call = _check(q, k, v, None, causal, attention_mask, None, "recurrent", eps, None, q_den, k_den,
-                          state, output_final_state, True)
-        except (TypeError, ValueError):
-            return None
-        kv, z = call.initial_state.kv, call.initial_state.z
-        # in place in the state's dtype: the inputs must already be in it (the general path converts them)
-        if call.n != 1 or q.dtype not in _STATE_DTYPES or kv.dtype != q.dtype or z.dtype != q.dtype:
-            return None
-        self = cls()
-        self.z, self.q_shape, self.v_shape = z, q.shape, v.shape
-        self.den_shape = None if q_den is None else q_den.shape
-        self.dtype, self.device, self.eps = q.dtype, q.device, float(eps)
-        self.mask_shape = None if attention_mask is None else attention_mask.shape
-        self.given_kind = getattr(state, "kind", None)
-        self.kind = call.kind
-        self.views = step_views(kv, z, self.eps)  # what recurrent_step reads of the state (None: not contiguous)
-        if not torch.compiler.is_compiling():
-            setattr(kv, _CHECKED_STEP, self)
-        return self
-
-    def covers(self, q, k, v, z, q_den, k_den, eps, state, attention_mask) -> bool:
-        """Whether a step with these arguments is one :meth:`check` accepted (only what can
-        change between steps from the same state tensors is compared)."""
-        kind = getattr(state, "kind", None)
-        if not (z is self.z and (kind is self.kind or kind is self.given_kind) and eps == self.eps and eps is not True):
-            return False
-        dt, dev = self.dtype, self.device
-        if not (q.shape == self.q_shape and k.shape == self.q_shape and v.shape == self.v_shape
-                and q.dtype == dt and k.dtype == dt and v.dtype == dt
-                and q.device == dev and k.device == dev and v.device == dev):
-            return False
-        if q_den is None or self.den_shape is None:
-            if not (q_den is None and k_den is None and self.den_shape is None):
-                return False
-        elif not (isinstance(q_den, torch.Tensor) and isinstance(k_den, torch.Tensor)
-                  and q_den.shape == self.den_shape and k_den.shape == self.den_shape
-                  and q_den.dtype == dt and k_den.dtype == dt and q_den.device == dev and k_den.device == dev):
-            return False
-        if attention_mask is None:
-            return self.mask_shape is None
-        return isinstance(attention_mask, torch.Tensor) and attention_mask.shape == self.mask_shape
-
-
-_STATE_DTYPES = (torch.float32, torch.float64)  # compute dtypes: an input in one of them is computed in it
 
 
 def _shares_memory(x: torch.Tensor) -> bool:

@@ -180,7 +180,10 @@ def hybrid_window_ring(
     scale = dk ** -0.5 if scale is None else float(scale)
     valid = torch.ones(b, 1, n, dtype=torch.bool, device=q.device) if key_mask is None else key_mask[:, None, :].bool()
     k, k_feat, v = _mask_padded(k, k_feat, v, key_mask)
-    if initial_state is not None and n == 1:  # a decoding step: the window and (S, z) only
+    records = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, q_feat, k_feat, v, window_weight, linear_weight,
+                                                    *(initial_state or ())))
+    if initial_state is not None and n == 1 and not records:  # a decoding step: the window and (S, z) only
         result = _step(q, k, q_feat, k_feat, v, valid, scale, _per_head(window_weight, q), _per_head(linear_weight, q),
                        eps, initial_state, output_final_state, window_start)
         return result if not output_final_state else (result[0], result[1][0], result[1][1])
@@ -238,33 +241,8 @@ def hybrid_window_ring(
     return out, _fold(initial_state, k, k_feat, v, valid, start, w), 0
 
 
-class StepReshapes(NamedTuple):
-    """Views of a :class:`HybridState`'s tensors as the one-token step reads them, batched over
-    the ``B H`` rows (:func:`step_reshapes`): made once per state by a caller that steps it in
-    place many times (views of the state's own memory: every in-place update shows in them)."""
-
-    raw_t: torch.Tensor  # window_raw as (B H, Dk, W - 1)
-    window_v: torch.Tensor  # window_v as (B H, W - 1, D)
-    kv: torch.Tensor  # S as (B H, M, D)
-    z: torch.Tensor  # z as (B H, M, 1)
-
-
-def step_reshapes(state: HybridState) -> Optional[StepReshapes]:
-    """The :class:`StepReshapes` of ``state``, or None when a tensor is not contiguous or the
-    window is empty (``W = 1``): :func:`_step` then reshapes per call (the same values)."""
-    kv, z, _, win_v, win_raw, _ = state
-    if not (kv.is_contiguous() and z.is_contiguous() and win_v.is_contiguous() and win_raw.is_contiguous()):
-        return None
-    b, h, keep, dk = win_raw.shape
-    if keep == 0:
-        return None
-    bh, (m, d) = b * h, kv.shape[-2:]
-    return StepReshapes(win_raw.view(bh, keep, dk).transpose(1, 2), win_v.view(bh, keep, d), kv.view(bh, m, d),
-                        z.view(bh, m, 1))
-
-
 def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridState, output_final_state,
-          window_start: int = 0, in_place: bool = False, reshapes: Optional[StepReshapes] = None):
+          window_start: int = 0, in_place: bool = False):
     """One new token from ``state`` (what the chunked form computes for ``N = 1``, with less work):
     exact weights over the window's ``W - 1`` keys and the new one, ``(S, z)`` for every older
     key; then the oldest window key moves into ``(S, z)`` and the new one takes its slot. The
@@ -272,8 +250,7 @@ def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridSta
     ``AttentionState.window_start``), read in slot order and written in one slot: no shift.
     Returns ``out`` and, with ``output_final_state``, ``(HybridState, window_start)`` after the
     token: the state's own tensors written in place with ``in_place``, new ones otherwise (the
-    same values). ``reshapes``: the state's :func:`step_reshapes` (None: made here). O(W (Dk + D)
-    + M D) per token."""
+    same values). O(W (Dk + D) + M D) per token."""
     keep = state.window_raw.shape[2]
     if keep == 0:  # W = 1: no window, the new key alone gets the exact weight and then leaves
         return _step_alone(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state, output_final_state, in_place)
@@ -281,12 +258,10 @@ def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridSta
     b, h, _, dk = q.shape
     m, d = kv.shape[-2:]
     bh = b * h  # (batched products over (B H): views where the tensors allow, one dispatch each)
-    if reshapes is None:
-        reshapes = StepReshapes(win_raw.reshape(bh, keep, dk).transpose(1, 2), win_v.reshape(bh, keep, d),
-                                kv.reshape(bh, m, d), z.reshape(bh, m, 1))
+    raw_t, win_v3, kv3 = win_raw.reshape(bh, keep, dk).transpose(1, 2), win_v.reshape(bh, keep, d), kv.reshape(bh, m, d)
     q3 = q.reshape(bh, 1, dk)
     # scores of the window's keys (slot order) and of the new one
-    s = torch.cat([torch.bmm(q3, reshapes.raw_t),
+    s = torch.cat([torch.bmm(q3, raw_t),
                    torch.bmm(q3, k.reshape(bh, dk, 1))], dim=-1).mul_(scale).view(b, h, 1, keep + 1)
     s = s.masked_fill_(torch.cat([win_valid, valid], dim=2).logical_not_().unsqueeze(2), -torch.inf)
     m_ = s.amax(dim=-1, keepdim=True).clamp_min_(0)
@@ -295,12 +270,12 @@ def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridSta
     if not isinstance(a_w, float):
         p = p.mul_(a_w)
     p3 = p.view(bh, 1, keep + 1)
-    num = torch.bmm(p3[..., :keep], reshapes.window_v).view(b, h, 1, d).addcmul_(p[..., keep:], v)
+    num = torch.bmm(p3[..., :keep], win_v3).view(b, h, 1, d).addcmul_(p[..., keep:], v)
     den = p.sum(dim=-1, keepdim=True)
     far = em if isinstance(b_l, float) else b_l * em
     qf3 = q_feat.reshape(bh, 1, m)
-    num = num.addcmul_(far, torch.bmm(qf3, reshapes.kv).view(b, h, 1, d))
-    den = den.addcmul_(far, torch.bmm(qf3, reshapes.z).view(b, h, 1, 1)).add_(em, alpha=eps)
+    num = num.addcmul_(far, torch.bmm(qf3, kv3).view(b, h, 1, d))
+    den = den.addcmul_(far, torch.bmm(qf3, z.reshape(bh, m, 1)).view(b, h, 1, 1)).add_(em, alpha=eps)
     out = num.div_(den)
     if not output_final_state:
         return out
@@ -309,7 +284,10 @@ def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridSta
     outer = (leaving_k.reshape(bh, m, 1), leaving_v.reshape(bh, 1, d))
     start = window_start + 1 if window_start + 1 < keep else 0
     if in_place:
-        reshapes.kv.baddbmm_(*outer)
+        if kv.is_contiguous():  # kv3 is a view of kv
+            kv3.baddbmm_(*outer)
+        else:
+            kv.copy_(torch.baddbmm(kv3, *outer).view(b, h, m, d))
         z.add_(leaving_k)
         for held, new in ((win_k, k_feat), (win_v, v), (win_raw, k), (win_valid, valid)):
             held.select(2, window_start).copy_(new.select(2, 0))

@@ -15,8 +15,7 @@ keys ``j <= i`` (causal: ``S`` and ``z`` become running sums).
   inside chunks of ``C`` tokens plus the state of the earlier chunks. Time
   O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D): never quadratic in N.
 * :func:`recurrent_step` / :func:`recurrent_attention`: causal, one token at a time on the state
-  ``(S, z)``: O(M D) time and memory per token (the decoding form; with ``in_place=True``
-  updates a state's own tensors). With a bias clipped at K
+  ``(S, z)``: O(M D) time and memory per token (the decoding form). With a bias clipped at K
   each step also reads the window of the last K - 1 keys: O(K (M + D) + M D) per token. With an
   unclipped 1D bias the weights differ per query and each step re-reads the past: O(t (M + D))
   at step t, O(N^2 (M + D)) in all (no state is carried).
@@ -33,11 +32,11 @@ Inputs as described in ``kernels_common``: one dtype, padded keys and values alr
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
-from .kernels_common import chunk_tokens, clipped_table, full_precision, shifted_bias, step_constant
+from .kernels_common import chunk_tokens, clipped_table, full_precision, shifted_bias
 from .state import AttentionState, fold_into_state
 
 
@@ -245,51 +244,6 @@ def causal_chunked_attention(
     return out, fold_into_state(initial_state, k, v, k if k_den is None else k_den)
 
 
-class StepViews(NamedTuple):
-    """What a one-token step in place reads of a state ``S (B, H, M, D)``, ``z (B, H, M')``
-    besides the tensors themselves, made once per state (:func:`step_views`): views of their
-    own memory, so that every in-place update shows in them."""
-
-    kv3: torch.Tensor  # S as (B H, M, D)
-    z_row: torch.Tensor  # z as (B, H, 1, M')
-    z_col3: torch.Tensor  # z as (B H, M', 1)
-    eps: torch.Tensor  # eps as a 0-dim tensor of the state's dtype and device
-
-
-def step_views(state: torch.Tensor, normalizer: torch.Tensor, eps: float) -> Optional[StepViews]:
-    """The :class:`StepViews` of a state, or None when ``S`` or ``z`` is not contiguous (the step
-    then reshapes them after the update, a copy with the same values)."""
-    if not (state.is_contiguous() and normalizer.is_contiguous()):
-        return None
-    m, d = state.shape[-2:]
-    return StepViews(state.view(-1, m, d), normalizer.unsqueeze(-2), normalizer.view(-1, normalizer.shape[-1], 1),
-                     step_constant(eps, normalizer))
-
-
-def step_in_place(
-    q_row: torch.Tensor,
-    k_row: torch.Tensor,
-    v_row: torch.Tensor,
-    state: torch.Tensor,
-    views: StepViews,
-    q_den_row: Optional[torch.Tensor] = None,
-    k_den_row: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """The arithmetic of the in-place decoding step (:func:`recurrent_step` with ``views``), for
-    callers that have the new token's tensors in its shapes already: ``S += k v^T`` and
-    ``z += k_den`` in place (``state`` and its :func:`step_views`), then ``q S / (q_den . z + eps)``
-    as batched products over the ``B H`` rows. ``q_row``, ``k_row`` ``(B, H, 1, M)``,
-    ``v_row (B, H, 1, D)``; ``q_den_row``, ``k_den_row`` ``(B, H, 1, M')`` (default ``q_row``,
-    ``k_row``). Returns ``(B H, 1, D)``, a fresh tensor."""
-    state.addcmul_(k_row.transpose(-1, -2), v_row)
-    views.z_row.add_(k_row if k_den_row is None else k_den_row)
-    kv3 = views.kv3
-    q3 = q_row.reshape(kv3.shape[0], 1, -1)
-    q_den3 = q3 if q_den_row is None else q_den_row.reshape(kv3.shape[0], 1, -1)
-    # (B H, 1, D) / (B H, 1, 1): nothing records gradients, the quotient is formed in the fresh buffer
-    return torch.bmm(q3, kv3).div_(torch.bmm(q_den3, views.z_col3).add_(views.eps))
-
-
 def recurrent_step(
     q_t: torch.Tensor,
     k_t: torch.Tensor,
@@ -301,61 +255,29 @@ def recurrent_step(
     k_den_t: Optional[torch.Tensor] = None,
     *,
     in_place: bool = False,
-    views: Optional[StepViews] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One RNN step of causal linear attention.
+    """One RNN step of causal linear attention: ``S' = S + k^T v``, ``z' = z + k_den``,
+    ``out = q S' / (q_den . z' + eps)``, as batched products over the ``B H`` rows. O(M D).
 
-    Args:
-        q_t, k_t: ``(B, H, M)`` features of the new token (k already masked if it is padding),
-            or ``(B, H, 1, M)`` with the token dimension kept (as the decoding step passes them).
-        v_t: ``(B, H, D)`` (``(B, H, 1, D)``).
-        state: S ``(B, H, M, D)``; normalizer: z ``(B, H, M')`` (float32 at least).
-        q_den_t, k_den_t: ``(B, H, M')`` (``(B, H, 1, M')``) denominator features (default
-            ``q_t, k_t``).
-        in_place: write ``S + k_t v_t^T`` and ``z + k_den_t`` into ``state`` and ``normalizer``
-            (one fused update each, no new state tensors: the decoding form at the memory
-            bound; inputs in the state's dtype, nothing recording gradients). The numerator
-            ``q S`` and the denominator ``q_den . z`` are then batched matrix products over the
-            ``B H`` rows (``views``: the state's :func:`step_views`, made once per state by
-            the caller; None: made here), the same arithmetic for every caller of the in-place step.
-    Runs as given (no autocast guard of its own, which would cost per token): its callers,
-    :func:`recurrent_attention` and the decoding step, run it with autocast off.
-    Returns:
-        ``(out_t (B, H, D) (or (B, H, 1, D)), S + k_t v_t^T, z + k_den_t)`` (with ``in_place``
-        the given tensors).
+    ``q_t, k_t (B, H, M)``, ``v_t (B, H, D)`` (or each with the token dim kept: ``(B, H, 1, .)``);
+    ``state`` S ``(B, H, M, D)``, ``normalizer`` z ``(B, H, M')``; ``q_den_t, k_den_t``
+    ``(B, H, M')`` (default ``q_t, k_t``). ``in_place``: write ``S'`` and ``z'`` into the given
+    tensors (decoding; nothing may record gradients). Both forms run the same operations, so
+    they give the same bits. Returns ``(out_t, S', z')``, ``out_t`` shaped like ``v_t``.
     """
-    split = q_den_t is not None
-    if not split:
-        q_den_t, k_den_t = q_t, k_t
-    if q_t.dim() == 4:  # (B, H, 1, .): rows already
-        q_row, q_den_row, k_row, v_row, k_den_row = q_t, q_den_t, k_t, v_t, k_den_t
-    else:
-        q_row, q_den_row, k_row, v_row = q_t.unsqueeze(-2), q_den_t.unsqueeze(-2), k_t.unsqueeze(-2), v_t.unsqueeze(-2)
-        k_den_row = k_den_t.unsqueeze(-2)
-    k_col = k_row.transpose(-1, -2)
+    b, h, m, d = state.shape
+    k_den_t = k_t if k_den_t is None else k_den_t
+    k_col, v_row = k_t.reshape(b, h, m, 1), v_t.reshape(b, h, 1, d)
+    k_den_t = k_den_t.reshape(normalizer.shape)
     if in_place:
-        if views is None:
-            state.addcmul_(k_col, v_row)
-            normalizer.unsqueeze(-2).add_(k_den_row)  # writes z
-            m, d = state.shape[-2:]
-            kv3, z_col3, eps_t = state.reshape(-1, m, d), normalizer.reshape(-1, normalizer.shape[-1], 1), eps
-        else:
-            out = step_in_place(q_row, k_row, v_row, state, views, q_den_row if split else None, k_den_row)
-            out = out.view(*q_row.shape[:-1], out.shape[-1])
-            return (out if q_t.dim() == 4 else out.squeeze(-2)), state, normalizer
-        rows = kv3.shape[0]
-        q3 = q_row.reshape(rows, 1, -1)
-        q_den3 = q_den_row.reshape(rows, 1, -1) if split else q3
-        # (B H, 1, D) / (B H, 1, 1): nothing records gradients, the quotient is formed in the fresh buffer
-        out = torch.bmm(q3, kv3).div_(torch.bmm(q_den3, z_col3).add_(eps_t))
-        out = out.view(*q_row.shape[:-1], out.shape[-1])
-        return (out if q_t.dim() == 4 else out.squeeze(-2)), state, normalizer
-    z_row = normalizer.unsqueeze(-2) + k_den_row
-    state = state + k_col * v_row
-    num = q_row @ state  # (B, H, 1, D)
-    den = (q_den_row * z_row).sum(dim=-1, keepdim=True)  # (B, H, 1, 1)
-    out = num / (den + eps)
-    return (out if q_t.dim() == 4 else out.squeeze(-2)), state, z_row.squeeze(-2)
+        state, normalizer = state.addcmul_(k_col, v_row), normalizer.add_(k_den_t)
+    else:
+        state, normalizer = torch.addcmul(state, k_col, v_row), normalizer + k_den_t
+    q3 = q_t.reshape(b * h, 1, m)
+    q_den3 = q3 if q_den_t is None else q_den_t.reshape(b * h, 1, -1)
+    num = torch.bmm(q3, state.reshape(b * h, m, d))
+    out = num.div_(torch.bmm(q_den3, normalizer.reshape(b * h, -1, 1)).add_(eps))
+    return out.view(v_t.shape), state, normalizer
 
 
 @full_precision

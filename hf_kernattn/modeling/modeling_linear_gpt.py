@@ -27,32 +27,22 @@ core's separate denominator features ``q_den``, ``k_den``); the state then carri
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
-import operator
-from collections import OrderedDict
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from transformers import GenerationMixin
 from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from .attention import KernelizedSelfAttention
-from .dispatch import decoding_step_spec, get_backend, hybrid_step_spec, registered_backend, zero_padded_token
-from .kernels_common import per_head
-from .kernels_hybrid import HybridState, _mask_padded, _step as hybrid_step, step_reshapes
-from .kernels_common import step_constant
-from .kernels_linear import recurrent_step, step_in_place, step_views
 from .cache import CACHE_FIELD, UNSET, LinearGPTCache, LinearGPTCacheLayer, cache_argument, is_linear_gpt_cache
 from .configuration_linear_gpt import LinearGPTConfig, check_attn_backend
+from .decoding import after_module_step, decoding_step
+from .dispatch import get_backend
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin  # noqa: F401  (apply_rotary: public here)
-from .registry import auto_version
 from .pretrained import (
     KernelizedPreTrainedModel,
     drop_default_generation_attentions,
@@ -92,24 +82,20 @@ class LinearGPTAttention(KernelizedSelfAttention):
         self.window = config.max_relative_position - 1 if self.rpe is not None else None
         self.dropout = nn.Dropout(config.attn_pdrop)
         self._position_embedding_type = config.position_embedding_type
-        self._checked_backend = None  # the BackendSpec attn_backend was last checked as
         self.call_backend(continuing=False)  # a backend that cannot serve this model fails here
 
     def call_backend(self, continuing: bool) -> str:
         """The backend of a call: the configured ``attn_backend``, checked against this model's
-        options (again when it was re-registered); for a call that continues from a state, the
+        options (a backend may be re-registered); for a call that continues from a state, the
         configured one if it carries a state, else ``auto`` (which picks one that does)."""
         if self.backend == "auto":
             return "auto"
-        spec = get_backend(self.backend)
-        if spec is not self._checked_backend:
-            check_attn_backend(
-                self.backend, rpe="learned" if self.rpe is not None else "none",
-                max_relative_position=self.rpe.max_relative_position if self.rpe is not None else 0,
-                position_embedding_type=self._position_embedding_type, softmax_window=self.softmax_window,
-            )
-            self._checked_backend = spec
-        return "auto" if continuing and not spec.state else self.backend
+        check_attn_backend(
+            self.backend, rpe="learned" if self.rpe is not None else "none",
+            max_relative_position=self.rpe.max_relative_position if self.rpe is not None else 0,
+            position_embedding_type=self._position_embedding_type, softmax_window=self.softmax_window,
+        )
+        return "auto" if continuing and not get_backend(self.backend).state else self.backend
 
 
 # activations computed by one fused kernel: the same function (GPT-2's "gelu_new" is the tanh
@@ -512,458 +498,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         )
 
 
-# ----------------------------------------------------------------------------- decoding steps
-
-
-_INDEX_DTYPES = (torch.long, torch.int)
-_STEP_DTYPES = (torch.float32, torch.float64)  # hidden states the step computes in (the state's dtype)
-# what a module's call would run besides its forward (backward hooks do nothing where no gradient is recorded)
-_GLOBAL_HOOKS = (_global_forward_hooks, _global_forward_pre_hooks)
-_getitem, _version, _data_ptr = operator.getitem, operator.attrgetter("_version"), torch.Tensor.data_ptr
-_training, _backend, _eps, _fused_of = (operator.attrgetter(name) for name in ("training", "backend", "eps", "_fused"))
-_is = operator.is_
-# modules whose forward does not depend on the training flag (the others' flags are compared per step)
-_STATELESS = (nn.Linear, nn.Embedding, nn.LayerNorm, nn.ModuleList)
-
-
-_OUTPUT_FIELDS = dict.fromkeys(field.name for field in dataclasses.fields(CausalLMOutputWithPast))
-_new_output, _set_output_item = OrderedDict.__new__, OrderedDict.__setitem__
-
-
-def _step_output(logits: torch.Tensor, cache: Optional[LinearGPTCache]) -> CausalLMOutputWithPast:
-    """``CausalLMOutputWithPast(logits=logits, <cache field>=cache)`` as the constructor makes it
-    (the same items, in order, and attributes: every field, None where not given), without its
-    per-field checks (a decoding step makes one per token)."""
-    out = _new_output(CausalLMOutputWithPast)
-    _set_output_item(out, "logits", logits)
-    if cache is not None:
-        _set_output_item(out, CACHE_FIELD, cache)
-    fields = out.__dict__
-    fields.update(_OUTPUT_FIELDS)
-    fields["logits"], fields[CACHE_FIELD] = logits, cache
-    return out
-
-
-def _norm(module: nn.Module, params: Optional[dict], x: torch.Tensor, cudnn: bool) -> torch.Tensor:
-    """``module(x)`` without the module call: ``params`` is the parameter dict of an
-    ``nn.LayerNorm`` (:func:`_ln_params`; ``cudnn`` what ``F.layer_norm`` passes), None for a
-    :class:`LinearGPTRMSNorm`."""
-    if params is None:
-        return LinearGPTRMSNorm.forward(module, x)
-    return torch.layer_norm(x, module.normalized_shape, params["weight"], params["bias"], module.eps, cudnn)
-
-
-class _DecodingSession:
-    """One-token decoding steps of a :class:`LinearGPTForCausalLM` as flat torch calls: the
-    operations of the module path (``forward`` through the blocks, the attention's
-    ``_step`` and the core's in-place decoding step), in the same order on the same tensors, so
-    logits and states are bitwise those of the module path, without its per-step Python layers
-    (module calls, argument checks, cache objects, output classes per layer).
-
-    Made after a one-token step ran through the modules (which checked the call and the state,
-    made the fused projections and recorded the state's kind): ``start`` validates once what the
-    steps may take for granted (the exact module classes: plain ``nn.Linear``, ``nn.Embedding``,
-    ``nn.LayerNorm`` / :class:`LinearGPTRMSNorm`, the two MLPs; attention without a relative
-    bias, a backend whose one-token steps are the core's decoding step, or, with the
-    sliding-window hybrid (``softmax_window``, not with feature rotations), one whose steps are
-    the built-in ``hybrid`` backend's (``kernels_hybrid._step`` in place on the window's ring;
-    ``auto``'s choice is asked again per step); a ``LinearGPTCache`` of ``S, z`` states (and the
-    hybrid's window) in the model's float32/float64 dtype, contiguous). Every
-    step then compares what can change between calls (:meth:`current`): the modules in place,
-    without hooks (nor global ones), none training or with a forward of its own; the fused
-    projections still those of the parameters (versions and addresses); the state tensors (a
-    new cache or reordered states, as beam search makes, are checked again, here); the
-    attention's backend and eps; then per call the arguments (:meth:`step`). Anything else (a
-    prefill, hidden states or attentions asked for, grad mode, autocast, compile/export tracing,
-    other masks) runs the module path, which stays the reference; a call that is not a one-token
-    step ends the session. Parameters are read from the modules at every step; derived copies
-    (the fused projections) are compared as the attention does.
-
-    Attributes that configure a layer beyond those (the feature map's kind, the head layout,
-    the rotary base) are read when the session starts.
-    """
-
-    stale = False
-
-    def __reduce__(self):  # never saved or copied with a model
-        return (type(None), ())
-
-    def __deepcopy__(self, memo):
-        return None
-
-    @classmethod
-    def start(cls, model: "LinearGPTForCausalLM", cache: object, batch: int) -> Optional["_DecodingSession"]:
-        """The session for ``model`` decoding from ``cache`` after a one-token step through the
-        modules, or None where the fast path does not apply (see the class docstring)."""
-        tr = model._modules.get("transformer")
-        head = model._modules.get("lm_head")
-        cfg = model.config
-        if type(tr) is not LinearGPTModel or type(head) is not nn.Linear or cfg.position_embedding_type not in (
-                "absolute", "none", "rope", "rotary"):
-            return None
-        wte, wpe, ln_f, blocks = (tr._modules.get(n) for n in ("wte", "wpe", "ln_f", "h"))
-        if not (type(wte) is nn.Embedding and wte.max_norm is None and type(blocks) is nn.ModuleList and len(blocks)
-                and (cfg.position_embedding_type == "absolute") == (wpe is not None)
-                and (wpe is None or (type(wpe) is nn.Embedding and wpe.max_norm is None)) and _is_norm(ln_f)):
-            return None
-        dtype = wte.weight.dtype
-        if dtype not in _STEP_DTYPES:
-            return None
-        self = cls()
-        layers, attns = [], []
-        for block in blocks:
-            ln_1, attn, ln_2, mlp = (block._modules.get(n) for n in ("ln_1", "attn", "ln_2", "mlp"))
-            if not (type(block) is LinearGPTBlock and _is_norm(ln_1) and _is_norm(ln_2) and type(attn) is LinearGPTAttention
-                    and type(mlp) in (LinearGPTMLP, LinearGPTGatedMLP)):
-                return None
-            names = ("gate_proj", "up_proj", "down_proj") if type(mlp) is LinearGPTGatedMLP else ("c_fc", None, "c_proj")
-            mlp_linears = [mlp._modules.get(n) if n else None for n in names]
-            act = mlp._modules.get("act")
-            proj = [attn._modules.get(n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-            if not (all(type(m) is nn.Linear for m in proj + [m for m in mlp_linears if m is not None])
-                    and mlp_linears[0] is not None and mlp_linears[2] is not None
-                    and (names[1] is None or mlp_linears[1] is not None) and isinstance(act, nn.Module)
-                    and type(attn._modules.get("feature_map")) is FeatureMap and attn.rpe is None
-                    and (attn.softmax_window is None or not attn.rotary) and attn.extra_features == 0
-                    and attn.causal is True
-                    and attn.rope == (cfg.position_embedding_type == "rope")
-                    and attn.rotary == (cfg.position_embedding_type == "rotary")):
-                return None
-            try:
-                backend = attn.call_backend(continuing=True)
-            except (TypeError, ValueError):
-                return None
-            hybrid = None
-            if attn.softmax_window is None:
-                if decoding_step_spec(backend) is None:
-                    return None
-            else:  # the sliding-window hybrid: its decoding step, with the window's scale
-                if hybrid_step_spec(backend, False, wte.weight.device.type, dtype, attn.num_heads) is None:
-                    return None
-                hybrid = (float(attn.head_dim ** -0.5), attn.softmax_window - 1, backend == "auto", len(layers))
-            attns.append(attn)
-            layers.append((ln_1, _ln_params(ln_1), attn, attn.num_heads != attn.num_key_value_heads,
-                           attn._modules["o_proj"]._parameters, ln_2, _ln_params(ln_2), type(mlp) is LinearGPTGatedMLP,
-                           mlp_linears[0]._parameters, None if mlp_linears[1] is None else mlp_linears[1]._parameters,
-                           mlp_linears[2]._parameters, act, type(act).forward, attn.maps_in_place(),
-                           attn.feature_map._buffers, float(attn.eps), hybrid))
-        first = attns[0]
-        # layers whose step is the plain one with the feature map in place and nothing between the map and the
-        # core's step (no rotation, one key/value head per query head): the split sizes and the map, inlined
-        self.plain = [((attn.num_heads + attn.num_key_value_heads, attn.num_key_value_heads),
-                       (attn.num_heads, attn.num_key_value_heads), attn.feature_map.kind == "elu")
-                      if (spec[-1] is None and spec[13] and not spec[3] and cfg.position_embedding_type in ("absolute", "none"))
-                      else None for attn, spec in zip(attns, layers)]
-        self.one = step_constant(1.0, wte.weight)
-        self.model, self.transformer, self.layers, self.attns = model, tr, layers, attns
-        self.spec = decoding_step_spec("recurrent")
-        self.auto_hybrid = any(layer[-1] is not None and layer[-1][2] for layer in layers)  # auto's choice, see step
-        self.auto_seen, self.auto_runs_hybrid = None, {}
-        self.mixing = [[None] * 8 for _ in layers]  # per layer: the hybrid's mixing weights and what they were made from
-        self.backends = list(map(_backend, attns))
-        # a named backend is checked against the model again when it is re-registered
-        self.named_specs = [(name, registered_backend(name)) for name in set(self.backends) if name != "auto"]
-        self.eps = list(map(_eps, attns))
-        self.dtype = dtype
-        if not self._remake_projections():  # the fused projections, and the parameters they were made from
-            return None
-        # every module below the model: in place (each parent's children as they were), without hooks or a
-        # forward of its own where it is called, and not training where that changes what it computes
-        modules = list(model.modules())
-        self.parent_dicts = [m._modules for m in modules if m._modules]
-        self.parent_copies = [dict(d) for d in self.parent_dicts]
-        below = modules[1:]
-        self.hook_dicts = [d for m in below for d in (m._forward_hooks, m._forward_pre_hooks)]
-        self.module_dicts = [m.__dict__ for m in below if not isinstance(m, (nn.Dropout, nn.ModuleList))]
-        self.modules = [m for m in modules if type(m) not in _STATELESS and type(m) is not LinearGPTRMSNorm]
-        self.typed, self.types = below, list(map(type, below))  # a class swapped in place (parametrizations)
-        self.wte, self.wpe, self.ln_f, self.ln_f_params, self.head = wte, wpe, ln_f, _ln_params(ln_f), head._parameters
-        self.device = wte.weight.device
-        self.device_type = self.device.type
-        self.autocast = torch.amp.is_autocast_available(self.device_type)
-        self.heads, self.head_dim = first.num_heads, first.head_dim
-        self.features = first.feature_map.num_features
-        self.rotary = cfg.position_embedding_type in ("rotary", "rope")
-        self.rope = cfg.position_embedding_type == "rope"
-        self.rotary_dim = self.features if cfg.position_embedding_type == "rotary" else self.head_dim
-        self.rotary_base = cfg.rotary_base
-        self.max_positions = cfg.max_position_embeddings
-        self.zero = step_constant(0.0, wte.weight)
-        self.kinds = [getattr(layer, "state_kind", None) for layer in getattr(cache, "layers", ())]
-        self.cache = None
-        if any(kind is None for kind in self.kinds) or not self.bind(cache, batch) or not self.current(cache, batch):
-            return None
-        return self
-
-    def _record_sources(self) -> None:
-        """The fused projections' sources: their parameter dicts and names, and the versions and
-        addresses of the parameters the projections were made from."""
-        sources = [(m._parameters, name) for attn in self.attns for m in (attn.q_proj, attn.k_proj, attn.v_proj)
-                   for name, p in m._parameters.items() if p is not None]
-        self.source_dicts, self.source_names = [d for d, _ in sources], [n for _, n in sources]
-        params = list(map(_getitem, self.source_dicts, self.source_names))
-        self.source_versions, self.source_pointers = list(map(_version, params)), list(map(_data_ptr, params))
-
-    def _remake_projections(self) -> bool:
-        """The fused projections made again (by the attention, as its next step would: a
-        parameter written in place, replaced or swapped through ``.data``, or the fused copy
-        dropped by a call that was not a one-token step); False when one cannot be made (in the
-        model's dtype)."""
-        fused = []
-        for attn in self.attns:
-            made = attn.fused_projection()
-            if made is None or made[0].dtype != self.dtype:
-                return False
-            fused.append(attn._fused)
-        self.fused = fused
-        self._record_sources()
-        return True
-
-    def bind(self, cache: object, batch: int) -> bool:
-        """Take the states of ``cache`` (a new cache, or states replaced in it) when a one-token step
-        of the module path would run the core's decoding step on them as it did on the ones the
-        session started with: a ``LinearGPTCache`` of initialised ``S, z`` layers of this model's
-        shapes for ``batch`` rows, in its dtype and device, contiguous, of the recorded kind."""
-        self.cache = None
-        if type(cache) is not LinearGPTCache:
-            return False
-        layers = cache.layers
-        if type(layers) is not list or len(layers) != len(self.layers):
-            return False
-        b, h, m, d = shape = (batch, self.heads, self.features, self.head_dim)
-        states = []
-        for layer, kind, eps, spec in zip(layers, self.kinds, self.eps, self.layers):
-            hybrid = spec[-1]
-            if not (type(layer) is LinearGPTCacheLayer and layer.window is None and layer.has_previous_state[0]
-                    and layer.number_of_states == (2 if hybrid is None else 6)
-                    and layer.softmax_window == (None if hybrid is None else hybrid[1] + 1)
-                    and (layer.state_kind is None or layer.state_kind == kind)):
-                return False
-            found = layer.recurrent_states
-            kv, z = found[0], found[1]
-            if not (type(kv) is torch.Tensor and type(z) is torch.Tensor and kv.shape == shape
-                    and z.shape == shape[:3] and kv.dtype == self.dtype and z.dtype == self.dtype
-                    and kv.device == self.device and z.device == self.device):
-                return False
-            if hybrid is None:
-                views = step_views(kv, z, float(eps))
-                if views is None:
-                    return False
-            else:  # the window's tensors, written in place: contiguous, of the hybrid's shapes
-                keep = hybrid[1]
-                views = HybridState(*(found[i] for i in range(6)))
-                shapes = (shape, shape[:3], (b, h, keep, m), (b, h, keep, d), (b, h, keep, d), (b, 1, keep))
-                if not all(type(x) is torch.Tensor and x.shape == want and x.device == self.device and x.is_contiguous()
-                           and x.dtype == (torch.bool if i == 5 else self.dtype)
-                           for i, (x, want) in enumerate(zip(views, shapes))):
-                    return False
-                views = (views, step_reshapes(views))
-            states.append((found, kv, z, views, layer))
-        for layer, kind in zip(layers, self.kinds):
-            layer.state_kind = kind  # what a step of the module path records
-        self.cache, self.cache_layers, self.states, self.batch = cache, layers, states, batch
-        self.all_valid = torch.ones(batch, 1, 1, dtype=torch.bool, device=self.device)
-        self.keep_shape = (batch, 1, 1, 1)
-        return True
-
-    def current(self, cache: object, batch: int) -> bool:
-        """Whether the session still describes the model and ``cache`` (see the class docstring)."""
-        if _GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or self.spec is not decoding_step_spec("recurrent") or not all(
-                registered_backend(name) is spec for name, spec in self.named_specs):
-            return False
-        if self.parent_dicts != self.parent_copies or list(map(type, self.typed)) != self.types:
-            return False  # a module replaced, added, removed (dicts compare their values by identity first) or re-classed
-        if any(self.hook_dicts) or any(map(_training, self.modules)) or any(map(operator.contains, self.module_dicts,
-                                                                                 itertools.repeat("forward"))):
-            return False
-        if not (list(map(_backend, self.attns)) == self.backends and list(map(_eps, self.attns)) == self.eps
-                and self.wte._parameters["weight"].dtype == self.dtype):
-            return False
-        try:
-            params = list(map(_getitem, self.source_dicts, self.source_names))
-            fresh = (list(map(_version, params)) == self.source_versions
-                     and list(map(_data_ptr, params)) == self.source_pointers)
-        except (AttributeError, KeyError, TypeError):  # a parameter removed
-            fresh = False
-        if not (fresh and all(map(_is, map(_fused_of, self.attns), self.fused))) and not self._remake_projections():
-            return False
-        if cache is not self.cache or cache.layers is not self.cache_layers or batch != self.batch:
-            return self.bind(cache, batch)
-        for (found, kv, z, views, layer), kind in zip(self.states, self.kinds):
-            if found[0] is not kv or found[1] is not z or layer.state_kind is not kind or not layer.has_previous_state[0]:
-                return self.bind(cache, batch)
-            if type(views) is tuple and not all(map(_is, map(found.__getitem__, range(6)), views[0])):  # the hybrid's window replaced
-                return self.bind(cache, batch)
-        return True
-
-    def step(self, input_ids: torch.Tensor, attention_mask, position_ids, cache, use_cache, output_hidden_states,
-             return_dict, logits_to_keep, output_attentions):
-        """The output of ``model(input_ids, ...)`` for a one-token step, or None where the module
-        path must run (the session is then marked stale if it no longer applies)."""
-        cfg = self.model.config
-        if (output_attentions or (output_attentions is None and cfg.output_attentions) or output_hidden_states
-                or (output_hidden_states is None and cfg.output_hidden_states) or type(logits_to_keep) is not int
-                or logits_to_keep < 0 or input_ids.dtype not in _INDEX_DTYPES
-                or (self.autocast and torch.is_autocast_enabled(self.device_type))):
-            return None
-        batch = input_ids.shape[0]
-        if not self.current(cache, batch):
-            self.stale = True
-            return None
-        past = self.cache_layers[0].cumulative_length
-        if past < 1 or (self.wpe is not None and past + 1 > self.max_positions):
-            return None  # the module path checks positions beyond the table (a host read)
-        keep = keep4 = None
-        if attention_mask is not None:
-            if not (type(attention_mask) is torch.Tensor and attention_mask.shape == (batch, past + 1)
-                    and attention_mask.device == self.device):
-                return None
-            keep = attention_mask[:, past:].bool()
-            keep4 = keep.view(self.keep_shape)
-        if position_ids is not None:
-            if not (type(position_ids) is torch.Tensor and position_ids.shape[-1] == 1):
-                return None
-            position_ids = position_ids.to(self.device).expand(batch, 1)
-        elif attention_mask is not None and (self.wpe is not None or self.rotary):
-            # the last of the positions counted along the mask (real tokens; padding skipped)
-            position_ids = (torch.count_nonzero(attention_mask, -1) - 1).clamp(min=0).view(batch, 1)
-        elif self.rotary:
-            position_ids = torch.arange(past, past + 1, device=self.device)[None].expand(batch, 1)
-
-        if self.auto_hybrid:  # auto's choice for the hybrid's step, asked again when a table or backend changed
-            version = auto_version()
-            if version != self.auto_seen:
-                self.auto_seen, self.auto_runs_hybrid = version, {}
-            masked = keep is not None
-            runs = self.auto_runs_hybrid.get(masked)
-            if runs is None:
-                runs = self.auto_runs_hybrid[masked] = hybrid_step_spec(
-                    "auto", masked, self.device_type, self.dtype, self.heads) is not None
-            if not runs:
-                return None  # auto would not run the hybrid's step here
-        for (_, _, _, views, layer), spec in zip(self.states, self.layers):
-            if spec[-1] is not None and not (type(layer.window_start) is int
-                                             and 0 <= layer.window_start < max(spec[-1][1], 1)):
-                return None  # a window start set by hand: the module path checks it
-        # hidden states as (B, C) rows: the module path's (B, 1, C) products are these (a linear layer folds a
-        # contiguous (B, 1, C) input into (B, C) rows), without the folding views
-        hidden = F.embedding(input_ids.view(batch), self.wte._parameters["weight"])
-        if self.wpe is not None:
-            table = self.wpe._parameters["weight"]
-            hidden = hidden + (table[past] if position_ids is None else F.embedding(position_ids.reshape(batch), table))
-        rope = rotary = None
-        if self.rotary:
-            cos_sin = rotary_cos_sin(position_ids, self.rotary_dim, self.rotary_base, self.dtype)
-            rope, rotary = (cos_sin, None) if self.rope else (None, cos_sin)
-        zero, width, head_dim = self.zero, (batch, self.heads * self.head_dim), self.head_dim
-        cudnn = torch.backends.cudnn.enabled  # what F.layer_norm passes
-        linear = F.linear
-        one = self.one
-        for (ln_1, p_1, attn, grouped, o_proj, ln_2, p_2, gated, fc, up, down, act, act_forward, in_place, buffers,
-             eps, hybrid), state, fused, plain in zip(self.layers, self.states, self.fused, self.plain):
-            h = _norm(ln_1, p_1, hidden, cudnn)
-            x = linear(h, fused[1], fused[2]).view(batch, -1, 1, head_dim)
-            if plain is not None:  # attn.step_features and the core's step in place, inlined (the same operations)
-                qk, v = x.split_with_sizes(plain[0], 1)
-                if plain[2]:
-                    F.elu_(qk).add_(one)
-                else:
-                    qk.relu_()
-                q, k = qk.split_with_sizes(plain[1], 1)
-                if keep4 is not None:
-                    k, v, _ = zero_padded_token(keep4, k, v, None, zero)
-                out = step_in_place(q, k, v, state[1], state[3]).view(width)
-                hidden.add_(linear(out, o_proj["weight"], o_proj["bias"]))  # hidden: this step's own tensor
-                h = _norm(ln_2, p_2, hidden, cudnn)
-                if gated:
-                    h = act_forward(act, linear(h, fc["weight"], fc["bias"])) * linear(h, up["weight"], up["bias"])
-                else:
-                    h = act_forward(act, linear(h, fc["weight"], fc["bias"]))
-                hidden.add_(linear(h, down["weight"], down["bias"]))
-                continue
-            q, k, v, raw = attn.step_features(x, rope, buffers.get("projection"), keep, in_place)
-            if grouped:
-                k, v = attn._repeat_kv(k), attn._repeat_kv(v)
-            if hybrid is not None:  # the sliding-window hybrid's step, as its backend runs it
-                out = self._hybrid_step(attn, hybrid, q, k, v, raw, keep, state, eps)
-            else:
-                q_den = k_den = None
-                if rotary is not None:
-                    q_den, k_den = q, k
-                    q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-                if keep4 is not None:
-                    k, v, k_den = zero_padded_token(keep4, k, v, k_den, zero)
-                out = recurrent_step(q, k, v, state[1], state[2], eps, q_den, k_den, in_place=True, views=state[3])[0]
-            hidden = hidden + linear(out.reshape(width), o_proj["weight"], o_proj["bias"])
-            h = _norm(ln_2, p_2, hidden, cudnn)
-            if gated:
-                h = act_forward(act, linear(h, fc["weight"], fc["bias"])) * linear(h, up["weight"], up["bias"])
-            else:
-                h = act_forward(act, linear(h, fc["weight"], fc["bias"]))
-            hidden = hidden + linear(h, down["weight"], down["bias"])
-        hidden = _norm(self.ln_f, self.ln_f_params, hidden, cudnn)
-        for layer in self.cache_layers:
-            layer.cumulative_length += 1
-        logits = linear(hidden, self.head["weight"], self.head["bias"]).unsqueeze(1)  # (B, 1, V)
-        out_cache = cache if (cfg.use_cache if use_cache is None else use_cache) else None
-        if not (cfg.return_dict if return_dict is None else return_dict):
-            return (logits,) if out_cache is None else (logits, out_cache)
-        return _step_output(logits, out_cache)
-
-    def _hybrid_step(self, attn, hybrid, q, k, v, raw, keep, state, eps):
-        """One layer's sliding-window hybrid step (``kernels_hybrid._step`` in place on the cache
-        layer's tensors, as the ``hybrid`` backend runs it from ``kernelized_attention``, the
-        raw queries and keys made and masked as there); its window's start advanced."""
-        dtype = q.dtype
-        raw_q, raw_k = raw[0].to(dtype), attn._repeat_kv(raw[1]).to(dtype)
-        if keep is None:
-            valid = self.all_valid  # (B, 1, 1) True, read only
-        else:
-            raw_k, k, v = _mask_padded(raw_k, k, v, keep)
-            valid = keep[:, None, :]
-        layer = state[4]
-        mixing = self.mixing[hybrid[3]]  # the mixing weights as the module path makes them, again when changed
-        params = attn._parameters
-        w, l = params["window_log_weight"], params["linear_log_weight"]
-        if not (w is mixing[0] and l is mixing[1] and w._version == mixing[2] and l._version == mixing[3]
-                and w.data_ptr() == mixing[4] and l.data_ptr() == mixing[5]):
-            mixing[:] = (w, l, w._version, l._version, w.data_ptr(), l.data_ptr(),
-                         per_head(w.exp().to(dtype), 3), per_head(l.exp().to(dtype), 3))
-        out, (_, layer.window_start) = hybrid_step(
-            raw_q, raw_k, q, k, v, valid, hybrid[0], mixing[6], mixing[7], eps, state[3][0], True,
-            layer.window_start, True, state[3][1])
-        return out
-
-
-class _NoSession:
-    """What a model keeps where :meth:`_DecodingSession.start` found no session for a decoding
-    state: the module path runs the later steps of that state's cache too (not asked again per
-    step; a new cache, as the next ``generate()`` makes, asks again)."""
-
-    stale = False
-
-    def __init__(self, cache: object) -> None:
-        self.cache = cache
-
-    def __reduce__(self):
-        return (type(None), ())
-
-    def __deepcopy__(self, memo):
-        return None
-
-    def step(self, input_ids, attention_mask, position_ids, cache, *args):
-        if cache is not self.cache:
-            self.stale = True
-        return None
-
-
-def _is_norm(module: object) -> bool:
-    return type(module) is nn.LayerNorm or type(module) is LinearGPTRMSNorm
-
-
-def _ln_params(module: nn.Module) -> Optional[dict]:
-    """The parameter dict of an ``nn.LayerNorm`` (read at every step), None for an RMSNorm."""
-    return module._parameters if type(module) is nn.LayerNorm else None
+# ----------------------------------------------------------------------------- causal LM
 
 
 class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
@@ -1067,31 +602,25 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         Returns:
             :class:`CausalLMOutputWithPast` with ``logits (B, N_kept, vocab)``, ``loss`` and ``past_key_values``.
 
-        One-token decoding steps from a state with nothing recorded for autograd run, after the
-        first step of a decoding session, as flat torch calls with the same results
-        (:class:`_DecodingSession`); every other call runs the modules and ends the session.
+        One-token steps from a cache with nothing recorded for autograd run, after the first, by the
+        cache's decoding plan (``decoding.py``: the same operations as flat torch calls, the same
+        results); every other call runs the modules.
         """
         past_key_values = cache_argument(past_key_values, cache)
-        if torch.compiler.is_compiling() or torch.jit.is_tracing():  # traced: the modules, nothing kept
-            return self._forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels,
-                                 use_cache, output_hidden_states, return_dict, logits_to_keep, output_attentions, **kwargs)
-        step = (labels is None and inputs_embeds is None and past_key_values is not None
+        step = (past_key_values is not None and labels is None and inputs_embeds is None
                 and type(input_ids) is torch.Tensor and input_ids.dim() == 2 and input_ids.shape[1] == 1
-                and not torch.is_grad_enabled())
-        session = self.__dict__.get("_decoding_session")
+                and not torch.is_grad_enabled() and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
         if step:
-            if session is not None and not session.stale:
-                out = session.step(input_ids, attention_mask, position_ids, past_key_values, use_cache,
-                                   output_hidden_states, return_dict, logits_to_keep, output_attentions)
-                if out is not None:
-                    return out
-        elif session is not None:  # a call that is not a one-token step ends the decoding session
-            self.__dict__["_decoding_session"] = session = None
+            out = decoding_step(self, input_ids, attention_mask, position_ids, past_key_values, use_cache,
+                                output_hidden_states, return_dict, logits_to_keep, output_attentions)
+            if out is not None:
+                return out
+        elif isinstance(past_key_values, LinearGPTCache):
+            past_key_values.decoding_plan = None  # any other call from the cache: its plan is made again
         out = self._forward(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels, use_cache,
                             output_hidden_states, return_dict, logits_to_keep, output_attentions, **kwargs)
-        if step and (session is None or session.stale):  # this step ran through the modules: the next ones need not
-            self.__dict__["_decoding_session"] = (_DecodingSession.start(self, past_key_values, input_ids.shape[0])
-                                                  or _NoSession(past_key_values))
+        if step:
+            after_module_step(self, past_key_values, input_ids.shape[0])
         return out
 
     def _forward(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, labels, use_cache,

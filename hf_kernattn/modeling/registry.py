@@ -267,6 +267,14 @@ def register_backend(
     return spec
 
 
+def unregister_backend(name: str) -> None:
+    """Remove the backend registered as ``name`` (no error when there is none); ``auto``'s
+    choices are made afresh."""
+    global _AUTO_VERSION
+    if _REGISTRY.pop(name, None) is not None:
+        _AUTO_VERSION += 1
+
+
 def available_backends() -> list[str]:
     """Names of every registered backend (``"auto"`` is also accepted by the calls)."""
     return list(_REGISTRY)

@@ -1,9 +1,9 @@
-"""One-token decoding steps after the first of a session run as flat torch calls (the model's
-decoding session) with logits and states bitwise those of the module path, which a forward hook
-forces (the session refuses hooked modules): every supported configuration, left padding with a
-mask, generate() greedy and beam search; parameters and modules changed between steps, caches
-copied or reordered, and calls the session does not cover all give what the modules give; no
-host read per step."""
+"""One-token decoding steps after the first from a cache run by the cache's decoding plan (flat
+torch calls) with logits and states bitwise those of the module path, which a forward hook forces
+(the plan refuses hooked modules): every supported configuration, left padding with a mask,
+generate() greedy and beam search; parameters and modules changed between steps, caches copied
+or reordered, and calls the plan does not cover all give what the modules give; no host read per
+step. Which steps the plan ran is read from the cache (``cache.decoding_plan.steps``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from hf_kernattn import LinearGPTForCausalLM
-from hf_kernattn.modeling import modeling_linear_gpt
+from hf_kernattn.modeling.cache import CACHE_FIELD
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 from tests.reference import host_reads
 
@@ -43,18 +43,29 @@ def _force_modules(model: LinearGPTForCausalLM):
     return model.transformer.ln_f.register_forward_hook(lambda module, args, out: None)
 
 
+def plan_steps(cache) -> tuple:
+    """The cache's decoding plan and how many steps it has run (None, 0 without one)."""
+    plan = getattr(cache, "decoding_plan", None)
+    return (plan, plan.steps) if plan else (None, 0)
+
+
 @pytest.fixture
 def fast_steps(monkeypatch) -> list:
-    """One entry per step the session was asked for: True where it served the step."""
+    """One entry per one-token call from a cache that had a plan: True where the plan ran it."""
     served = []
-    real = modeling_linear_gpt._DecodingSession.step
+    real = LinearGPTForCausalLM.forward
 
-    def counting(self, *args, **kwargs):
-        out = real(self, *args, **kwargs)
-        served.append(out is not None)
+    def observed(self, input_ids=None, *args, **kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        one = cache is not None and input_ids is not None and input_ids.shape[-1] == 1
+        before = plan_steps(cache)
+        out = real(self, input_ids, *args, **kwargs)
+        if one and before[0] is not None:
+            after = plan_steps(cache)
+            served.append(after[0] is before[0] and after[1] == before[1] + 1)
         return out
 
-    monkeypatch.setattr(modeling_linear_gpt._DecodingSession, "step", counting)
+    monkeypatch.setattr(LinearGPTForCausalLM, "forward", observed)
     return served
 
 
@@ -245,7 +256,8 @@ CHANGES = {
 def test_modules_changed_between_steps_are_honoured(change, fast_steps):
     """A hook registered, a projection wrapped (as an adapter does), a forward replaced (as
     accelerate's hooks do), training mode switched on (dropout): the modules run from that step
-    on, with what they compute."""
+    on (a hooked or wrapped projection is called as a module by the plan made again), with what
+    they compute."""
 
     def changes(model):
         def between(t):
@@ -257,8 +269,11 @@ def test_modules_changed_between_steps_are_honoured(change, fast_steps):
     model, twin = _twins(resid_pdrop=0.2)
     ids = _ids()
     fast = _decode(model, ids, between=changes(model))
-    # the change ends the session's steps (the later ones are not asked: no session for this cache)
-    assert fast_steps == [True, False]
+    if change in ("pre_hook", "wrapped"):
+        # a hooked or wrapped projection: the plan, made again after one step of the modules, calls it
+        assert fast_steps == [True, False, True, True, True]
+    else:  # the plan's steps end (the later ones are not asked: no plan for this cache)
+        assert fast_steps == [True, False]
     _assert_bitwise(fast, _decode(twin, ids, between=changes(twin)))
 
 
@@ -296,20 +311,22 @@ def test_copied_reordered_and_replaced_states_are_checked_again(fast_steps):
         results.append((torch.cat(logits, 1), [x.clone() for layer in holder["cache"].layers
                                                 for x in layer.recurrent_states.values()]))
         if not hooked:
-            # the non-contiguous state: the modules, then no session for this cache
-            assert fast_steps == [True, True, True, False]
+            # a copy starts without a plan (made after its first step); the non-contiguous state: the modules,
+            # then no plan for this cache
+            assert fast_steps == [True, True, False]
     _assert_bitwise(*results)
 
 
-def test_calls_the_session_does_not_cover_run_the_modules(fast_steps):
+def test_calls_the_plan_does_not_cover_run_the_modules(fast_steps):
     model = _model()
     ids = _ids()
     with torch.no_grad():
         out = model(ids[:, :4], use_cache=True)
         cache = out.past_key_values
-        model(ids[:, 4:5], past_key_values=cache, use_cache=True)  # the modules; the session starts
-        session = model.__dict__["_decoding_session"]
-        assert isinstance(session, modeling_linear_gpt._DecodingSession)
+        assert cache.decoding_plan is None
+        model(ids[:, 4:5], past_key_values=cache, use_cache=True)  # the modules; the plan is made
+        plan = cache.decoding_plan
+        assert plan and plan.steps == 0
         hidden = model(ids[:, 5:6], past_key_values=cache, use_cache=True, output_hidden_states=True)
         assert hidden.hidden_states is not None and len(hidden.hidden_states) == 3
         kept = model(ids[:, 6:7], past_key_values=cache, use_cache=True, logits_to_keep=torch.tensor([0]))
@@ -317,9 +334,11 @@ def test_calls_the_session_does_not_cover_run_the_modules(fast_steps):
         plain = model(ids[:, 7:8], past_key_values=cache, use_cache=True, return_dict=False)
         assert isinstance(plain, tuple) and plain[1] is cache
         assert fast_steps == [False, False, True]
-        assert model.__dict__["_decoding_session"] is session  # per-call arguments keep the session
-        model(ids, use_cache=False)  # a call that is not a one-token step ends it
-        assert model.__dict__["_decoding_session"] is None
+        assert cache.decoding_plan is plan  # per-call arguments keep the plan
+        model(ids[:, :3], use_cache=False)  # a call from no cache leaves it
+        assert cache.decoding_plan is plan
+        model(ids[:, 8:10], past_key_values=cache, use_cache=True)  # a call from the cache that is not a step drops it
+        assert cache.decoding_plan is None
     hook = _force_modules(model)
     fast_steps.clear()
     with torch.no_grad():
@@ -327,8 +346,8 @@ def test_calls_the_session_does_not_cover_run_the_modules(fast_steps):
         for t in range(4, 7):
             model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
     hook.remove()
-    # a model the session refuses is not asked again per step (until the next cache)
-    assert isinstance(model.__dict__["_decoding_session"], modeling_linear_gpt._NoSession) and fast_steps == []
+    # a model the plan cannot serve is not asked again per step (until the next call that is not a step)
+    assert cache.decoding_plan is False and fast_steps == []
 
 
 @pytest.mark.parametrize("name", ["elu_absolute", "prf_rotary"])
@@ -346,5 +365,5 @@ def test_fast_steps_read_nothing_on_the_host(name, monkeypatch):
 
         outs, reads = host_reads(monkeypatch, steps)
     assert reads == []
-    assert isinstance(model.__dict__["_decoding_session"], modeling_linear_gpt._DecodingSession)
+    assert cache.decoding_plan.steps == 4
     assert all(torch.isfinite(out.logits).all() for out in outs)

@@ -1,8 +1,8 @@
-"""One-token decoding steps project q, k and v with one fused weight (made from the three
-projections, which the checkpoint keeps as they are) and map q and k in one feature-map call:
-the same logits as the unfused step, a fused weight that follows every change of the
-parameters, and no fusing for projections that are not plain ``nn.Linear`` modules (adapters
-such as LoRA, hooks)."""
+"""The decoding plan reads the projections' parameters at every step, so its steps follow every
+change of the parameters (optimizer steps, ``load_state_dict``, writes through ``.data``,
+replaced parameters, dtype casts), and calls projections that are not plain ``nn.Linear``
+modules (adapters such as LoRA, subclasses, hooked ones) as modules: the logits of the parallel
+forward in every case."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from hf_kernattn import LinearGPTForCausalLM
-from hf_kernattn.modeling.attention import KernelizedSelfAttention
 from tests.conftest import V_GPT, tiny_linear_gpt_config
+from tests.models.linear_gpt.test_decoding_session import fast_steps  # noqa: F401  (a fixture)
 
 CONFIGS = {
     "elu": {},
@@ -46,38 +46,20 @@ def _ids(seed: int = 1, batch: int = 2, n: int = 9) -> torch.Tensor:
     return torch.randint(1, V_GPT, (batch, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _fused_calls(monkeypatch) -> list:
-    """Count the steps that used a fused weight."""
-    calls = []
-    real = KernelizedSelfAttention.fused_projection
-
-    def counting(self):
-        fused = real(self)
-        calls.append(fused is not None)
-        return fused
-
-    monkeypatch.setattr(KernelizedSelfAttention, "fused_projection", counting)
-    return calls
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_fused_step_gives_the_unfused_logits(name, monkeypatch):
-    """float64: the fused product sums the same terms per output (only the blocking of the
-    matrix product may differ), so the logits agree to a few roundings of O(1) values."""
+def test_steps_give_the_parallel_logits(name, fast_steps):
+    """float64, left padding: every step (by the plan where the model has one; a clipped bias
+    runs the modules) gives the parallel forward's logits to rounding."""
     model = _model(**CONFIGS[name])
     ids = _ids()
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding in the second row
-    calls = _fused_calls(monkeypatch)
-    fused = _decode(model, ids, mask=mask)
-    assert calls and all(calls)  # every step fused
-    monkeypatch.setattr(KernelizedSelfAttention, "fused_projection", lambda self: None)
-    unfused = _decode(model, ids, mask=mask)
-    torch.testing.assert_close(fused, unfused, rtol=1e-12, atol=1e-12)
-    with torch.no_grad():  # and both are the parallel forward's
+    steps = _decode(model, ids, mask=mask)
+    assert fast_steps == ([] if name == "relu_clipped_bias" else [True] * 4)
+    with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
     real = mask.bool()
-    torch.testing.assert_close(fused[real], full[real], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(steps[real], full[real], rtol=1e-10, atol=1e-10)
 
 
 def _assert_steps_follow_the_parameters(model, ids):
@@ -86,12 +68,10 @@ def _assert_steps_follow_the_parameters(model, ids):
     torch.testing.assert_close(_decode(model, ids), full, rtol=1e-10, atol=1e-10)
 
 
-def test_fused_weight_follows_optimizer_steps_and_loaded_weights():
+def test_steps_follow_optimizer_steps_loaded_weights_and_casts(fast_steps):
     model = _model()
     ids = _ids(2)
-    _assert_steps_follow_the_parameters(model, ids)  # the fused weight is made here
-    attn = model.transformer.h[0].attn
-    made = attn._fused[1]
+    _assert_steps_follow_the_parameters(model, ids)
     # an optimizer step writes into the parameters in place
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -99,24 +79,24 @@ def test_fused_weight_follows_optimizer_steps_and_loaded_weights():
     opt.step()
     model.eval()
     _assert_steps_follow_the_parameters(model, ids)
-    assert attn._fused[1] is not made
     # load_state_dict copies other weights in
     torch.manual_seed(5)
     other = LinearGPTForCausalLM(tiny_linear_gpt_config(eos_token_id=None, initializer_range=0.5)).double()
     model.load_state_dict(other.state_dict())
     _assert_steps_follow_the_parameters(model, ids)
     # a parameter's data swapped (no version bump) and a parameter replaced
+    attn = model.transformer.h[0].attn
     with torch.no_grad():
         attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
         attn.v_proj.weight = nn.Parameter(attn.v_proj.weight * -1.0)
     _assert_steps_follow_the_parameters(model, ids)
     # a dtype cast and back
     model.float()
-    assert attn._fused is None
     with torch.no_grad():
         torch.testing.assert_close(_decode(model, ids), model(ids, use_cache=False).logits, rtol=1e-4, atol=1e-4)
     model.double()
     _assert_steps_follow_the_parameters(model, ids)
+    assert fast_steps and all(fast_steps)
 
 
 class _LoRALinear(nn.Module):
@@ -148,10 +128,10 @@ class _LoRASubclass(nn.Linear):
 
 
 @pytest.mark.parametrize("wrap", ["wrapper", "subclass", "hook"])
-def test_adapted_projections_are_not_fused_and_stay_exact(wrap, monkeypatch):
+def test_adapted_projections_are_called_and_stay_exact(wrap, fast_steps):
     model = _model()
     ids = _ids(3)
-    _decode(model, ids)  # a fused weight exists from before the adapter came
+    _decode(model, ids)
     attn = model.transformer.h[1].attn
     if wrap == "wrapper":
         attn.q_proj = _LoRALinear(attn.q_proj).double()
@@ -159,18 +139,18 @@ def test_adapted_projections_are_not_fused_and_stay_exact(wrap, monkeypatch):
         attn.v_proj = _LoRASubclass(attn.v_proj).double()
     else:
         attn.k_proj.register_forward_hook(lambda module, args, out: out * 1.25)
-    calls = _fused_calls(monkeypatch)
+    fast_steps.clear()
     _assert_steps_follow_the_parameters(model, ids)
-    assert calls and not all(calls) and any(calls)  # layer 0 still fused, layer 1 not
+    assert fast_steps == [True] * 4  # the plan calls the adapted projection
 
 
-def test_a_new_generation_fuses_afresh_after_writes_through_data():
+def test_a_new_generation_follows_writes_through_data():
     """Merging an adapter writes ``weight.data += delta`` (no version bump): the next generate()
-    (its prefill ends the earlier decoding session) must decode with the new weights."""
+    decodes with the new weights."""
     torch.manual_seed(0)
     model = LinearGPTForCausalLM(tiny_linear_gpt_config()).double().eval()
     ids = torch.randint(1, V_GPT, (2, 5), generator=torch.Generator().manual_seed(1))
-    model.generate(ids, max_new_tokens=4, do_sample=False)  # fuses the projections of the old weights
+    model.generate(ids, max_new_tokens=4, do_sample=False)
     g = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for block in model.transformer.h:
