@@ -95,10 +95,10 @@ def format_columns(rows: Sequence[Sequence[str]], gap: int = 2) -> str:
 
 
 def _cmd_backends(_args: argparse.Namespace) -> int:
-    from hf_kernattn.modeling.backends import _REGISTRY
+    from hf_kernattn import available_backends, get_backend
 
     rows = [("backend", "cost", "supports", "what it is")]
-    for spec in _REGISTRY.values():
+    for spec in map(get_backend, available_backends()):
         caps = [c for c in ("causal", "noncausal", "rpe_1d", "rpe_2d", "key_mask", "state", "split_denominator",
                             "decoding") if getattr(spec, c)]
         rows.append((spec.name, spec.complexity, ",".join(caps), spec.description))

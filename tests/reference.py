@@ -10,6 +10,9 @@ offsets. Keys that are not allowed are selected away
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -112,6 +115,20 @@ def host_reads(monkeypatch, call):
     finally:
         monkeypatch.undo()
 
+
+@contextlib.contextmanager
+def replaced_backend(name: str, fn):
+    """Backend ``name`` served by ``fn`` with the capabilities it declares now (public
+    ``register_backend(..., overwrite=True)``), the original registered again on exit."""
+    import hf_kernattn
+
+    spec = hf_kernattn.get_backend(name)
+    declared = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in ("name", "fn")}
+    hf_kernattn.register_backend(name, fn, overwrite=True, **declared)
+    try:
+        yield spec
+    finally:
+        hf_kernattn.register_backend(name, spec.fn, overwrite=True, **declared)
 
 
 class WholeHeadAllocations(TorchDispatchMode):

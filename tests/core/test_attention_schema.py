@@ -33,7 +33,7 @@ from hf_kernattn.modeling.attention_config import (
     SHARED_FIELD_NAMES,
     AttentionSchema,
 )
-from hf_kernattn.modeling.backends import AUTO_MAX_ERROR
+from hf_kernattn.modeling.registry import AUTO_MAX_ERROR
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs_v0"

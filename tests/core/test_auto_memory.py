@@ -215,7 +215,7 @@ def test_calibrate_max_nn_mb_skips_dense_only_where_it_holds_the_matrix():
     try:
         assert calibrate._nn_mb("test_quadratic", n, h, False, False) == nn
     finally:
-        hf_kernattn.modeling.registry._REGISTRY.pop("test_quadratic")
+        hf_kernattn.unregister_backend("test_quadratic")
     spec = dict(bias="1d", causal=False, clip=None, mode="fwd", ns=[n], sides=[], heads=h, features=4, head_dim=4,
                 rounds=1, min_time=0.0, max_call_seconds=100.0, max_nn_mb=nn / 2, prune=3.0, threads=None,
                 device="cpu", check=False, table=None, check_drop=None, skip=["fft", "fft@float64"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_kernattn
-from hf_kernattn.modeling.backends import get_backend
+from hf_kernattn.modeling.registry import get_backend
 
 from tests.reference import literal_reference
 
@@ -191,7 +191,7 @@ def test_windowed_equals_dense_for_clipped_bias(n, clip, causal):
 
 
 def test_rpe_clip_is_checked_and_auto_uses_windowed():
-    from hf_kernattn.modeling.backends import choose_backend
+    from hf_kernattn.modeling.registry import choose_backend
 
     q, k, v, bias, _ = _inputs(12, seed=9)
     with pytest.raises(ValueError, match=r"not constant beyond offsets \+-3"):

@@ -21,22 +21,21 @@ import torch
 import torch.utils.checkpoint
 
 import hf_kernattn
-from hf_kernattn.modeling.registry import _REGISTRY
 from hf_kernattn.modeling.state import AttentionState
 
-DECLARED = sorted(name for name, spec in _REGISTRY.items() if spec.propagates_non_finite)
+DECLARED = sorted(name for name in hf_kernattn.available_backends() if hf_kernattn.get_backend(name).propagates_non_finite)
 POISONS = [math.nan, math.inf, -math.inf]
 
 
 def test_the_fast_kernels_declare_the_capability():
     assert {"linear", "causal_chunked"} <= set(DECLARED)
     for name in DECLARED:  # the tests below call them without a bias: a declaring backend must allow that
-        spec = _REGISTRY[name]
+        spec = hf_kernattn.get_backend(name)
         assert not spec.needs_rpe_clip and not spec.error_bound, name
 
 
 def _causal(name: str) -> bool:
-    return not _REGISTRY[name].noncausal
+    return not hf_kernattn.get_backend(name).noncausal
 
 
 def _inputs(seed, b=2, h=2, n=11, m=4, d=3, dtype=torch.float64, signed=False, split=False):
@@ -55,7 +54,7 @@ def _inputs(seed, b=2, h=2, n=11, m=4, d=3, dtype=torch.float64, signed=False, s
 
 def _bare(name, q, k, v, q_den=None, k_den=None, state=None):
     """The registered function itself, with the arguments the entry point would give it."""
-    spec = _REGISTRY[name]
+    spec = hf_kernattn.get_backend(name)
     given = dict(eps=1e-6, causal=_causal(name), key_mask=None, rpe_bias=None, grid=None, q_den=q_den, k_den=k_den,
                  initial_state=state, output_final_state=state is not None)
     out = spec.fn(q, k, v, **{a: given[a] for a in spec.takes})
@@ -73,7 +72,7 @@ def test_every_non_finite_input_entry_shows_in_the_output(name, dtype, signed, s
     With ``zeros`` the poisoned position's other entries, the other tensors at that position
     and, for a key, every query are zeros: the entry can only show as 0 * inf = NaN. With a
     state (a backend declared ``state``) too."""
-    spec = _REGISTRY[name]
+    spec = hf_kernattn.get_backend(name)
     if split and not spec.split_denominator:
         pytest.skip("no separate denominator features")
     gen = torch.Generator().manual_seed(40)
@@ -101,23 +100,30 @@ def test_every_non_finite_input_entry_shows_in_the_output(name, dtype, signed, s
                     assert not torch.isfinite(seen).all(), (trial, target, poison, state is not None)
 
 
+def _register(spec, fn=None, **overrides):
+    """Register ``spec`` again (public ``register_backend(..., overwrite=True)``), with ``fn`` and
+    the declarations in ``overrides`` instead of its own where given."""
+    declared = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in ("name", "fn")}
+    hf_kernattn.register_backend(spec.name, spec.fn if fn is None else fn, overwrite=True, **{**declared, **overrides})
+
+
 def _spied(name, calls, capable=True):
-    """``name``'s spec with a function that counts its calls, declared with or without the capability."""
-    spec = _REGISTRY[name]
+    """Register ``name`` with a function that counts its calls, declared with or without the capability."""
+    spec = hf_kernattn.get_backend(name)
 
     def fn(*args, **kwargs):
         calls.append(args)
         return spec.fn(*args, **kwargs)
 
-    return dataclasses.replace(spec, fn=fn, propagates_non_finite=capable)
+    _register(spec, fn, propagates_non_finite=capable)
 
 
 def _public(name, capable, q, k, v, q_den, k_den, mask, state, calls=None, in_place=False):
     """The public call through ``name`` declared with or without the capability: outputs (and
     the final state) and the gradients of a loss on the finite output entries."""
-    spec = _REGISTRY[name]
+    spec = hf_kernattn.get_backend(name)
     calls = [] if calls is None else calls
-    _REGISTRY[name] = _spied(name, calls, capable)
+    _spied(name, calls, capable)
     try:
         grad = not in_place
         xs = [None if x is None else x.clone().requires_grad_(grad) for x in (q, k, v, q_den, k_den)]
@@ -137,7 +143,7 @@ def _public(name, capable, q, k, v, q_den, k_den, mask, state, calls=None, in_pl
             grads = torch.autograd.grad(loss, [x for x in xs if x is not None])
         return out.detach(), None if final is None else tuple(x.detach() for x in final[:2]), grads
     finally:
-        _REGISTRY[name] = spec
+        _register(spec)
 
 
 def _same(a, b):
@@ -154,7 +160,7 @@ def test_the_public_call_gives_what_the_guard_before_the_kernel_gives(name, pois
     declared without the capability (the guard before the kernel); the rows that see no
     non-finite input are finite. The kernel runs once when every real input is finite (also
     when only padding holds NaN) and twice otherwise."""
-    spec = _REGISTRY[name]
+    spec = hf_kernattn.get_backend(name)
     split = target in ("q_den", "k_den")
     if split and not spec.split_denominator:
         pytest.skip("no separate denominator features")
@@ -205,7 +211,7 @@ def test_the_public_call_gives_what_the_guard_before_the_kernel_gives(name, pois
             assert torch.isfinite(out[~pad.expand_as(out)]).all()
 
 
-@pytest.mark.parametrize("name", [n for n in DECLARED if _REGISTRY[n].state])
+@pytest.mark.parametrize("name", [n for n in DECLARED if hf_kernattn.get_backend(n).state])
 @pytest.mark.parametrize("target", ["none", "k", "v"])
 def test_in_place_writes_the_state_of_the_guard_before_the_kernel(name, target):
     """``in_place=True`` (no autograd): the state written into the given tensors is the guard's
@@ -240,14 +246,14 @@ def test_finite_inputs_reach_the_kernel_once_uncopied_with_one_host_read(monkeyp
     q, k, v, _, _ = _inputs(61, dtype=torch.float32)
     xs = [x.requires_grad_(True) for x in (q, k, v)]
     calls, reads = [], []
-    spec = _REGISTRY[name]
-    _REGISTRY[name] = _spied(name, calls)
+    spec = hf_kernattn.get_backend(name)
+    _spied(name, calls)
     try:
         _record_host_reads(monkeypatch, reads)
         out = hf_kernattn.kernelized_attention(*xs, causal=_causal(name), backend=name)
         monkeypatch.undo()
     finally:
-        _REGISTRY[name] = spec
+        _register(spec)
     assert reads == ["tolist"]
     assert len(calls) == 1 and [x.data_ptr() for x in calls[0]] == [x.data_ptr() for x in xs]
     bare = _bare(name, *xs)
@@ -263,35 +269,35 @@ def test_a_non_finite_output_of_finite_inputs_is_returned_as_run(name):
     so the first run is the result (the kernel runs once), as the guard before the kernel gives."""
     q, k, v, _, _ = _inputs(62)
     q[0, 1, 3] = 0
-    spec = _REGISTRY[name]
+    spec = hf_kernattn.get_backend(name)
     results = []
     for capable in (True, False):
         calls = []
-        _REGISTRY[name] = _spied(name, calls, capable)
+        _spied(name, calls, capable)
         try:
             results.append(hf_kernattn.kernelized_attention(q, k, v, causal=_causal(name), backend=name, eps=0.0))
         finally:
-            _REGISTRY[name] = spec
+            _register(spec)
         assert len(calls) == 1
     _same(*results)
     assert torch.isnan(results[0][0, 1, 3]).all() and int(results[0].isnan().sum()) == v.shape[-1]
 
 
-@pytest.mark.parametrize("name", [n for n in DECLARED if _REGISTRY[n].state])
+@pytest.mark.parametrize("name", [n for n in DECLARED if hf_kernattn.get_backend(n).state])
 def test_a_one_token_step_from_a_state_reads_nothing_on_the_host(monkeypatch, name):
     """A one-token step from a state (not the in-place decoding path) runs the backend once and
     reads nothing on the host: its only row sees all it reads, nothing is checked."""
     q, k, v, _, _ = _inputs(63, n=1)
     state = AttentionState(torch.rand(2, 2, 4, 3, dtype=torch.float64), torch.rand(2, 2, 4, dtype=torch.float64))
     calls, reads = [], []
-    spec = _REGISTRY[name]
-    _REGISTRY[name] = _spied(name, calls)
+    spec = hf_kernattn.get_backend(name)
+    _spied(name, calls)
     try:
         _record_host_reads(monkeypatch, reads)
         hf_kernattn.kernelized_attention(q, k, v, causal=True, backend=name, initial_state=state, output_final_state=True)
         monkeypatch.undo()
     finally:
-        _REGISTRY[name] = spec
+        _register(spec)
     assert reads == [] and len(calls) == 1
 
 
@@ -302,17 +308,17 @@ def test_a_checkpointed_call_recomputes_the_same_path(name):
     gradients equal those of the guard before the kernel."""
     q, k, v, _, _ = _inputs(64)
     v[1, 0, 3, 1] = math.inf
-    spec = _REGISTRY[name]
+    spec = hf_kernattn.get_backend(name)
     results = []
     for capable in (True, False):
-        _REGISTRY[name] = _spied(name, [], capable)
+        _spied(name, [], capable)
         try:
             xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
             out = torch.utils.checkpoint.checkpoint(
                 lambda *a: hf_kernattn.kernelized_attention(*a, causal=_causal(name), backend=name), *xs, use_reentrant=False)
             grads = torch.autograd.grad(torch.where(torch.isfinite(out), out, 0).pow(2).sum(), xs)
         finally:
-            _REGISTRY[name] = spec
+            _register(spec)
         results.append((out.detach(), grads))
     _same(results[0][0], results[1][0])
     for g, w in zip(results[0][1], results[1][1]):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import hf_kernattn
-from hf_kernattn.modeling.backends import get_backend
+from hf_kernattn.modeling.registry import get_backend
 from hf_kernattn.modeling.kernels_hybrid import SoftmaxWindow
 
 from tests.conftest import tiny_attention_config, tiny_linear_gpt_config, tiny_nprf_bert_config
@@ -460,7 +460,6 @@ def test_finite_inputs_reach_the_backend_uncopied():
     caller's q, k and v themselves (float32, nothing padded), and the outputs and gradients are
     the bare kernel's exactly. A NaN in one query copies (isolates) the queries only."""
     from hf_kernattn.modeling.kernels_linear import linear_attention
-    from hf_kernattn.modeling.registry import _REGISTRY
 
     calls = []
     name = _spy_backend(calls)
@@ -484,7 +483,7 @@ def test_finite_inputs_reach_the_backend_uncopied():
         assert torch.isnan(out[1, 0, 4]).all()
         assert int(torch.isnan(out).sum()) == out.shape[-1]
     finally:
-        _REGISTRY.pop(name, None)
+        hf_kernattn.unregister_backend(name)
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import hf_kernattn
-from hf_kernattn.modeling import backends as backends_mod
+from hf_kernattn.modeling import registry
+from hf_kernattn.modeling.kernels_linear import linear_attention
 
 
 def _qkv(b=1, h=2, n=6, m=3, d=4, dtype=torch.float32, seed=0):
@@ -86,7 +87,7 @@ def test_register_custom_backend_is_used_and_checked():
 
     def scaled_linear(q, k, v, *, rpe_bias=None, causal=False, key_mask=None, grid=None, eps=1e-6):
         calls.append(q.shape)
-        return backends_mod.linear_attention(q, k, v, eps=eps)  # keys arrive masked
+        return linear_attention(q, k, v, eps=eps)  # keys arrive masked
 
     try:
         spec = hf_kernattn.register_backend("test_custom", scaled_linear, description="test")
@@ -100,7 +101,7 @@ def test_register_custom_backend_is_used_and_checked():
         with pytest.raises(ValueError, match=r"'test_custom' cannot do causal=True"):
             hf_kernattn.kernelized_attention(q, k, v, causal=True, backend="test_custom")
     finally:
-        backends_mod._REGISTRY.pop("test_custom", None)
+        hf_kernattn.unregister_backend("test_custom")
     with pytest.raises(TypeError, match="fn must be callable"):
         hf_kernattn.register_backend("x", 3)
     with pytest.raises(ValueError, match="other than 'auto'"):
@@ -114,7 +115,7 @@ def test_auto_choice_follows_the_shipped_table():
     ranks at that length (it holds measured crossovers, not a hand rule)."""
     from hf_kernattn.modeling.auto_table import AUTO_TABLE
 
-    choose = backends_mod.choose_backend
+    choose = registry.choose_backend
     for entry in AUTO_TABLE["entries"]:
         rpe = None if entry["bias"] == "none" else entry["bias"]
         bounds = [n_max for n_max, _ in entry["ranking"][:-1]]
@@ -151,15 +152,15 @@ def test_each_backend_receives_exactly_what_it_declares():
     """The registry declares the keyword arguments of every backend; kernelized_attention passes
     those and nothing else (a strict signature works), after casting to the compute dtype and
     zeroing padded keys and values."""
-    assert backends_mod.get_backend("linear").takes == ("eps", "q_den", "k_den")
-    assert backends_mod.get_backend("causal_chunked").takes == ("eps", "q_den", "k_den", "initial_state", "output_final_state")
-    assert "key_mask" not in backends_mod.get_backend("dense").takes
-    assert "rpe_clip" in backends_mod.get_backend("windowed").takes
+    assert hf_kernattn.get_backend("linear").takes == ("eps", "q_den", "k_den")
+    assert hf_kernattn.get_backend("causal_chunked").takes == ("eps", "q_den", "k_den", "initial_state", "output_final_state")
+    assert "key_mask" not in hf_kernattn.get_backend("dense").takes
+    assert "rpe_clip" in hf_kernattn.get_backend("windowed").takes
     seen = {}
 
     def strict(q, k, v, *, key_mask, eps):
         seen.update(dtype=q.dtype, k=k, v=v, key_mask=key_mask)
-        return backends_mod.linear_attention(q, k, v, eps=eps)
+        return linear_attention(q, k, v, eps=eps)
 
     q, k, v = _qkv(dtype=torch.bfloat16)
     k[0, :, -1] = float("inf")  # a padded slot may hold anything
@@ -169,7 +170,7 @@ def test_each_backend_receives_exactly_what_it_declares():
         hf_kernattn.register_backend("test_strict", strict, takes=("key_mask", "eps"))
         out = hf_kernattn.kernelized_attention(q, k, v, attention_mask=mask, backend="test_strict")
     finally:
-        backends_mod._REGISTRY.pop("test_strict", None)
+        hf_kernattn.unregister_backend("test_strict")
     assert seen["dtype"] == torch.float32 and out.dtype == torch.bfloat16
     assert torch.equal(seen["key_mask"], mask.bool())
     assert (seen["k"][0, :, -1] == 0).all() and (seen["v"][0, :, -1] == 0).all()
@@ -193,19 +194,17 @@ def test_register_backend_checks_what_it_takes():
         spec = hf_kernattn.register_backend("test_default", fn, rpe_1d=True, needs_rpe_clip=True)
         assert spec.takes == ("rpe_bias", "causal", "key_mask", "grid", "eps", "rpe_clip")
     finally:
-        backends_mod._REGISTRY.pop("test_default", None)
+        hf_kernattn.unregister_backend("test_default")
 
 
 def test_auto_never_picks_a_decoding_backend(monkeypatch):
     """``decoding=True`` marks a step-by-step form: auto skips it for a whole sequence even when
     it is registered first and could run the call."""
-    from hf_kernattn.modeling import registry
-
-    monkeypatch.setattr(registry, "_REGISTRY", {})
+    monkeypatch.setattr(registry, "_REGISTRY", {})  # a registry holding only the two backends below
 
     def fn(q, k, v, *, eps):
         return v
 
     hf_kernattn.register_backend("test_step", fn, causal=True, noncausal=False, decoding=True, takes=("eps",))
     hf_kernattn.register_backend("test_whole", fn, causal=True, noncausal=False, takes=("eps",))
-    assert backends_mod.choose_backend(n=4096, causal=True, rpe=None, key_mask=False, device="cpu") == "test_whole"
+    assert registry.choose_backend(n=4096, causal=True, rpe=None, key_mask=False, device="cpu") == "test_whole"

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import hf_kernattn
-from hf_kernattn.modeling.backends import choose_backend
+from hf_kernattn.modeling.registry import choose_backend
 from hf_kernattn.modeling.state import AttentionState
 from hf_kernattn.modeling.kernels_windowed import BandedKernelProduct, banded_kernel_product_reference
 

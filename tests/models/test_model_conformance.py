@@ -48,6 +48,7 @@ from hf_kernattn import (
 )
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
+from tests.reference import replaced_backend
 from tests.conftest import V_BERT, V_GPT, checkpointing_disable, checkpointing_enable, checkpointing_training_argument
 from tests.conftest import tiny_linear_gpt_config as gpt_config
 from tests.conftest import tiny_nprf_bert_config as bert_config
@@ -489,36 +490,36 @@ def test_torch_export_nprf_bert_with_padding_mask_matches_eager():
         model(ids, attention_mask=bad)
 
 
-def test_torch_export_nprf_bert_long_input_uses_the_windowed_backend(monkeypatch):
+def test_torch_export_nprf_bert_long_input_uses_the_windowed_backend():
     """A traced long input declares the clipped table too (rpe_clip), so ``auto`` picks the O(N K)
     windowed backend as in eager mode (from the shortest length where the calibration table ranks
     it first)."""
-    from hf_kernattn.modeling import backends
+    from hf_kernattn.modeling import registry
 
     k_clip = 8
     n = next(n for n in (2 ** i for i in range(4, 17))
-             if backends.choose_backend(n=n, causal=False, rpe="1d", key_mask=True, device="cpu", rpe_clip=k_clip) == "windowed")
+             if registry.choose_backend(n=n, causal=False, rpe="1d", key_mask=True, device="cpu", rpe_clip=k_clip) == "windowed")
     calls = []
-    spec = backends.get_backend("windowed")
+    spec = registry.get_backend("windowed")
 
     def counting(*a, **kw):
         calls.append(kw["rpe_clip"])
         return spec.fn(*a, **kw)
 
-    monkeypatch.setitem(backends._REGISTRY, "windowed", dataclasses.replace(spec, fn=counting))
-    torch.manual_seed(0)
-    cfg = bert_config(rpe="learned", max_relative_position=k_clip, max_position_embeddings=n, num_hidden_layers=1)
-    model = NPRFBertModel(cfg).eval()
-    ids = torch.randint(1, V_BERT, (1, n), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[0, n - 5 :] = 0
-    with torch.no_grad():
-        want = model(ids, attention_mask=mask, return_dict=False)[0]
-        assert calls == [k_clip]  # eager
-        program = torch.export.export(model, (ids,), kwargs=dict(attention_mask=mask, return_dict=False))
-        assert calls == [k_clip, k_clip]  # traced: the same backend
-        got = program.module()(ids, attention_mask=mask, return_dict=False)[0]
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    with replaced_backend("windowed", counting):
+        torch.manual_seed(0)
+        cfg = bert_config(rpe="learned", max_relative_position=k_clip, max_position_embeddings=n, num_hidden_layers=1)
+        model = NPRFBertModel(cfg).eval()
+        ids = torch.randint(1, V_BERT, (1, n), generator=torch.Generator().manual_seed(1))
+        mask = torch.ones_like(ids)
+        mask[0, n - 5 :] = 0
+        with torch.no_grad():
+            want = model(ids, attention_mask=mask, return_dict=False)[0]
+            assert calls == [k_clip]  # eager
+            program = torch.export.export(model, (ids,), kwargs=dict(attention_mask=mask, return_dict=False))
+            assert calls == [k_clip, k_clip]  # traced: the same backend
+            got = program.module()(ids, attention_mask=mask, return_dict=False)[0]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_rpe_clip_and_mask_checks_keep_their_eager_errors():

@@ -1,5 +1,4 @@
-"""The tooling outside modeling/ is laid out by what each file holds, and the old import paths
-keep working as re-exports of the one copy of the code."""
+"""The tooling outside modeling/ is laid out by what each file holds, one copy of each piece of code."""
 
 from __future__ import annotations
 
@@ -17,19 +16,10 @@ def test_bench_modules_are_named_as_their_commands():
         assert importlib.import_module(f"hf_kernattn.bench.{module}").NAME == name
 
 
-def test_the_push_command_lives_in_push_and_hub_re_exports_it():
-    from hf_kernattn import hub, push
+def test_the_push_command_lives_in_push():
+    from hf_kernattn import push
 
-    assert cli.COMMANDS["push"] == "push"
-    for name in hub.__all__:
-        assert getattr(hub, name) is getattr(push, name), name
-
-
-def test_the_old_approximation_module_re_exports_the_approx_benchmark():
-    from hf_kernattn.bench import approx, approximation
-
-    for name in approximation.__all__:
-        assert getattr(approximation, name) is getattr(approx, name), name
+    assert cli.COMMANDS["push"] == "push" and callable(push.push_folder)
 
 
 def test_training_names_are_importable_from_the_package_and_defined_once():

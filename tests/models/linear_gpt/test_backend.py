@@ -14,11 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM, register_backend
+from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM, register_backend, unregister_backend
 from hf_kernattn.modeling.kernels_dense import dense_attention
 from hf_kernattn.modeling.kernels_linear import causal_chunked_attention, linear_attention
 from hf_kernattn.modeling.kernels_windowed import windowed_attention
-from hf_kernattn.modeling.registry import _REGISTRY
 from tests.conftest import V_GPT, tiny_linear_gpt_config
 
 SPLIT = ("q_den", "k_den")
@@ -50,7 +49,7 @@ def spies():
         register_backend(name, fn, **caps)
     yield {name: fn for name, (fn, _) in made.items()}
     for name in made:
-        _REGISTRY.pop(name, None)
+        unregister_backend(name)
 
 
 def _ids(n=7, seed=1):
