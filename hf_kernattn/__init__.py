@@ -4,6 +4,8 @@ Importing the package registers every model family with the ``transformers`` Aut
 """
 
 from .modeling.dispatch import kernelized_attention  # importing it registers the built-in backends
+from .modeling.kernels_manhattan import manhattan_attention as _manhattan  # noqa: F401  (registers manhattan)
+from .modeling.kernels_hybrid import hybrid_attention as _hybrid  # noqa: F401  (registers hybrid)
 from .modeling.registry import (
     BackendSpec, available_backends, get_backend, load_auto_table, register_backend, unregister_backend,
 )
@@ -11,7 +13,7 @@ from .modeling.state import AttentionState, StateKind
 from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D
 from .modeling.attention import KernelizedSelfAttention
-from .modeling.kernels_hybrid import SoftmaxWindow
+from .modeling.attention_inputs import SoftmaxWindow
 
 import importlib as _importlib
 

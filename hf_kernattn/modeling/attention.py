@@ -16,7 +16,7 @@ Llama's ``repeat_kv``).
 
 With ``softmax_window = W`` the module computes the sliding-window hybrid (``kernels_hybrid.py``):
 the raw projected queries and keys go to the core beside their features (a
-:class:`~kernels_hybrid.SoftmaxWindow`), with the layer's learned per-head mixing weights
+:class:`~attention_inputs.SoftmaxWindow`), with the layer's learned per-head mixing weights
 ``exp(window_log_weight)``, ``exp(linear_log_weight)``.
 """
 
@@ -33,7 +33,7 @@ from .dispatch import get_backend, kernelized_attention
 from .kernels_common import compute_dtype_for
 from .registry import choose_backend
 from .feature_maps import FeatureMap
-from .kernels_hybrid import SoftmaxWindow
+from .attention_inputs import SoftmaxWindow
 from .positional import apply_rotary
 
 

@@ -13,13 +13,34 @@ weights up to offset ``-K`` whatever its own length, so it takes that form.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .kernels_common import is_size, known_true
-from .kernels_hybrid import SoftmaxWindow
+from .kernels_common import is_size, known_true, manhattan_distances, manhattan_table
 from .state import AttentionState, StateKind
+
+
+class SoftmaxWindow(NamedTuple):
+    """What ``kernelized_attention(..., softmax_window=...)`` needs besides the feature-mapped
+    queries and keys to compute the sliding-window hybrid.
+
+    Attributes:
+        q: ``(B, H, N, Dk)`` raw (projected, not feature-mapped) queries.
+        k: ``(B, H, N, Dk)`` raw keys.
+        window: ``W >= 1``: each query weighs the last ``W`` keys (causal; itself included) or the
+            keys within ``|j - i| < W`` (bidirectional) by ``exp(scale q . k)``.
+        scale: the softmax scale; None: ``Dk ** -0.5``.
+        window_weight: None or ``(H,)`` positive per-head weight ``a_h`` of the window part.
+        linear_weight: None or ``(H,)`` positive per-head weight ``b_h`` of the kernelized part.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    window: int
+    scale: Optional[float] = None
+    window_weight: Optional[torch.Tensor] = None
+    linear_weight: Optional[torch.Tensor] = None
 
 
 def check_tensor(name: str, x: object, ndim: int, shape_doc: Union[str, Callable[[], str]]) -> torch.Tensor:
@@ -146,7 +167,6 @@ def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_c
     if torch.compiler.is_compiling() or is_clipped_table(rpe_bias, rpe, rpe_clip):
         return  # traced: the declaration is trusted; a table is clipped by construction
     if rpe == "2d":
-        from .kernels_manhattan import manhattan_distances, manhattan_table
 
         with torch.no_grad():
             rebuilt = manhattan_table(manhattan_distances(rpe_bias, grid[0], grid[1], rpe_clip), grid[0], grid[1])
@@ -240,13 +260,15 @@ def check_state(
 
 
 def check_softmax_window(
-    softmax_window: object, q: torch.Tensor, causal: bool, rpe: Optional[str], q_den: Optional[torch.Tensor]
+    softmax_window: object, q: torch.Tensor, causal: bool, rpe: Optional[str], q_den: Optional[torch.Tensor],
+    inspect: bool = True,
 ) -> Optional[SoftmaxWindow]:
     """None, or ``softmax_window`` in normal form (``window`` an int, ``scale`` a float): a
     :class:`SoftmaxWindow` whose raw queries and keys ``(B, H, N, Dk)`` match ``q`` in batch,
     heads, length, dtype and device, with ``window >= 1``, ``scale`` None or a finite number
-    > 0 and per-head mixing weights None or ``(H,)`` floating-point tensors on ``q``'s device.
-    The hybrid takes no relative-position bias and no separate denominator features."""
+    > 0 and per-head mixing weights None or ``(H,)`` floating-point tensors on ``q``'s device,
+    positive and finite (values read in eager mode with ``inspect``: one host sync). The hybrid
+    takes no relative-position bias and no separate denominator features."""
     if softmax_window is None:
         return None
     if not isinstance(softmax_window, SoftmaxWindow):
@@ -289,6 +311,11 @@ def check_softmax_window(
         if tuple(w.shape) != (h,) or w.device != q.device:
             raise ValueError(f"softmax_window.{name} must be None or a tensor of shape (heads,) = ({h},) on "
                              f"{q.device} (positive per-head mixing weights), got shape {tuple(w.shape)} on {w.device}")
+        if inspect and not torch.compiler.is_compiling() and w.device.type != "meta":
+            with torch.no_grad():
+                if not bool(((w > 0) & torch.isfinite(w)).all()):
+                    raise ValueError(f"softmax_window.{name} must hold positive finite per-head mixing weights, got "
+                                     f"{[round(float(x), 6) for x in w.detach().flatten().tolist()]}")
     if rpe is not None:
         raise ValueError("softmax_window cannot be combined with rpe_bias (or grid): the sliding-window hybrid "
                          "takes no relative-position bias")

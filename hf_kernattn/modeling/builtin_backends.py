@@ -1,6 +1,6 @@
-"""The eight built-in attention backends, registered with their declared capabilities.
-
-The kernels are the ``kernels_*.py`` files (one per algorithm); the registry, the declared
+"""The built-in attention backends every family can run, registered with their declared capabilities
+(``manhattan`` and ``hybrid`` register themselves in their own files, imported by the families
+that run them). The kernels are the ``kernels_*.py`` files (one per algorithm); the registry, the declared
 capabilities and the ``auto`` rule are ``registry.py``; the entry point that checks a call and
 runs a backend is ``dispatch.kernelized_attention``.
 """
@@ -9,9 +9,7 @@ from __future__ import annotations
 
 from .kernels_dense import dense_attention
 from .kernels_fft import fft_attention, fft_error_bound
-from .kernels_hybrid import hybrid_attention
 from .kernels_linear import causal_chunked_attention, linear_attention, recurrent_attention
-from .kernels_manhattan import manhattan_attention
 from .kernels_windowed import windowed_attention
 from .registry import register_backend
 
@@ -50,18 +48,8 @@ register_backend(
     description="exact for a bias clipped at K (rpe_clip): dense near the diagonal, running sums beyond",
 )
 register_backend(
-    "manhattan", manhattan_attention, takes=("rpe_bias", "grid", "rpe_clip", "eps"), causal=False, noncausal=True,
-    rpe_2d=True, needs_rpe_clip=True, symbolic_n=True, keeps_inputs=True, complexity="O(N K^2 (M + D) + N M D)",
-    description="exact for a 2D bias of the clipped Manhattan distance: matrix products over tiles near the diagonal, all keys beyond",
-)
-register_backend(
     "recurrent", recurrent_attention, takes=("rpe_bias", "rpe_clip", "eps") + SPLIT_ARGUMENTS + STATE_ARGUMENTS,
     causal=True, noncausal=False, rpe_1d=True, decoding=True, state=True, split_denominator=True,
     complexity="O(M D) per token, O(K (M + D)) clipped at K",
     description="RNN form, one token at a time (decoding)",
-)
-register_backend(
-    "hybrid", hybrid_attention, takes=("causal", "key_mask", "eps", "softmax_window") + STATE_ARGUMENTS, causal=True,
-    noncausal=True, state=True, softmax_window=True, complexity="O(N (C + W) (Dk + M + D) + N M D)",
-    description="sliding-window hybrid: exact softmax over a window of W keys, kernelized beyond (softmax_window)",
 )

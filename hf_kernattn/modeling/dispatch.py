@@ -59,6 +59,7 @@ import torch
 from transformers.utils import logging
 
 from .attention_inputs import (
+    SoftmaxWindow,
     check_clipped_bias,
     check_denominator_features,
     check_grid,
@@ -72,12 +73,10 @@ from .attention_inputs import (
 )
 from .builtin_backends import STATE_ARGUMENTS  # noqa: F401  (importing it registers the built-in backends)
 from .kernels_common import (
-    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, known_true, mask_keys,
-    tracing,
+    autocast_disabled, clipped_table, compute_dtype_for, full_bias, guard_non_finite, known_true, manhattan_distances,
+    manhattan_table, mask_keys, tracing,
 )
 from .kernels_dense import dense_attention, materialized_scores
-from .kernels_hybrid import SoftmaxWindow
-from .kernels_manhattan import manhattan_distances, manhattan_table
 from .registry import _REGISTRY, AUTO_MAX_ERROR, AUTO_MAX_NN_BYTES, auto_candidates, available_backends, get_backend
 from .state import AttentionState, StateKind, fold_into_state
 
@@ -205,7 +204,7 @@ def kernelized_attention(
             operation each). Needs ``initial_state`` in the compute dtype, ``output_final_state``
             and no autograd recording through the state or the inputs.
         softmax_window: keyword-only, the sliding-window hybrid (``kernels_hybrid.py``): a
-            :class:`~kernels_hybrid.SoftmaxWindow` ``(q, k, window, scale, window_weight,
+            :class:`~attention_inputs.SoftmaxWindow` ``(q, k, window, scale, window_weight,
             linear_weight)`` of the raw queries and keys ``(B, H, N, Dk)``, ``W = window >= 1``,
             the softmax scale (None: ``Dk ** -0.5``) and optional positive per-head mixing weights
             ``(H,)``. Each query then weighs the keys of its window (the last ``W`` when causal,
@@ -388,7 +387,7 @@ def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_cl
         raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")
     rpe, grid_t, rpe_clip, clipped = _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful,
                                                  initial_state is not None)
-    sw = check_softmax_window(softmax_window, q, causal, rpe, q_den)
+    sw = check_softmax_window(softmax_window, q, causal, rpe, q_den, inspect=initial_state is None or n > 1)
     window = max(rpe_clip - 1, 0) if rpe_clip is not None else None
     kind = StateKind(split=q_den is not None, features=m, den_features=m if q_den is None else q_den.shape[-1],
                      values=d, window=window, softmax_window=None if sw is None else sw.window)

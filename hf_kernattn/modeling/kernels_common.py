@@ -330,3 +330,30 @@ def known_true(condition: object) -> bool:
 
         return statically_known_true(condition)
     return bool(condition)
+
+
+# ----------------------------------------------------------------------------- the clipped Manhattan distance (2D)
+
+
+def manhattan_index(grid_h: int, grid_w: int, clip: int, device=None) -> torch.Tensor:
+    """``(2Hg-1, 2Wg-1)`` long tensor: ``min(|dy| + |dx|, K)`` for every 2D offset."""
+    dy = torch.arange(-(grid_h - 1), grid_h, device=device).abs()
+    dx = torch.arange(-(grid_w - 1), grid_w, device=device).abs()
+    return (dy[:, None] + dx[None, :]).clamp(max=clip)
+
+
+def manhattan_table(distance_bias: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
+    """Per-distance bias ``(H, K+1)`` (entry d holds ``b_d``, the last one every distance >= K)
+    -> the 2D bias ``(H, 2Hg-1, 2Wg-1)`` of the clipped Manhattan distance."""
+    clip = distance_bias.shape[-1] - 1
+    return distance_bias[:, manhattan_index(grid_h, grid_w, clip, distance_bias.device)]
+
+
+def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: int) -> torch.Tensor:
+    """The per-distance values ``(H, K+1)`` of a 2D bias of the clipped Manhattan distance, each
+    read at one offset of that distance (``dy = min(d, Hg-1)``, ``dx = d - dy``); distances no
+    pair of the grid reaches get the farthest reachable one's (no key uses them)."""
+    reach = (grid_h - 1) + (grid_w - 1)
+    d = torch.arange(clip + 1, device=rpe_bias.device).clamp(max=reach)
+    dy = d.clamp(max=grid_h - 1)
+    return rpe_bias[:, grid_h - 1 + dy, grid_w - 1 + (d - dy)]

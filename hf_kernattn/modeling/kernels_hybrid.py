@@ -42,30 +42,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .attention_inputs import SoftmaxWindow
 from .kernels_common import chunk_tokens, full_precision, mask_keys, per_head, with_ones_column
+from .registry import register_backend
 from .state import AttentionState
-
-
-class SoftmaxWindow(NamedTuple):
-    """What ``kernelized_attention(..., softmax_window=...)`` needs besides the feature-mapped
-    queries and keys to compute the sliding-window hybrid.
-
-    Attributes:
-        q: ``(B, H, N, Dk)`` raw (projected, not feature-mapped) queries.
-        k: ``(B, H, N, Dk)`` raw keys.
-        window: ``W >= 1``: each query weighs the last ``W`` keys (causal; itself included) or the
-            keys within ``|j - i| < W`` (bidirectional) by ``exp(scale q . k)``.
-        scale: the softmax scale; None: ``Dk ** -0.5``.
-        window_weight: None or ``(H,)`` positive per-head weight ``a_h`` of the window part.
-        linear_weight: None or ``(H,)`` positive per-head weight ``b_h`` of the kernelized part.
-    """
-
-    q: torch.Tensor
-    k: torch.Tensor
-    window: int
-    scale: Optional[float] = None
-    window_weight: Optional[torch.Tensor] = None
-    linear_weight: Optional[torch.Tensor] = None
 
 
 class HybridState(NamedTuple):
@@ -196,6 +176,10 @@ def hybrid_window_ring(
         v = torch.cat([initial_state.window_v, v], dim=2)
         valid = torch.cat([initial_state.window_valid, valid], dim=2)
     v1 = with_ones_column(v)
+    a_w, b_l = _per_head(window_weight, q), _per_head(linear_weight, q)
+    if not isinstance(n, int):  # a symbolic length (export with a dynamic sequence): one block, no loop over N
+        out = _whole(q, k, q_feat, k_feat, v1, valid, start, w, causal, scale, a_w, b_l, eps, initial_state)
+        return (out, _fold(initial_state, k, k_feat, v, valid, start, w), 0) if output_final_state else out
     nk, c = k.shape[2], max(1, int(chunk_size))
     states = chunk_tokens(k_feat, c).transpose(-1, -2) @ chunk_tokens(v1, c)  # (B, H, nc, M, D+1)
     zero = torch.zeros_like(states[:, :, :1])
@@ -203,7 +187,6 @@ def hybrid_window_ring(
     if initial_state is not None:
         old = torch.cat([initial_state.kv, initial_state.z[..., None]], dim=-1)[:, :, None]
         prefix = prefix + old
-    a_w, b_l = _per_head(window_weight, q), _per_head(linear_weight, q)
     # inputs cut into chunks once (split / unbind: their backward joins the pieces, instead of one
     # full-size gradient per slice, which would cost O(N^2 / C))
     q_rows, qf_rows = q.split(c, dim=2), q_feat.split(c, dim=2)
@@ -239,6 +222,23 @@ def hybrid_window_ring(
     if not output_final_state:
         return out
     return out, _fold(initial_state, k, k_feat, v, valid, start, w), 0
+
+
+def _whole(q, k, q_feat, k_feat, v1, valid, start, w, causal, scale, a_w, b_l, eps, state):
+    """The chunked form with one chunk of all ``N`` queries against all keys (O(N^2)): what a
+    traced program with a symbolic ``N`` runs, the same weights and stabiliser."""
+    n, nk = q.shape[2], k.shape[2]
+    r = torch.arange(nk, device=q.device)[None, :] - (start + torch.arange(n, device=q.device))[:, None]
+    inwin = ((r > -w) & (r <= 0)) if causal else (r.abs() < w)
+    allowed = valid[:, :, None, :] & (r <= 0) if causal else valid[:, :, None, :].expand(-1, -1, n, -1)
+    s_win = ((q @ k.transpose(-1, -2)) * scale).masked_fill(~(inwin & allowed), -torch.inf)
+    m = s_win.detach().amax(dim=-1, keepdim=True).clamp_min(0)
+    em = torch.exp(-m)
+    lin = (q_feat @ k_feat.transpose(-1, -2)).masked_fill(~(allowed & ~inwin), 0)
+    y = (a_w * torch.exp(s_win - m) + (b_l * em) * lin) @ v1
+    if state is not None:
+        y = y + (b_l * em) * (q_feat @ torch.cat([state.kv, state.z[..., None]], dim=-1))
+    return y[..., :-1] / (y[..., -1:] + eps * em)
 
 
 def _step(q, k, q_feat, k_feat, v, valid, scale, a_w, b_l, eps, state: HybridState, output_final_state,
@@ -389,3 +389,10 @@ def hybrid_attention(q_feat, k_feat, v, *, softmax_window: SoftmaxWindow, causal
         return result
     out, final, start = result
     return out, AttentionState(*final, window_start=start)
+
+
+register_backend(
+    "hybrid", hybrid_attention, takes=("causal", "key_mask", "eps", "softmax_window", "initial_state", "output_final_state"),
+    causal=True, noncausal=True, state=True, softmax_window=True, complexity="O(N (C + W) (Dk + M + D) + N M D)",
+    description="sliding-window hybrid: exact softmax over a window of W keys, kernelized beyond (softmax_window)",
+)

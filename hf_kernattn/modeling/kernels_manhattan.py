@@ -32,10 +32,10 @@ head) pairs whose buffers stay about 1 MB (:func:`_chunks`).
 Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): for the backward it keeps only its
 inputs q, k, v, the coefficients, the output and its denominator (it rebuilds the strips
 and recomputes each score block); score blocks exist for one row of tiles of a group of
-strips (a few thousand tokens) at a time. :func:`manhattan_table` turns a per-distance table into the 2D
-bias ``(H, 2Hg-1, 2Wg-1)`` the other backends take; :func:`manhattan_distances` reads the
+strips (a few thousand tokens) at a time. ``kernels_common.manhattan_table`` turns a per-distance table into the 2D
+bias ``(H, 2Hg-1, 2Wg-1)`` the other backends take; ``manhattan_distances`` reads the
 per-distance values back from such a bias (the backend's input). The plain reference is the
-dense form (``kernels_dense``) on :func:`manhattan_table`'s bias; :func:`manhattan_offsets_near`
+dense form (``kernels_dense``) on ``manhattan_table``'s bias; :func:`manhattan_offsets_near`
 is the same near sum written offset by offset (the form traced by ``torch.export`` with a
 dynamic grid, whose sizes are symbolic).
 """
@@ -46,31 +46,8 @@ import functools
 
 import torch
 
-from .kernels_common import full_precision, shifted_bias, with_ones_column
-
-
-def manhattan_index(grid_h: int, grid_w: int, clip: int, device=None) -> torch.Tensor:
-    """``(2Hg-1, 2Wg-1)`` long tensor: ``min(|dy| + |dx|, K)`` for every 2D offset."""
-    dy = torch.arange(-(grid_h - 1), grid_h, device=device).abs()
-    dx = torch.arange(-(grid_w - 1), grid_w, device=device).abs()
-    return (dy[:, None] + dx[None, :]).clamp(max=clip)
-
-
-def manhattan_table(distance_bias: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
-    """Per-distance bias ``(H, K+1)`` (entry d holds ``b_d``, the last one every distance >= K)
-    -> the 2D bias ``(H, 2Hg-1, 2Wg-1)`` of the clipped Manhattan distance."""
-    clip = distance_bias.shape[-1] - 1
-    return distance_bias[:, manhattan_index(grid_h, grid_w, clip, distance_bias.device)]
-
-
-def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: int) -> torch.Tensor:
-    """The per-distance values ``(H, K+1)`` of a 2D bias of the clipped Manhattan distance, each
-    read at one offset of that distance (``dy = min(d, Hg-1)``, ``dx = d - dy``); distances no
-    pair of the grid reaches get the farthest reachable one's (no key uses them)."""
-    reach = (grid_h - 1) + (grid_w - 1)
-    d = torch.arange(clip + 1, device=rpe_bias.device).clamp(max=reach)
-    dy = d.clamp(max=grid_h - 1)
-    return rpe_bias[:, grid_h - 1 + dy, grid_w - 1 + (d - dy)]
+from .kernels_common import full_precision, manhattan_distances, shifted_bias, with_ones_column
+from .registry import register_backend
 
 
 # Grids of at most this many tokens are one tile (see :func:`tile_shape`).
@@ -571,3 +548,10 @@ def manhattan_attention(
             y = y + manhattan_offsets_near(q, k, v1, c, (hg, wg), clip)
         return y[..., :d] / (y[..., d:] + eps_h[None, :, None, None])
     return ManhattanAttention.apply(q, k, v, c, eps_h, (hg, wg), clip, tile_shape((hg, wg), clip))
+
+
+register_backend(
+    "manhattan", manhattan_attention, takes=("rpe_bias", "grid", "rpe_clip", "eps"), causal=False, noncausal=True,
+    rpe_2d=True, needs_rpe_clip=True, symbolic_n=True, keeps_inputs=True, complexity="O(N K^2 (M + D) + N M D)",
+    description="exact for a 2D bias of the clipped Manhattan distance: matrix products over tiles near the diagonal, all keys beyond",
+)

@@ -31,6 +31,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
+from .kernels_hybrid import hybrid_attention  # noqa: F401  (registers the hybrid backend: softmax_window)
 from .attention import KernelizedSelfAttention
 from .attention_inputs import check_attention_mask
 from .configuration_nprf_bert import NPRFBertConfig

@@ -36,6 +36,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling, ImageClassifierOutput
 
+from .kernels_manhattan import manhattan_attention  # noqa: F401  (registers the manhattan backend)
 from .attention import KernelizedSelfAttention
 from .configuration_relative_performer_vit import RelativePerformerViTConfig
 from .feature_maps import FeatureMap, feature_maps_step

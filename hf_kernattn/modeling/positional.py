@@ -25,8 +25,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .kernels_common import is_size
-from .kernels_manhattan import manhattan_table
+from .kernels_common import is_size, manhattan_table
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, dim: int, base: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

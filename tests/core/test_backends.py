@@ -302,7 +302,7 @@ def test_manhattan_equals_the_literal_formula_with_gradients(clip):
     """The O(N K^2) far/near split of a 2D bias of the clipped Manhattan distance equals the
     literal dense formula (float64), outputs and the gradients of q, k, v and the per-distance
     table, with padding; K = 20 exceeds every distance of the 5 x 7 grid."""
-    from hf_kernattn.modeling.kernels_manhattan import manhattan_table
+    from hf_kernattn.modeling.kernels_common import manhattan_table
 
     g = torch.Generator().manual_seed(11 + clip)
     hg, wg = 5, 7
@@ -329,7 +329,7 @@ def test_manhattan_equals_the_literal_formula_with_gradients(clip):
 
 
 def test_manhattan_declaration_is_checked_and_auto_uses_it():
-    from hf_kernattn.modeling.kernels_manhattan import manhattan_table
+    from hf_kernattn.modeling.kernels_common import manhattan_table
     from hf_kernattn.modeling.registry import choose_backend
 
     q, k, v, bias, _ = _inputs(6, seed=13, grid=(2, 3))

@@ -10,7 +10,8 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling import kernels_manhattan
-from hf_kernattn.modeling.kernels_manhattan import ManhattanAttention, TilePlan, manhattan_attention, manhattan_table
+from hf_kernattn.modeling.kernels_common import manhattan_table
+from hf_kernattn.modeling.kernels_manhattan import ManhattanAttention, TilePlan, manhattan_attention
 
 from tests.reference import assert_float32_matches_float64, bytes_saved_for_backward, literal_reference
 

@@ -14,7 +14,7 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling.registry import get_backend
-from hf_kernattn.modeling.kernels_hybrid import SoftmaxWindow
+from hf_kernattn import SoftmaxWindow
 
 from tests.conftest import tiny_attention_config, tiny_linear_gpt_config, tiny_nprf_bert_config
 
@@ -35,7 +35,7 @@ def _bias(rpe, n: int, heads: int = 2):
     """The case's bias arguments: a 1D table clipped at 3, or a 2D bias of the Manhattan
     distance clipped at 2 on a grid of n tokens, as a module (its parameter gets the gradient);
     none for the sliding-window hybrid ("window")."""
-    from hf_kernattn.modeling.kernels_manhattan import manhattan_table
+    from hf_kernattn.modeling.kernels_common import manhattan_table
 
     if rpe == "window":
         return None, lambda: {}

@@ -4,11 +4,14 @@ bidirectional, padding, W in {1, 3, 64, > N}), ``auto`` picks it by capability a
 backend refuses the keyword, the causal state (six tensors) splits, carries and resumes, the
 non-finite guard covers the raw queries and keys, and bad input gets errors naming the parameter."""
 
+import math
+
 import pytest
 import torch
 
 from hf_kernattn import kernelized_attention
-from hf_kernattn.modeling.kernels_hybrid import SoftmaxWindow, hybrid_attention_reference
+from hf_kernattn import SoftmaxWindow
+from hf_kernattn.modeling.kernels_hybrid import hybrid_attention_reference
 from hf_kernattn.modeling.registry import available_backends, get_backend
 from hf_kernattn.modeling.state import AttentionState
 
@@ -169,6 +172,13 @@ def test_bad_softmax_window_input_is_refused_naming_the_parameter():
     for sw, err, msg in cases:
         with pytest.raises(err, match=msg):
             call(sw)
+    for bad in (-1.0, 0.0, math.nan, math.inf):  # mixing weights must be positive and finite
+        w = a.clone()
+        w[1] = bad
+        with pytest.raises(ValueError, match=r"softmax_window.window_weight must hold positive finite"):
+            call(SoftmaxWindow(q, k, 3, None, w))
+        with pytest.raises(ValueError, match=r"softmax_window.linear_weight must hold positive finite"):
+            call(SoftmaxWindow(q, k, 3, None, None, w))
     bias = torch.zeros(H, 2 * N - 1, dtype=F64)
     with pytest.raises(ValueError, match="softmax_window cannot be combined with rpe_bias"):
         call(SoftmaxWindow(q, k, 3), rpe_bias=bias)

@@ -12,7 +12,7 @@ import torch
 
 from hf_kernattn.modeling.cache import LinearGPTCacheLayer
 from hf_kernattn.modeling.dispatch import kernelized_attention
-from hf_kernattn.modeling.kernels_hybrid import SoftmaxWindow
+from hf_kernattn import SoftmaxWindow
 from hf_kernattn.modeling.state import AttentionState
 from tests.models.linear_gpt.test_decoding_session import (  # noqa: F401  (fast_steps: a fixture)
     _assert_bitwise, _assert_fast_steps_equal_modules_and_forward, _decode, _force_modules, _ids, _model,
@@ -263,3 +263,21 @@ def test_mixing_weights_changed_between_steps_are_used(fast_steps):
     fast_steps.clear()
     _assert_bitwise(fast, run(True))
     assert not any(fast_steps)
+
+
+@pytest.mark.parametrize("config", [dict(softmax_window=4), dict(softmax_window=1, feature_map="hedgehog_exp"), {}])
+def test_generate_continued_from_its_cache_without_a_mask_equals_the_whole_forward(config):
+    """``generate(seq, cache=...)`` with no attention_mask after a first generate(): the next
+    token's scores are the whole sequence's forward (generate hands scores over in float32). The
+    pad id lies outside the vocabulary: generate() reads a pad id inside the sequence as padding
+    (as for GPT-2), which a mask of ones overrides."""
+    model = _weights_away_from_one(_model(F64, max_position_embeddings=128, **config)) if config else \
+        _model(F64, max_position_embeddings=128)
+    ids = torch.randint(1, 53, (1, 6), generator=torch.Generator().manual_seed(6)) % model.config.vocab_size
+    kw = dict(do_sample=False, pad_token_id=model.config.vocab_size, return_dict_in_generate=True)
+    with torch.no_grad():
+        first = model.generate(ids, max_new_tokens=8, **kw)
+        more = model.generate(first.sequences, past_key_values=first.past_key_values, max_new_tokens=1,
+                              output_scores=True, **kw)
+        whole = model(first.sequences, use_cache=False).logits[:, -1]
+    torch.testing.assert_close(more.scores[0].double(), whole, rtol=1e-6, atol=1e-6)
