@@ -177,6 +177,39 @@ def test_clm_saves_tokenizer_once_with_a_max_length(tmp_path):
     assert tok_config["model_max_length"] == config["max_position_embeddings"] == 1024
 
 
+def test_clm_config_overrides_set_any_config_field_of_a_model_from_scratch(tmp_path):
+    """``--config_overrides`` reaches fields the flags do not (the sliding-window hybrid, Llama's
+    norm and gated MLP, grouped-query attention): the saved model has them."""
+    clm = load_script("run_clm")
+    out = tmp_path / "out"
+    clm.main(["--train_file", str(write_text(tmp_path / "train.txt", 40, 0)), "--hidden_size", "16",
+              "--num_hidden_layers", "1", "--num_attention_heads", "2", "--block_size", "32", "--max_train_steps", "1",
+              "--config_overrides", "softmax_window=4,norm_type=rmsnorm,mlp_type=gated,num_key_value_heads=1,"
+                                    "hidden_act=silu", "--cpu", "--output_dir", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    assert (config["softmax_window"], config["norm_type"], config["mlp_type"], config["num_key_value_heads"],
+            config["hidden_act"], config["hidden_size"]) == (4, "rmsnorm", "gated", 1, "silu", 16)
+
+
+@pytest.mark.parametrize("overrides, extra, message", [
+    ("softmax_window=-1", [], r"--config_overrides: softmax_window must be None or an int >= 1, got -1"),
+    ("norm_type=rms", [], r"--config_overrides: norm_type must be one of \['layernorm', 'rmsnorm'\], got 'rms'"),
+    ("n_embd=10", [], r"--config_overrides: 'n_embd' is not a LinearGPTConfig field; the fields: hidden_size, "),
+    ("vocab_size=10", [], r"--config_overrides: vocab_size is set from the tokenizer"),
+    ("softmax_window", [], r"--config_overrides items must be key=value, got 'softmax_window'"),
+    ("max_position_embeddings=16", [], r"max_position_embeddings=16 is less than --block_size=32"),
+    ("softmax_window=4", ["--model_name_or_path", "somewhere"], r"cannot be combined with --model_name_or_path"),
+])
+def test_clm_refuses_bad_config_overrides_before_any_work(tmp_path, overrides, extra, message, capsys):
+    clm = load_script("run_clm")
+    with pytest.raises(SystemExit):
+        clm.main(["--train_file", str(tmp_path / "none.txt"), "--block_size", "32", "--config_overrides", overrides,
+                  "--cpu", "--output_dir", str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert __import__("re").search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # one weight-decay rule
 
