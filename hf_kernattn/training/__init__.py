@@ -1,7 +1,8 @@
 """Shared training code of the example scripts, one module per concern:
 
 * :mod:`~hf_kernattn.training.args`: the command-line flags the Accelerate scripts have in
-  common (:func:`add_training_args`, :func:`check_training_args`, :func:`warmup_steps`) and small
+  common (:func:`add_training_args`, :func:`check_training_args`, :func:`warmup_steps`), the
+  checks of run settings they share with ``linearize`` (:func:`check_training_values`) and small
   parsers of flag values;
 * :mod:`~hf_kernattn.training.optimizer`: the weight-decay rule (:func:`decay_parameter_names`,
   :func:`optimizer_grouped_parameters`);
@@ -28,6 +29,7 @@ from .args import (
     add_training_args,
     check_text_files,
     check_training_args,
+    check_training_values,
     parse_overrides,
     warmup_steps,
 )
@@ -69,7 +71,7 @@ from .threads import NUM_THREADS_HELP, configure_threads, local_process_count
 __all__ = [
     "CHECKPOINT_PREFIX", "FORMAT_VERSION", "MODEL_FILE", "NOT_FINGERPRINTED", "NUM_THREADS_HELP", "SCHEDULER_TYPES",
     "STATE_FILE", "WEIGHT_DECAY_HELP", "CheckpointError", "EpochShuffleSampler", "add_training_args",
-    "check_text_files", "check_training_args", "checkpoint_manifest", "configure_threads", "decay_parameter_names", "end_run",
+    "check_text_files", "check_training_args", "check_training_values", "checkpoint_manifest", "configure_threads", "decay_parameter_names", "end_run",
     "fingerprint_settings", "finish_run", "identify_run", "is_complete", "load_checkpoint", "load_tree", "local_process_count",
     "make_accelerator", "make_scheduler", "optimizer_grouped_parameters", "parse_overrides", "prepare", "prune_checkpoints",
     "push_if_asked",
