@@ -50,7 +50,7 @@ from .checkpoints import (
     verify_checkpoint,
     write_state_file,
 )
-from .distributed import make_accelerator, prepare
+from .distributed import launch_sharding, make_accelerator, prepare
 from .loop import (
     EpochShuffleSampler,
     end_run,
@@ -72,7 +72,7 @@ __all__ = [
     "CHECKPOINT_PREFIX", "FORMAT_VERSION", "MODEL_FILE", "NOT_FINGERPRINTED", "NUM_THREADS_HELP", "SCHEDULER_TYPES",
     "STATE_FILE", "WEIGHT_DECAY_HELP", "CheckpointError", "EpochShuffleSampler", "add_training_args",
     "check_text_files", "check_training_args", "check_training_values", "checkpoint_manifest", "configure_threads", "decay_parameter_names", "end_run",
-    "fingerprint_settings", "finish_run", "identify_run", "is_complete", "load_checkpoint", "load_tree", "local_process_count",
+    "fingerprint_settings", "finish_run", "identify_run", "is_complete", "launch_sharding", "load_checkpoint", "load_tree", "local_process_count",
     "make_accelerator", "make_scheduler", "optimizer_grouped_parameters", "parse_overrides", "prepare", "prune_checkpoints",
     "push_if_asked",
     "resolve_checkpoint", "rng_state", "run_fingerprint", "run_main", "save_checkpoint", "save_final_model",

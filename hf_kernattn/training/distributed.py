@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -79,6 +80,16 @@ def make_accelerator(args: argparse.Namespace, **kwargs):
             ds_config["train_micro_batch_size_per_gpu"] = batch
     configure_threads(getattr(args, "num_threads", None))
     return accelerator
+
+
+def launch_sharding() -> Optional[str]:
+    """``"FSDP"`` or ``"DeepSpeed"`` when ``accelerate launch`` was given such a configuration (its
+    ``ACCELERATE_USE_*`` variables), else ``None``."""
+    if _launch_flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    if _launch_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DeepSpeed"
+    return None
 
 
 def _use_fsdp_on_cpu(accelerator) -> None:

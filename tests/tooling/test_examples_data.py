@@ -276,3 +276,61 @@ def test_shift_robustness_small_run_writes_its_table_and_plot(tmp_path):
     for name in ("shift_robustness.csv", "shift_robustness.png", "shift_robustness.md"):
         assert (tmp_path / name).stat().st_size > 0
     assert len(list(csv.DictReader(open(tmp_path / "shift_robustness.csv")))) == 2 * 9
+
+
+# --------------------------------------------------------------------------------------------
+# run_glue.py (Trainer) under an FSDP or DeepSpeed launch on CPU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [None, "ACCELERATE_USE_FSDP"])
+def test_glue_says_when_an_fsdp_launch_trains_unsharded_on_cpu(glue, tmp_path, monkeypatch, caplog, launch):
+    """accelerate's Trainer applies an FSDP or DeepSpeed launch configuration only on GPUs: on CPU
+    processes the run is plain data parallel, and the script says so instead of keeping quiet."""
+    if launch:
+        monkeypatch.setenv(launch, "true")
+    model = tiny_nprf_classifier(tmp_path)
+    train, dev = write_pairs_csv(tmp_path / "train.csv", 8, 0), write_pairs_csv(tmp_path / "dev.csv", 4, 1)
+    with caplog.at_level("WARNING"):
+        glue.main(glue_args(model, tmp_path, train, dev, "--max_steps", "1"))
+    said = [r.getMessage() for r in caplog.records if "was asked for" in r.getMessage()]
+    if launch is None:
+        assert not said
+    else:
+        assert said == ["FSDP was asked for, but the Trainer applies FSDP and DeepSpeed only on GPUs: these 1 cpu "
+                        "process(es) train unsharded (plain DDP: each holds the whole model and optimizer). The "
+                        "Accelerate scripts (run_mlm.py, run_clm.py, run_image_classification.py) shard on CPU too"]
+
+
+# --------------------------------------------------------------------------------------------
+# refusals as commands: one line, no traceback
+
+
+@pytest.mark.parametrize("script, case, message", [
+    ("run_glue", "fields", r"^run_glue\.py: error: .*train\.csv, line 3: 2 fields, but the header has 3"),
+    ("run_glue", "missing", r"^run_glue\.py: error: .*nope\.csv: no such file$"),
+    ("run_glue", "max_seq_length", r"^run_glue\.py: error: --max_seq_length must be >= 2, got 1$"),
+    ("run_mlm", "empty", r"^run_mlm\.py: error: --train_file: .*empty\.txt holds no text"),
+])
+def test_data_errors_end_the_command_with_one_line(tmp_path, monkeypatch, capsys, script, case, message):
+    from hf_kernattn.training import run_main
+
+    mod = load_script(script)
+    if script == "run_glue":
+        train = _csv(tmp_path / "train.csv", "sentence1,sentence2,label\na b,c d,1\na b,c d\n")
+        dev = write_pairs_csv(tmp_path / "dev.csv", 4, 1)
+        argv = glue_args(tmp_path / "no-model-needed", tmp_path, tmp_path / "nope.csv" if case == "missing" else train,
+                         dev, *(["--max_seq_length", "1"] if case == "max_seq_length" else []))
+    else:
+        (tmp_path / "empty.txt").write_text("\n \n")
+        argv = ["--train_file", str(tmp_path / "empty.txt"), "--tokenizer_name", str(bert_tokenizer_dir(tmp_path)),
+                "--config_overrides", "hidden_size=16", "--output_dir", str(tmp_path / "out"), "--cpu"]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        run_main(mod.main)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    assert __import__("re").search(message, line), line
