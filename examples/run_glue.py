@@ -89,6 +89,7 @@ from hf_kernattn.metrics import GLUE_METRIC_PATH
 from hf_kernattn.training import (
     NUM_THREADS_HELP,
     CheckpointError,
+    check_training_values,
     configure_threads,
     decay_parameter_names,
     launch_sharding,
@@ -167,10 +168,8 @@ class RunArguments:
     def __post_init__(self) -> None:
         if self.early_stopping_patience < 0:
             raise ValueError(f"--early_stopping_patience must be >= 0, got {self.early_stopping_patience}")
-        if self.stop_after_steps is not None and self.stop_after_steps < 1:
-            raise ValueError(f"--stop_after_steps must be >= 1, got {self.stop_after_steps}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"--num_threads must be >= 1, got {self.num_threads}")
+        check_training_values({"stop_after_steps": self.stop_after_steps, "num_threads": self.num_threads},
+                              {"stop_after_steps": "--stop_after_steps", "num_threads": "--num_threads"})
 
 
 @dataclass

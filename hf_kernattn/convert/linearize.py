@@ -483,7 +483,7 @@ def linearize(
                     feature_map=feature_map, train=train, steps=steps, batch_size=batch_size, block_size=block_size,
                     learning_rate=learning_rate, warmup_steps=warmup_steps, scheduler=scheduler, seed=seed,
                     overrides=overrides)
-    if per_example:  # (only when on: the fingerprints of packed runs stay what they were)
+    if per_example:
         settings.update(line_by_line=True, text_column=text_column, text_pair_column=text_pair_column)
     settings["data_sha256"] = data_sha256(seqs if per_example else blocks)
     fingerprint = ckpt.run_fingerprint(settings)

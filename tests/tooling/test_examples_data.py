@@ -310,6 +310,7 @@ def test_glue_says_when_an_fsdp_launch_trains_unsharded_on_cpu(glue, tmp_path, m
     ("run_glue", "fields", r"^run_glue\.py: error: .*train\.csv, line 3: 2 fields, but the header has 3"),
     ("run_glue", "missing", r"^run_glue\.py: error: .*nope\.csv: no such file$"),
     ("run_glue", "max_seq_length", r"^run_glue\.py: error: --max_seq_length must be >= 2, got 1$"),
+    ("run_glue", "stop_after_steps", r"^run_glue\.py: error: --stop_after_steps must be an int >= 1, got 0$"),
     ("run_mlm", "empty", r"^run_mlm\.py: error: --train_file: .*empty\.txt holds no text"),
 ])
 def test_data_errors_end_the_command_with_one_line(tmp_path, monkeypatch, capsys, script, case, message):
@@ -320,7 +321,8 @@ def test_data_errors_end_the_command_with_one_line(tmp_path, monkeypatch, capsys
         train = _csv(tmp_path / "train.csv", "sentence1,sentence2,label\na b,c d,1\na b,c d\n")
         dev = write_pairs_csv(tmp_path / "dev.csv", 4, 1)
         argv = glue_args(tmp_path / "no-model-needed", tmp_path, tmp_path / "nope.csv" if case == "missing" else train,
-                         dev, *(["--max_seq_length", "1"] if case == "max_seq_length" else []))
+                         dev, *({"max_seq_length": ["--max_seq_length", "1"],
+                                 "stop_after_steps": ["--stop_after_steps", "0"]}.get(case, [])))
     else:
         (tmp_path / "empty.txt").write_text("\n \n")
         argv = ["--train_file", str(tmp_path / "empty.txt"), "--tokenizer_name", str(bert_tokenizer_dir(tmp_path)),
