@@ -15,6 +15,9 @@
   ends bitwise where the uninterrupted run ends (same number of processes and threads);
   ``--checkpoints_total_limit`` keeps the newest N; ``--stop_after_steps N`` ends an invocation N
   steps after where it started; ``--num_threads`` sets torch's CPU threads per process.
+* A model from scratch takes its shape from the flags and any other ``LinearGPTConfig`` field from
+  ``--config_overrides key=value,...`` (``softmax_window``, the Llama options ``norm_type=rmsnorm``,
+  ``mlp_type=gated``, ``num_key_value_heads``, ...), checked by the config before any work.
 * Saves a Hub-ready checkpoint: ``save_pretrained`` (weights, config with ``auto_map``, the
   modeling code for ``trust_remote_code=True``), the tokenizer and a model card.
 
@@ -72,6 +75,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     model.add_argument("--position_embedding_type", default="absolute", choices=["absolute", "rotary", "none"])
     model.add_argument("--rpe", default="none", choices=["none", "learned"])
     model.add_argument("--max_relative_position", type=int, default=64)
+    model.add_argument("--config_overrides", default=None,
+                       help="key=value,... LinearGPTConfig fields of a model from scratch, applied over the flags "
+                            "above and checked by the config (e.g. softmax_window=64,norm_type=rmsnorm,mlp_type=gated,"
+                            "num_key_value_heads=2); values are read as JSON (numbers, true/false, null), else as text")
     model.add_argument("--gradient_checkpointing", action="store_true")
     train = p.add_argument_group("training")
     train.add_argument("--per_device_train_batch_size", type=int, default=8)
@@ -92,7 +99,47 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--max_train_steps must be >= 1, got {args.max_train_steps}")
     if args.eval_steps < 0 or args.max_eval_batches < 0:
         p.error("--eval_steps and --max_eval_batches must be >= 0")
+    if args.config_overrides is not None:
+        if args.model_name_or_path:
+            p.error("--config_overrides sets up a model from scratch; it cannot be combined with --model_name_or_path")
+        try:
+            config = model_config(args)
+        except ValueError as err:
+            p.error(f"--config_overrides: {' '.join(str(err).split())}")
+        if config.position_embedding_type == "absolute" and config.max_position_embeddings < args.block_size:
+            p.error(f"--config_overrides: max_position_embeddings={config.max_position_embeddings} is less than "
+                    f"--block_size={args.block_size}")
     return args
+
+
+# Set from the tokenizer, not through --config_overrides.
+TOKENIZER_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def model_config(args: argparse.Namespace, tokenizer=None) -> LinearGPTConfig:
+    """The config of a model from scratch: the model flags, then ``--config_overrides`` (fields of
+    ``LinearGPTConfig``, checked by the config itself), then the tokenizer's vocabulary and token
+    ids (without a tokenizer: the config's defaults, to check the flags before any work)."""
+    from hf_kernattn.modeling.configuration_linear_gpt import ATTENTION_SCHEMA
+
+    fields = dict(
+        hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
+        num_attention_heads=args.num_attention_heads, max_position_embeddings=max(args.block_size, 1024),
+        feature_map=args.feature_map, position_embedding_type=args.position_embedding_type, rpe=args.rpe,
+        max_relative_position=args.max_relative_position,
+    )
+    overrides = training.parse_overrides(args.config_overrides)
+    for key in overrides:
+        if key in TOKENIZER_FIELDS:
+            raise ValueError(f"{key} is set from the tokenizer")
+        if key not in ATTENTION_SCHEMA.field_names:
+            raise ValueError(f"{key!r} is not a LinearGPTConfig field; the fields: "
+                             f"{', '.join(n for n in ATTENTION_SCHEMA.field_names if n not in TOKENIZER_FIELDS)}")
+    fields.update(overrides)
+    if tokenizer is not None:
+        fields.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    return LinearGPTConfig(**fields)
 
 
 def build_tokenizer(kind: str, texts, vocab_size: int, model_max_length: int):
@@ -145,7 +192,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
     raw = load_text(args)
     column = args.text_column
-    max_positions = max(args.block_size, 1024)
+    max_positions = model_config(args).max_position_embeddings
 
     # Tokenizer: a resumed run takes the one saved in its checkpoint; otherwise it is built on the
     # main process straight into --output_dir (where the final model goes) and loaded by all.
@@ -181,14 +228,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.model_name_or_path:
         model = LinearGPTForCausalLM.from_pretrained(args.model_name_or_path)
     else:
-        config = LinearGPTConfig(
-            vocab_size=len(tokenizer), hidden_size=args.hidden_size, num_hidden_layers=args.num_hidden_layers,
-            num_attention_heads=args.num_attention_heads, max_position_embeddings=max_positions,
-            feature_map=args.feature_map, position_embedding_type=args.position_embedding_type, rpe=args.rpe,
-            max_relative_position=args.max_relative_position, bos_token_id=tokenizer.eos_token_id,
-            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        )
-        model = LinearGPTForCausalLM(config)
+        model = LinearGPTForCausalLM(model_config(args, tokenizer))
     if args.gradient_checkpointing:  # the 5.x name where it exists, the older one otherwise
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
 
@@ -198,7 +238,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     eval_dl = DataLoader(lm["validation"], batch_size=args.per_device_eval_batch_size,
                          generator=torch.Generator())
     optimizer = torch.optim.AdamW(training.optimizer_grouped_parameters(model, args.weight_decay), lr=args.learning_rate)
-    model, optimizer, train_dl, eval_dl = accelerator.prepare(model, optimizer, train_dl, eval_dl)
+    model, optimizer, train_dl, eval_dl = training.prepare(accelerator, model, optimizer, train_dl, eval_dl)
     steps_per_epoch = math.ceil(len(train_dl) / args.gradient_accumulation_steps)
     max_steps = args.max_train_steps or args.num_train_epochs * steps_per_epoch
     scheduler = training.make_scheduler(accelerator, args, optimizer, max_steps, training.warmup_steps(args, max_steps))

@@ -30,7 +30,9 @@ with a warning, another run's refused, naming the settings that differ). Checkpo
 pickle: the optimizer, scheduler, gradient scaler and random states are written as safetensors +
 JSON and the training arguments as ``training_args.json`` (instead of the Trainer's
 ``optimizer.pt``, ``scheduler.pt``, ``scaler.pt``, ``rng_state*.pth`` and ``training_args.bin``),
-except under DeepSpeed, FSDP or XLA, whose own checkpoint formats are kept. The best checkpoint is
+except under DeepSpeed, FSDP or XLA, whose own checkpoint formats are kept. The Trainer applies an
+FSDP or DeepSpeed launch configuration on GPUs only: on CPU processes it trains with plain DDP,
+and the script says so with a warning (the Accelerate scripts shard on CPU too). The best checkpoint is
 saved Hub-ready (weights, modeling code for ``trust_remote_code``, tokenizer, model card, results)
 in ``--output_dir``. ``--num_threads`` sets torch's CPU threads per process.
 
@@ -87,8 +89,10 @@ from hf_kernattn.metrics import GLUE_METRIC_PATH
 from hf_kernattn.training import (
     NUM_THREADS_HELP,
     CheckpointError,
+    check_training_values,
     configure_threads,
     decay_parameter_names,
+    launch_sharding,
     load_tree,
     local_process_count,
     resolve_checkpoint,
@@ -164,10 +168,8 @@ class RunArguments:
     def __post_init__(self) -> None:
         if self.early_stopping_patience < 0:
             raise ValueError(f"--early_stopping_patience must be >= 0, got {self.early_stopping_patience}")
-        if self.stop_after_steps is not None and self.stop_after_steps < 1:
-            raise ValueError(f"--stop_after_steps must be >= 1, got {self.stop_after_steps}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"--num_threads must be >= 1, got {self.num_threads}")
+        check_training_values({"stop_after_steps": self.stop_after_steps, "num_threads": self.num_threads},
+                              {"stop_after_steps": "--stop_after_steps", "num_threads": "--num_threads"})
 
 
 @dataclass
@@ -636,6 +638,12 @@ def main(argv: Optional[list[str]] = None) -> dict:
         data_collator=collator, compute_metrics=compute_metrics, callbacks=callbacks,
         run_state=(fingerprint, settings),
     )
+    asked = launch_sharding() or ("FSDP" if training_args.fsdp else "DeepSpeed" if training_args.deepspeed else None)
+    if asked and not (trainer.is_fsdp_enabled or trainer.is_deepspeed_enabled) and training_args.process_index == 0:
+        logger.warning("%s was asked for, but the Trainer applies FSDP and DeepSpeed only on GPUs: these %d %s "
+                       "process(es) train unsharded (plain DDP: each holds the whole model and optimizer). The "
+                       "Accelerate scripts (run_mlm.py, run_clm.py, run_image_classification.py) shard on CPU too",
+                       asked, training_args.world_size, training_args.device.type)
     results: dict = {}
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=str(resume) if resume else None)

@@ -248,7 +248,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     max_train_steps = args.max_train_steps or args.num_train_epochs * max(1, steps_per_epoch)
     optimizer = torch.optim.AdamW(training.optimizer_grouped_parameters(model, args.weight_decay), lr=args.learning_rate)
     warmup = training.warmup_steps(args, max_train_steps, default=math.ceil(0.05 * max_train_steps))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = training.prepare(accelerator, model, optimizer)
     train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)
     scheduler = training.make_scheduler(accelerator, args, optimizer, max_train_steps, warmup)

@@ -204,7 +204,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
     )
     warmup = training.warmup_steps(args, args.max_train_steps, default=min(10000, max(1, args.max_train_steps // 10)))
-    model, optimizer = accelerator.prepare(model, optimizer)
+    model, optimizer = training.prepare(accelerator, model, optimizer)
     train_dl = accelerator.prepare_data_loader(train_dl, device_placement=False)
     if eval_dl is not None:
         eval_dl = accelerator.prepare_data_loader(eval_dl, device_placement=False)

@@ -313,7 +313,7 @@ def _run(args: argparse.Namespace, out: Path, scratch: Path) -> dict:
     from hf_kernattn.convert import convert_to_linear_gpt
 
     linear = convert_to_linear_gpt(gpt2_dir, out / "linear_gpt_converted", num_random_features=args.num_random_features,
-                                   feature_seed=args.feature_seed)
+                                   feature_seed=args.feature_seed, overwrite_output_dir=True)  # this script's own folder
     report = linear.conversion_report
     converted_loss = evaluate(linear, eval_set, scratch / "eval", args)
 

@@ -46,6 +46,7 @@ from .common import (
     CONVERTED_FEATURE_MAP,
     CONVERTED_NUM_RANDOM_FEATURES,
     SUPPORTED_MODEL_TYPES,
+    check_output_dir,
     read_config,
     resolve_checkpoint,
 )
@@ -66,6 +67,7 @@ def convert_to_linear_gpt(
     revision: Optional[str] = None,
     base_model: Optional[str] = None,
     allow_pickle: bool = False,
+    overwrite_output_dir: bool = False,
     **attention_overrides: Any,
 ):
     """Build a Linear GPT from a GPT-2 or Llama checkpoint (a directory or a Hub model id).
@@ -95,6 +97,8 @@ def convert_to_linear_gpt(
     from ..modeling.configuration_linear_gpt import LinearGPTConfig
 
     src = resolve_checkpoint(checkpoint_dir, revision, allow_pickle)
+    if output_dir is not None:
+        check_output_dir(output_dir, src, overwrite=overwrite_output_dir)
     cfg = read_config(src, ("gpt2", "llama"))
     unknown = set(attention_overrides) - set(LinearGPTConfig().to_dict())
     if unknown:
@@ -151,6 +155,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pickle", action="store_true",
                         help="read pickled weights (pytorch_model*.bin) of a source that has no safetensors ones; "
                              "unpickling a file can run code from it, so only for sources you trust (default: refused)")
+    parser.add_argument("--overwrite_output_dir", "--overwrite-output-dir", dest="overwrite_output_dir",
+                        action="store_true",
+                        help="write into an output_dir that already holds files (the result's files replace those of "
+                             "the same names; default: refused). The source folder itself is never written to")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
         if v is not None
     }
     model = convert(args.checkpoint_dir, args.output_dir, head=args.head, revision=args.revision,
-                    allow_pickle=args.allow_pickle, **overrides)
+                    allow_pickle=args.allow_pickle, overwrite_output_dir=args.overwrite_output_dir, **overrides)
     rep = model.conversion_report
     print(f"converted {rep['source_model_type']} -> {type(model).__name__} (head={rep['head']})")
     print(f"copied {len(rep['copied'])} tensors; left at initialisation: {rep['initialised']}")

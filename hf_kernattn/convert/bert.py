@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from .common import check_layer_count, finish_conversion, read_config, read_state_dict, resolve_checkpoint
+from .common import check_layer_count, check_output_dir, finish_conversion, read_config, read_state_dict, resolve_checkpoint
 
 HEADS = ("auto", "base", "masked_lm", "sequence_classification", "token_classification", "question_answering")
 # BERT config fields copied verbatim into NPRFBertConfig.
@@ -108,6 +108,7 @@ def convert_to_nprf_bert(
     revision: Optional[str] = None,
     base_model: Optional[str] = None,
     allow_pickle: bool = False,
+    overwrite_output_dir: bool = False,
     **attention_overrides: Any,
 ):
     """Build an NPRF-BERT model from a BERT or RoBERTa checkpoint.
@@ -118,7 +119,9 @@ def convert_to_nprf_bert(
             Hugging Face Hub (``"google-bert/bert-base-uncased"``), fetched as ``from_pretrained``
             does (Hub cache, token and offline settings of ``huggingface_hub``).
         output_dir: if given, the converted model is saved there (Hub-ready, with its code for
-            ``trust_remote_code``) together with the source tokenizer files.
+            ``trust_remote_code``) together with the source tokenizer files. Never the source
+            folder, inside it or holding it; an existing folder must be empty unless
+            ``overwrite_output_dir``.
         head: ``"auto"`` (from the checkpoint's ``architectures``), ``"base"``, ``"masked_lm"``,
             ``"sequence_classification"``, ``"token_classification"`` or ``"question_answering"``.
         revision: branch, tag or commit of a Hub model id (ignored for a local directory).
@@ -126,6 +129,8 @@ def convert_to_nprf_bert(
         allow_pickle: read pickled weights (``pytorch_model*.bin``) of a source that has no
             safetensors ones, with a warning (unpickling a file can run code from it: only for
             sources you trust). By default they are refused.
+        overwrite_output_dir: write into an ``output_dir`` that already holds files (the
+            result's files replace those of the same names).
         **attention_overrides: NPRF-BERT config fields to set (``num_random_features``,
             ``max_relative_position``, ``feature_map``, ``attn_backend``, ``num_labels``, ...).
             Head weights the source lacks (e.g. a classifier when converting a pre-trained
@@ -151,6 +156,8 @@ def convert_to_nprf_bert(
     if head not in HEADS:
         raise ValueError(f"head must be one of {list(HEADS)}, got {head!r}")
     src = resolve_checkpoint(checkpoint_dir, revision, allow_pickle)
+    if output_dir is not None:
+        check_output_dir(output_dir, src, overwrite=overwrite_output_dir)
     cfg = read_config(src)
     _check_bert_config(cfg)
     model_type = cfg["model_type"]

@@ -79,6 +79,42 @@ def resolve_checkpoint(checkpoint: str | Path, revision: Optional[str] = None, a
     return folder
 
 
+def check_output_dir(output_dir: str | Path, source: Path, *, overwrite: bool = False, ours=lambda path: False) -> Path:
+    """``output_dir`` as a ``Path`` once it is safe to write a result there; ``ValueError`` otherwise.
+
+    Never the source folder, a folder inside it or one holding it (the result would overwrite or
+    mix with the source model). An existing folder must be empty, or hold only what ``ours(path)``
+    accepts (a run's own checkpoints and earlier result), unless ``overwrite``: files of the
+    user's are never replaced without it."""
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output_dir {str(out)!r} exists and is not a folder")
+    o, s = out.resolve(), Path(source).resolve()
+    where = ("is the source folder" if o == s else "is inside the source folder" if s in o.parents
+             else "holds the source folder" if o in s.parents else None)
+    if where is not None:
+        raise ValueError(f"output_dir {str(out)!r} {where} {str(source)!r}: writing the result there would overwrite "
+                         "or mix with the source model; choose another folder")
+    if out.is_dir() and not overwrite:
+        foreign = sorted(p.name for p in out.iterdir() if not ours(p))
+        if foreign:
+            raise ValueError(
+                f"output_dir {str(out)!r} already holds other files ({names(foreign, 5)}), which the result would "
+                "overwrite or mix with; choose a new or empty folder, or pass overwrite_output_dir=True (command "
+                "line: --overwrite_output_dir) to write into it anyway"
+            )
+    return out
+
+
+def inside_folder(folder: Path, name: str, what: str) -> Path:
+    """``folder / name`` for a relative ``name`` that stays inside ``folder``; ``ValueError``
+    naming ``what`` for an absolute name or one with a ``..`` part."""
+    path = Path(name)
+    if not name or path.is_absolute() or path.drive or ".." in path.parts:
+        raise ValueError(f"{what} names {name!r}, which leaves the folder {str(folder)!r}: only files inside it are read")
+    return folder / path
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """The JSON object in ``path``; ``ValueError`` naming the file when it is not one."""
     try:
@@ -136,9 +172,10 @@ def _read_sharded(src: Path, index: Path, load) -> tuple[dict[str, torch.Tensor]
     files = sorted(set(weight_map.values()))
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        if not (src / name).is_file():
+        path = inside_folder(src, name, f"weights index {str(index)!r}")
+        if not path.is_file():
             raise ValueError(f"weights index {str(index)!r} lists {name!r}, which is not in {str(src)!r}")
-        state.update(load(src / name))
+        state.update(load(path))
     absent = sorted(k for k, f in weight_map.items() if k not in state)
     if absent:
         raise ValueError(f"weights index {str(index)!r} lists tensors its files do not hold: {names(absent)}")

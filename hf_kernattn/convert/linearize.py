@@ -51,7 +51,7 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .common import read_config, resolve_checkpoint
+from .common import check_output_dir, read_config, resolve_checkpoint
 
 logger = logging.get_logger("hf_kernattn")
 
@@ -268,7 +268,8 @@ def token_blocks(tokenizer, texts: Iterable[str], block_size: int) -> torch.Tens
     sep = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     ids: list[int] = []
     for text in texts:
-        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        # (verbose=False: the text is cut into blocks below, so its length before is no concern)
+        ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if sep is not None:
             ids.append(sep)
     n = len(ids) // block_size
@@ -322,6 +323,47 @@ def batch_for_step(blocks: torch.Tensor, step: int, batch_size: int, seed: int) 
 # ----------------------------------------------------------------------------- training
 
 
+def source_positions(cfg: dict) -> tuple[int, str]:
+    """The longest input the source model takes (its position table) and the ``config.json``
+    field that gives it. RoBERTa's positions start after its padding index."""
+    if cfg["model_type"] == "gpt2":
+        return int(cfg.get("n_positions", 1024)), "n_positions"
+    n = int(cfg.get("max_position_embeddings", 2048 if cfg["model_type"] == "llama" else 512))
+    if cfg["model_type"] == "roberta":
+        pad = int(cfg.get("pad_token_id", 1))
+        return n - pad - 1, f"max_position_embeddings - pad_token_id - 1 = {n} - {pad} - 1"
+    return n, "max_position_embeddings"
+
+
+def data_sha256(data) -> str:
+    """SHA-256 of the token data a run trains on: packed blocks (a tensor) or per-example sequences."""
+    import hashlib
+
+    if isinstance(data, torch.Tensor):
+        return hashlib.sha256(data.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _ours(out: Path):
+    """What ``linearize`` itself leaves in ``out``: its checkpoints (``step_N``, and ``step_N.tmp``
+    half-written), its temporary result folder, and with an earlier complete result (its report
+    is written last) everything."""
+    from ..training.checkpoints import CHECKPOINT_PREFIX
+
+    earlier_result = (out / REPORT_FILE).is_file()
+    pattern = re.compile(rf"{re.escape(CHECKPOINT_PREFIX)}\d+(\.tmp)?")
+
+    def ours(path: Path) -> bool:
+        return earlier_result or path.name == _RESULT_TMP or (path.is_dir() and pattern.fullmatch(path.name) is not None)
+
+    return ours
+
+
+def format_losses(losses: Optional[Sequence[float]]) -> str:
+    """Per-layer losses to 4 significant digits (``n/a`` for none)."""
+    return "n/a" if losses is None else ", ".join(f"{x:.4g}" for x in losses)
+
+
 def _load_teacher(src: Path, model_type: str, dtype: torch.dtype):
     from transformers import AutoModel, AutoModelForCausalLM
 
@@ -356,6 +398,7 @@ def linearize(
     stop_after_steps: Optional[int] = None,
     revision: Optional[str] = None,
     allow_pickle: bool = False,
+    overwrite_output_dir: bool = False,
     progress: bool = True,
     **overrides: Any,
 ):
@@ -374,6 +417,11 @@ def linearize(
     in use. BERT and RoBERTa students with a learned feature map default to ``normalize_qk=False``
     (the map sees the queries' and keys' lengths, on which softmax's sharpness depends).
 
+    ``output_dir`` is never the source folder, inside it or holding it. An existing one must be
+    empty or hold only this command's checkpoints and earlier result, unless
+    ``overwrite_output_dir`` (the result's files then replace those of the same names). Resuming
+    checks the token data too (its SHA-256 is part of the run's settings), not only its size.
+
     Nothing is written before the source, the settings and the text have been read: bad input
     leaves ``output_dir`` untouched. The result is written in a temporary folder and then moved
     into place, ``linearize_report.json`` last."""
@@ -382,17 +430,25 @@ def linearize(
     from . import convert
     from ..modeling.feature_maps import LEARNED_FEATURE_MAPS
     from ..training import checkpoints as ckpt
+    from ..training.args import check_training_values
     from ..training.serialization import load_tree, save_tree
 
     for name, value, low in (("steps", steps, 1), ("batch_size", batch_size, 1), ("block_size", block_size, 2)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    if not (isinstance(learning_rate, (int, float)) and learning_rate > 0):
-        raise ValueError(f"learning_rate must be a number > 0, got {learning_rate!r}")
+    check_training_values({"learning_rate": learning_rate, "num_warmup_steps": warmup_steps,
+                           "checkpointing_steps": checkpointing_steps, "checkpoints_total_limit": checkpoints_total_limit,
+                           "stop_after_steps": stop_after_steps}, {"num_warmup_steps": "warmup_steps"})
     src = resolve_checkpoint(source, revision, allow_pickle)
-    model_type = read_config(src, tuple(TEACHER_ATTENTION))["model_type"]
+    cfg = read_config(src, tuple(TEACHER_ATTENTION))
+    model_type = cfg["model_type"]
     if train not in TRAINABLE:
         raise ValueError(f"train must be one of {list(TRAINABLE)}, got {train!r}")
+    positions, field = source_positions(cfg)
+    if block_size > positions:
+        raise ValueError(f"block_size={block_size} is more than the source's {positions} positions ({field} in its "
+                         f"config.json): give block_size <= {positions}")
+    out = check_output_dir(output_dir, src, overwrite=overwrite_output_dir, ours=_ours(Path(output_dir)))
     encoder = model_type in ("bert", "roberta")
     if encoder and feature_map in LEARNED_FEATURE_MAPS:
         overrides.setdefault("normalize_qk", False)
@@ -423,15 +479,13 @@ def linearize(
     optimizer = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     sched = get_scheduler(scheduler, optimizer, num_warmup_steps=warmup_steps, num_training_steps=steps)
 
-    out = Path(output_dir)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"output_dir {str(out)!r} exists and is not a folder")
     settings = dict(source=str(source), model_type=model_type, texts=len(texts), blocks=num_examples,
                     feature_map=feature_map, train=train, steps=steps, batch_size=batch_size, block_size=block_size,
                     learning_rate=learning_rate, warmup_steps=warmup_steps, scheduler=scheduler, seed=seed,
                     overrides=overrides)
-    if per_example:  # (only when on: the fingerprints of packed runs stay what they were)
+    if per_example:
         settings.update(line_by_line=True, text_column=text_column, text_pair_column=text_pair_column)
+    settings["data_sha256"] = data_sha256(seqs if per_example else blocks)
     fingerprint = ckpt.run_fingerprint(settings)
     start, history = 0, []
     resume = ckpt.resolve_checkpoint(resume_from_checkpoint, out, fingerprint, settings=settings)
@@ -626,6 +680,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model id")
     parser.add_argument("--allow-pickle", dest="allow_pickle", action="store_true",
                         help="read pickled weights of a source without safetensors ones (only for sources you trust)")
+    parser.add_argument("--overwrite_output_dir", "--overwrite-output-dir", dest="overwrite_output_dir",
+                        action="store_true",
+                        help="write into an output_dir that holds other files than this command's checkpoints and "
+                             "earlier result (the result's files replace those of the same names; default: refused). "
+                             "The source folder itself is never written to")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -639,13 +698,15 @@ def run(args: argparse.Namespace) -> int:
         scheduler=args.lr_scheduler_type, seed=args.seed, checkpointing_steps=args.checkpointing_steps,
         checkpoints_total_limit=args.checkpoints_total_limit, resume_from_checkpoint=args.resume_from_checkpoint,
         stop_after_steps=args.stop_after_steps, revision=args.revision, allow_pickle=args.allow_pickle,
-        progress=not getattr(args, "quiet", False),
+        overwrite_output_dir=args.overwrite_output_dir, progress=not getattr(args, "quiet", False),
         **({} if args.softmax_window is None else {"softmax_window": args.softmax_window}),
     )
     report = getattr(model, "linearize_report", None)
     if report is None:
         print(f"stopped early; checkpoints in {args.output_dir}")
         return 0
-    print(f"attention transfer: per-layer loss {report['layer_loss_before']} -> {report['layer_loss_after']}")
+    before, after = report["layer_loss_before"], report["layer_loss_after"]
+    mean = (f" (mean {sum(before) / len(before):.4g} -> {sum(after) / len(after):.4g})" if before else "")
+    print(f"attention transfer: per-layer loss {format_losses(before)} -> {format_losses(after)}{mean}")
     print(f"saved to {args.output_dir}")
     return 0

@@ -11,6 +11,7 @@ from .common import (
     CONVERTED_FEATURE_MAP,
     CONVERTED_NUM_RANDOM_FEATURES,
     check_layer_count,
+    check_output_dir,
     finish_conversion,
     load_source,
     read_config,
@@ -33,6 +34,7 @@ def convert_to_relative_performer_vit(
     revision: Optional[str] = None,
     base_model: Optional[str] = None,
     allow_pickle: bool = False,
+    overwrite_output_dir: bool = False,
     **attention_overrides: Any,
 ):
     """Build a relative-performer ViT from a ViT checkpoint (``ViTModel`` or
@@ -54,6 +56,8 @@ def convert_to_relative_performer_vit(
     )
 
     src = resolve_checkpoint(checkpoint_dir, revision, allow_pickle)
+    if output_dir is not None:
+        check_output_dir(output_dir, src, overwrite=overwrite_output_dir)
     cfg = read_config(src, ("vit",))
     if not cfg.get("qkv_bias", True):
         raise ValueError("cannot convert a ViT with qkv_bias=False; supported: qkv_bias=True")

@@ -65,27 +65,66 @@ def add_training_args(p: argparse.ArgumentParser, *, learning_rate: float, weigh
     g.add_argument("--hub_token", default=None, help="token for --push_to_hub (default: the one `hf auth login` saved)")
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# name -> (what is allowed, test); a value of None is "not given" and passes
+_VALUE_RULES = {
+    "learning_rate": ("a finite number > 0", lambda v: _is_number(v) and v > 0),
+    "weight_decay": ("a finite number >= 0", lambda v: _is_number(v) and v >= 0),
+    "max_grad_norm": ("a finite number >= 0 (0: no clipping)", lambda v: _is_number(v) and v >= 0),
+    "num_warmup_steps": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "warmup_ratio": ("a number in [0, 1]", lambda v: _is_number(v) and 0 <= v <= 1),
+    "gradient_accumulation_steps": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "stop_after_steps": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "checkpoints_total_limit": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "num_threads": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "checkpointing_steps": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+}
+
+
+def check_training_values(values: dict, names: Optional[dict[str, str]] = None, allow_epoch: bool = False) -> None:
+    """``ValueError`` naming the first bad value of the run settings the example scripts and
+    ``linearize`` share (keys of ``values``: ``learning_rate``, ``weight_decay``, ``max_grad_norm``,
+    ``num_warmup_steps``, ``warmup_ratio``, ``gradient_accumulation_steps``, ``stop_after_steps``,
+    ``checkpoints_total_limit``, ``num_threads``, ``checkpointing_steps``), each shown as
+    ``names[key]`` (default: the key). ``None`` means not given and passes; ``allow_epoch``: a
+    ``checkpointing_steps`` of ``"epoch"`` or a string of digits (a script's flag) passes too."""
+    names = names or {}
+    for key, value in values.items():
+        what, ok = _VALUE_RULES[key]
+        if key == "checkpointing_steps" and allow_epoch:
+            what = "a positive integer or 'epoch'"
+            if value == "epoch":
+                continue
+            if isinstance(value, str) and value.isdigit():
+                value = int(value)
+        if value is not None and not ok(value):
+            raise ValueError(f"{names.get(key, key)} must be {what}, got {value!r}")
+    if values.get("warmup_ratio") is not None and values.get("num_warmup_steps") is not None:
+        raise ValueError(f"give {names.get('num_warmup_steps', 'num_warmup_steps')} or "
+                         f"{names.get('warmup_ratio', 'warmup_ratio')}, not both")
+
+
+# the shared flags :func:`check_training_values` checks
+_CHECKED_FLAGS = ("learning_rate", "weight_decay", "max_grad_norm", "num_warmup_steps", "warmup_ratio",
+                  "gradient_accumulation_steps", "stop_after_steps", "checkpoints_total_limit", "num_threads",
+                  "checkpointing_steps")
+
+
 def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse bad values of the shared flags (argparse error naming the flag)."""
-    if args.gradient_accumulation_steps < 1:
-        p.error(f"--gradient_accumulation_steps must be >= 1, got {args.gradient_accumulation_steps}")
-    if args.num_warmup_steps is not None and args.num_warmup_steps < 0:
-        p.error(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
-    if args.warmup_ratio is not None and not 0.0 <= args.warmup_ratio <= 1.0:
-        p.error(f"--warmup_ratio must be in [0, 1], got {args.warmup_ratio}")
-    if args.warmup_ratio is not None and args.num_warmup_steps is not None:
-        p.error("give --num_warmup_steps or --warmup_ratio, not both")
-    if not args.weight_decay >= 0.0:
-        p.error(f"--weight_decay must be >= 0, got {args.weight_decay}")
-    if args.stop_after_steps is not None and args.stop_after_steps < 1:
-        p.error(f"--stop_after_steps must be >= 1, got {args.stop_after_steps}")
-    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
-        p.error(f"--checkpoints_total_limit must be >= 1, got {args.checkpoints_total_limit}")
-    if args.num_threads is not None and args.num_threads < 1:
-        p.error(f"--num_threads must be >= 1, got {args.num_threads}")
-    c = args.checkpointing_steps
-    if c is not None and c != "epoch" and not (str(c).isdigit() and int(c) >= 1):
-        p.error(f"--checkpointing_steps must be a positive integer or 'epoch', got {c!r}")
+    """Refuse bad values of the shared flags (argparse error naming the flag;
+    :func:`check_training_values`)."""
+    try:
+        check_training_values({key: getattr(args, key) for key in _CHECKED_FLAGS},
+                              {key: f"--{key}" for key in _CHECKED_FLAGS}, allow_epoch=True)
+    except ValueError as err:
+        p.error(str(err))
 
 
 def warmup_steps(args: argparse.Namespace, max_train_steps: int, default: int = 0) -> int:

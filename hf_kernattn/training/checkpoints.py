@@ -132,7 +132,9 @@ def _check_safetensors_header(path: Path) -> Optional[str]:
 def verify_checkpoint(path: str | os.PathLike, state_file: str = STATE_FILE) -> list[str]:
     """What is damaged in a complete checkpoint (an empty list when it is intact).
 
-    Checks every file the state file lists: present, of the recorded size and SHA-256.
+    Checks every file the state file lists: inside the checkpoint folder (a name that leaves it,
+    absolute or with ``..``, is a problem: nothing outside is opened), present, of the recorded
+    size and SHA-256.
     Checkpoints written before sizes and checksums were recorded get the checks their files
     allow: safetensors headers against file sizes, JSON files parse."""
     path = Path(path)
@@ -142,7 +144,10 @@ def verify_checkpoint(path: str | os.PathLike, state_file: str = STATE_FILE) -> 
     if isinstance(files, dict):
         for rel, meta in sorted(files.items()):
             f = path / rel
-            if not f.is_file():
+            if not rel or Path(rel).is_absolute() or Path(rel).drive or ".." in Path(rel).parts:
+                problems.append(f"{state_file} lists {rel!r}, a name that leaves the checkpoint folder (only the "
+                                "checkpoint's own files are checked and read)")
+            elif not f.is_file():
                 problems.append(f"{rel} is missing")
             elif f.stat().st_size != meta.get("size"):
                 problems.append(f"{rel} has {f.stat().st_size} bytes, {meta.get('size')} were written (truncated or "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Optional
 
 import torch
 from torch import nn
@@ -81,6 +82,16 @@ def make_accelerator(args: argparse.Namespace, **kwargs):
     return accelerator
 
 
+def launch_sharding() -> Optional[str]:
+    """``"FSDP"`` or ``"DeepSpeed"`` when ``accelerate launch`` was given such a configuration (its
+    ``ACCELERATE_USE_*`` variables), else ``None``."""
+    if _launch_flag("ACCELERATE_USE_FSDP"):
+        return "FSDP"
+    if _launch_flag("ACCELERATE_USE_DEEPSPEED"):
+        return "DeepSpeed"
+    return None
+
+
 def _use_fsdp_on_cpu(accelerator) -> None:
     """Switch an ``Accelerator`` of CPU processes (gloo) from DDP to the FSDP plugin of the launch
     configuration (the ``FSDP_*`` variables ``accelerate launch`` sets), as accelerate does on GPUs."""
@@ -126,3 +137,38 @@ def fsdp2_load_full_state(model: nn.Module, optim: torch.optim.Optimizer, model_
         set_optimizer_state_dict(model, optim, optim_state, options=options)
     except (KeyError, RuntimeError, ValueError) as err:
         raise ValueError(f"the checkpoint {path} does not fit the model: {err}") from err
+
+
+def prepare(accelerator, *objects):
+    """``accelerator.prepare(*objects)``, keeping the models' persistent buffers through FSDP2's
+    ``cpu_ram_efficient_loading`` (accelerate's default for ``--use_fsdp``).
+
+    That loading path moves the model to the meta device and broadcasts the main process's state
+    dict into the shards, treating every entry as a sharded parameter; our feature maps keep
+    persistent buffers (random projections, draw and step counters), which it cannot place.
+    They are held aside while the model is prepared, then registered again (persistent, so
+    checkpoints keep them) with the main process's values broadcast to every process, as the
+    loading path does for parameters."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if not (getattr(accelerator, "is_fsdp2", False) and getattr(plugin, "cpu_ram_efficient_loading", False)):
+        return accelerator.prepare(*objects)
+    held = []  # (module, buffer name, value)
+    for model in (o for o in objects if isinstance(o, nn.Module)):
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is None or name in module._non_persistent_buffers_set:
+                    continue
+                if buf.is_meta:  # a process that loaded no weights (transformers under this option)
+                    module._buffers[name] = buf = torch.zeros(buf.shape, dtype=buf.dtype)
+                held.append((module, name, buf.detach().clone()))
+                module._non_persistent_buffers_set.add(name)
+    try:
+        prepared = accelerator.prepare(*objects)
+    finally:
+        for module, name, _ in held:
+            module._non_persistent_buffers_set.discard(name)
+    for module, name, value in held:
+        value = value.to(accelerator.device)
+        torch.distributed.broadcast(value, src=0)
+        module.register_buffer(name, value, persistent=True)
+    return prepared

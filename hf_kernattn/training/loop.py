@@ -26,19 +26,20 @@ from .checkpoints import (
     save_checkpoint,
 )
 from .distributed import make_accelerator
-from .serialization import CheckpointError
 
 logger = logging.get_logger(__name__)
 
 
 def run_main(main: Callable[[], Any]) -> None:
-    """Run a script's ``main()``; a :class:`CheckpointError` ends it with its one-line message
-    (no traceback) and exit status 1."""
+    """Run a script's ``main()``. What a user can fix ends it with one line (``script: error:
+    ...``, no traceback) and exit status 1, as in the ``hf-kernattn`` command: a ``ValueError``
+    (bad values, files or data, the library's convention; :class:`CheckpointError` among them) or
+    an ``OSError`` (a file or model that cannot be found or read). Anything else keeps its traceback."""
     try:
         main()
-    except CheckpointError as err:
+    except (ValueError, OSError) as err:
         name = Path(sys.argv[0]).name or "script"
-        print(f"{name}: error: {err}", file=sys.stderr, flush=True)
+        print(f"{name}: error: {' '.join(str(err).split()) or type(err).__name__}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
 
 

@@ -169,6 +169,55 @@ def test_a_sharded_source_is_read_through_its_index_not_a_stale_single_file(kind
         convert(tmp_path / "src")
 
 
+@pytest.mark.parametrize("where", ["../outside/x.safetensors", "ABSOLUTE"])
+def test_a_sharded_index_naming_a_file_outside_the_folder_is_refused(where, tmp_path, capsys):
+    """The index names files of its own folder: a name that leaves it (``..``, absolute) is
+    refused naming it, even when that file exists and holds the right tensors."""
+    _saved("gpt2", tmp_path / "src", max_shard_size="20KB")
+    index_path = tmp_path / "src" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = sorted(set(index["weight_map"].values()))[-1]
+    (tmp_path / "outside").mkdir()
+    shutil.move(tmp_path / "src" / shard, tmp_path / "outside" / "x.safetensors")
+    name = str(tmp_path / "outside" / "x.safetensors") if where == "ABSOLUTE" else where
+    index["weight_map"] = {k: (name if f == shard else f) for k, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"weights index .* names '{name}', which leaves the folder"):
+        convert(tmp_path / "src")
+    capsys.readouterr()
+    assert cli_main(["-q", "convert", str(tmp_path / "src"), str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "leaves the folder" in err and not (tmp_path / "out").exists()
+
+
+# --- where the result goes ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ("bert", "gpt2", "vit"))
+def test_the_output_dir_is_never_the_source_and_other_files_are_not_overwritten_unasked(kind, tmp_path, capsys):
+    _saved(kind, tmp_path / "src")
+    source_files = {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()}
+    for out, what in ((tmp_path / "src", "is the source folder"), (tmp_path / "src" / "sub", "is inside the source"),
+                      (tmp_path, "holds the source folder")):
+        with pytest.raises(ValueError, match=f"output_dir .* {what}"):
+            convert(tmp_path / "src", out, overwrite_output_dir=True)
+    capsys.readouterr()
+    assert cli_main(["-q", "convert", str(tmp_path / "src"), str(tmp_path / "src")]) == 1
+    assert "is the source folder" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "src").iterdir()} == source_files
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": true}')
+    with pytest.raises(ValueError, match=r"already holds other files \('config.json'\).*overwrite_output_dir=True"):
+        convert(tmp_path / "src", mine)
+    assert cli_main(["-q", "convert", str(tmp_path / "src"), str(mine)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite_output_dir" in err
+    assert json.loads((mine / "config.json").read_text()) == {"mine": True}
+    assert cli_main(["-q", "convert", str(tmp_path / "src"), str(mine), "--overwrite_output_dir"]) == 0
+    assert json.loads((mine / "config.json").read_text())["model_type"] != kind
+
+
 # --- pickled weights -----------------------------------------------------------------------
 
 

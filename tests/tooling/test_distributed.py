@@ -230,3 +230,37 @@ def test_run_mlm_under_accelerate_fsdp2_on_cpu_shards_saves_and_resumes_exactly(
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+
+
+def test_run_clm_under_fsdp2_launch_flags_keeps_the_feature_maps_buffers(tmp_path):
+    """``accelerate launch --use_fsdp --fsdp_version 2`` typed as flags takes accelerate's default
+    ``fsdp_cpu_ram_efficient_loading=true``: the model goes to the meta device and the main
+    process's state dict is broadcast into the shards. The feature maps' persistent buffers
+    (projection, draw and step counters) come through it: the run trains sharded, and the
+    checkpoint and the final model hold the buffers a redraw at every step gives (draw k of the
+    seeded sequence after k steps), bitwise."""
+    pytest.importorskip("accelerate")
+    import safetensors.torch
+    import torch
+
+    from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM
+    from tests.tooling.test_examples_resume import _env, write_text
+
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_fsdp", "--fsdp_version", "2",
+           "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), str(ROOT / "examples" / "run_clm.py"), "--cpu",
+           "--train_file", str(write_text(tmp_path / "train.txt", 40, 0)), "--hidden_size", "16",
+           "--num_hidden_layers", "1", "--num_attention_heads", "2", "--block_size", "32", "--feature_map", "prf",
+           "--config_overrides", "num_random_features=8,feature_redraw_interval=1", "--max_train_steps", "2",
+           "--per_device_train_batch_size", "2", "--checkpointing_steps", "1", "--output_dir", str(out)]
+    env = {k: v for k, v in _env().items() if not k.startswith("FSDP_")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), env=env, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert json.loads((out / "step_1" / "training_state.json").read_text())["sharding"] == "fsdp2"
+    fresh = LinearGPTForCausalLM(LinearGPTConfig.from_pretrained(out)).transformer.h[0].attn.feature_map
+    prefix = "transformer.h.0.attn.feature_map."
+    for folder, steps in ((out / "step_1", 1), (out, 2)):
+        saved = safetensors.torch.load_file(str(folder / "model.safetensors"))
+        assert int(saved[prefix + "num_steps"]) == steps and int(saved[prefix + "num_draws"]) == steps, folder
+        assert torch.equal(saved[prefix + "projection"], fresh._draw(steps)), folder

@@ -84,6 +84,39 @@ def test_latest_skips_a_damaged_checkpoint_with_a_warning(tmp_path, damage):
         resolve_checkpoint("latest", tmp_path, "fp")
 
 
+@pytest.mark.parametrize("listed", ["../outside.bin", "ABSOLUTE", "sub/../../outside.bin"])
+def test_a_state_file_naming_a_file_outside_the_checkpoint_is_refused_without_opening_it(tmp_path, monkeypatch,
+                                                                                         listed):
+    """The checksums vouch for the checkpoint's own files: a state file listing an absolute or
+    ``..`` name is a damaged checkpoint (skipped by "latest", refused by name), and the file it
+    names is never statted or hashed."""
+    from hf_kernattn.training import CheckpointError, checkpoints, resolve_checkpoint, verify_checkpoint
+
+    older, newest = _tiny_checkpoints(tmp_path / "run")
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(b"not the checkpoint's")
+    listed = str(outside) if listed == "ABSOLUTE" else listed
+    if listed.startswith("sub/"):
+        (newest / "sub").mkdir()
+    state = json.loads((newest / "training_state.json").read_text())
+    state["files"][listed] = {"size": outside.stat().st_size, "sha256": checkpoints._sha256(outside)}
+    (newest / "training_state.json").write_text(json.dumps(state))
+    hashed, statted = [], []
+    real_sha, real_stat = checkpoints._sha256, Path.stat
+    monkeypatch.setattr(checkpoints, "_sha256", lambda path: hashed.append(Path(path)) or real_sha(path))
+    monkeypatch.setattr(Path, "stat", lambda self, **kw: statted.append(self) or real_stat(self, **kw))
+    problems = verify_checkpoint(newest)
+    assert problems == [f"training_state.json lists {listed!r}, a name that leaves the checkpoint folder (only the "
+                        "checkpoint's own files are checked and read)"]
+    touched = {p.resolve() for p in hashed + statted}
+    assert outside.resolve() not in touched and all(newest.resolve() in p.parents for p in touched), touched
+    with CaptureLogger(_training_logger()) as cl:
+        assert resolve_checkpoint("latest", tmp_path / "run", "fp") == older
+    assert "leaves the checkpoint folder" in cl.out
+    with pytest.raises(CheckpointError, match="step_4 is damaged: .*leaves the checkpoint folder"):
+        resolve_checkpoint(str(newest), tmp_path / "run", "fp")
+
+
 def test_checkpoints_without_checksums_get_header_checks(tmp_path):
     """A checkpoint written before sizes and checksums were recorded: a truncated safetensors file
     is still found from its header."""
@@ -315,7 +348,7 @@ def test_accelerate_scripts_take_threads_and_a_checkpoint_limit(script, tmp_path
     for flag in ("--num_threads", "--checkpoints_total_limit"):
         with pytest.raises(SystemExit):
             mod.parse_args(args + ["--output_dir", "o", flag, "0"])
-        assert f"{flag} must be >= 1" in capsys.readouterr().err
+        assert f"{flag} must be an int >= 1, got 0" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------------------

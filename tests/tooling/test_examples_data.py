@@ -177,6 +177,39 @@ def test_clm_saves_tokenizer_once_with_a_max_length(tmp_path):
     assert tok_config["model_max_length"] == config["max_position_embeddings"] == 1024
 
 
+def test_clm_config_overrides_set_any_config_field_of_a_model_from_scratch(tmp_path):
+    """``--config_overrides`` reaches fields the flags do not (the sliding-window hybrid, Llama's
+    norm and gated MLP, grouped-query attention): the saved model has them."""
+    clm = load_script("run_clm")
+    out = tmp_path / "out"
+    clm.main(["--train_file", str(write_text(tmp_path / "train.txt", 40, 0)), "--hidden_size", "16",
+              "--num_hidden_layers", "1", "--num_attention_heads", "2", "--block_size", "32", "--max_train_steps", "1",
+              "--config_overrides", "softmax_window=4,norm_type=rmsnorm,mlp_type=gated,num_key_value_heads=1,"
+                                    "hidden_act=silu", "--cpu", "--output_dir", str(out)])
+    config = json.loads((out / "config.json").read_text())
+    assert (config["softmax_window"], config["norm_type"], config["mlp_type"], config["num_key_value_heads"],
+            config["hidden_act"], config["hidden_size"]) == (4, "rmsnorm", "gated", 1, "silu", 16)
+
+
+@pytest.mark.parametrize("overrides, extra, message", [
+    ("softmax_window=-1", [], r"--config_overrides: softmax_window must be None or an int >= 1, got -1"),
+    ("norm_type=rms", [], r"--config_overrides: norm_type must be one of \['layernorm', 'rmsnorm'\], got 'rms'"),
+    ("n_embd=10", [], r"--config_overrides: 'n_embd' is not a LinearGPTConfig field; the fields: hidden_size, "),
+    ("vocab_size=10", [], r"--config_overrides: vocab_size is set from the tokenizer"),
+    ("softmax_window", [], r"--config_overrides items must be key=value, got 'softmax_window'"),
+    ("max_position_embeddings=16", [], r"max_position_embeddings=16 is less than --block_size=32"),
+    ("softmax_window=4", ["--model_name_or_path", "somewhere"], r"cannot be combined with --model_name_or_path"),
+])
+def test_clm_refuses_bad_config_overrides_before_any_work(tmp_path, overrides, extra, message, capsys):
+    clm = load_script("run_clm")
+    with pytest.raises(SystemExit):
+        clm.main(["--train_file", str(tmp_path / "none.txt"), "--block_size", "32", "--config_overrides", overrides,
+                  "--cpu", "--output_dir", str(tmp_path / "out"), *extra])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert __import__("re").search(message, err), err
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # one weight-decay rule
 
@@ -243,3 +276,63 @@ def test_shift_robustness_small_run_writes_its_table_and_plot(tmp_path):
     for name in ("shift_robustness.csv", "shift_robustness.png", "shift_robustness.md"):
         assert (tmp_path / name).stat().st_size > 0
     assert len(list(csv.DictReader(open(tmp_path / "shift_robustness.csv")))) == 2 * 9
+
+
+# --------------------------------------------------------------------------------------------
+# run_glue.py (Trainer) under an FSDP or DeepSpeed launch on CPU
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", [None, "ACCELERATE_USE_FSDP"])
+def test_glue_says_when_an_fsdp_launch_trains_unsharded_on_cpu(glue, tmp_path, monkeypatch, caplog, launch):
+    """accelerate's Trainer applies an FSDP or DeepSpeed launch configuration only on GPUs: on CPU
+    processes the run is plain data parallel, and the script says so instead of keeping quiet."""
+    if launch:
+        monkeypatch.setenv(launch, "true")
+    model = tiny_nprf_classifier(tmp_path)
+    train, dev = write_pairs_csv(tmp_path / "train.csv", 8, 0), write_pairs_csv(tmp_path / "dev.csv", 4, 1)
+    with caplog.at_level("WARNING"):
+        glue.main(glue_args(model, tmp_path, train, dev, "--max_steps", "1"))
+    said = [r.getMessage() for r in caplog.records if "was asked for" in r.getMessage()]
+    if launch is None:
+        assert not said
+    else:
+        assert said == ["FSDP was asked for, but the Trainer applies FSDP and DeepSpeed only on GPUs: these 1 cpu "
+                        "process(es) train unsharded (plain DDP: each holds the whole model and optimizer). The "
+                        "Accelerate scripts (run_mlm.py, run_clm.py, run_image_classification.py) shard on CPU too"]
+
+
+# --------------------------------------------------------------------------------------------
+# refusals as commands: one line, no traceback
+
+
+@pytest.mark.parametrize("script, case, message", [
+    ("run_glue", "fields", r"^run_glue\.py: error: .*train\.csv, line 3: 2 fields, but the header has 3"),
+    ("run_glue", "missing", r"^run_glue\.py: error: .*nope\.csv: no such file$"),
+    ("run_glue", "max_seq_length", r"^run_glue\.py: error: --max_seq_length must be >= 2, got 1$"),
+    ("run_glue", "stop_after_steps", r"^run_glue\.py: error: --stop_after_steps must be an int >= 1, got 0$"),
+    ("run_mlm", "empty", r"^run_mlm\.py: error: --train_file: .*empty\.txt holds no text"),
+])
+def test_data_errors_end_the_command_with_one_line(tmp_path, monkeypatch, capsys, script, case, message):
+    from hf_kernattn.training import run_main
+
+    mod = load_script(script)
+    if script == "run_glue":
+        train = _csv(tmp_path / "train.csv", "sentence1,sentence2,label\na b,c d,1\na b,c d\n")
+        dev = write_pairs_csv(tmp_path / "dev.csv", 4, 1)
+        argv = glue_args(tmp_path / "no-model-needed", tmp_path, tmp_path / "nope.csv" if case == "missing" else train,
+                         dev, *({"max_seq_length": ["--max_seq_length", "1"],
+                                 "stop_after_steps": ["--stop_after_steps", "0"]}.get(case, [])))
+    else:
+        (tmp_path / "empty.txt").write_text("\n \n")
+        argv = ["--train_file", str(tmp_path / "empty.txt"), "--tokenizer_name", str(bert_tokenizer_dir(tmp_path)),
+                "--config_overrides", "hidden_size=16", "--output_dir", str(tmp_path / "out"), "--cpu"]
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        run_main(mod.main)
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    (line,) = [x for x in err.splitlines() if "error:" in x]
+    assert __import__("re").search(message, line), line

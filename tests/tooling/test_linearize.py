@@ -157,11 +157,12 @@ def test_transfer_lowers_the_loss_resumes_bitwise_and_saves_hub_ready(source, tm
 def test_bad_arguments_are_refused(source, tmp_path):
     folder, text = source
     with pytest.raises(ValueError, match="exactly one source of text"):
-        linearize(folder, tmp_path / "x", feature_map="elu", train="attention")
+        linearize(folder, tmp_path / "x", feature_map="elu", train="attention", block_size=16)
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         linearize(folder, tmp_path / "x", train_files=[str(text)], steps=0)
     with pytest.raises(ValueError, match="does not exist"):
-        linearize(folder, tmp_path / "x", train_files=[str(tmp_path / "nope.txt")], feature_map="elu", train="attention")
+        linearize(folder, tmp_path / "x", train_files=[str(tmp_path / "nope.txt")], feature_map="elu", train="attention",
+                  block_size=16)
 
 
 def test_command_line(source, tmp_path, capsys):
@@ -172,7 +173,7 @@ def test_command_line(source, tmp_path, capsys):
                  "--train", "attention", "--steps", "2", "--batch_size", "2", "--block_size", "8"])
     assert code == 0
     assert "saved to" in capsys.readouterr().out
-    assert main(["linearize", str(folder), str(tmp_path / "bad"), "--steps", "2"]) == 1
+    assert main(["linearize", str(folder), str(tmp_path / "bad"), "--steps", "2", "--block_size", "16"]) == 1
     assert "exactly one source of text" in capsys.readouterr().err
 
 

@@ -262,33 +262,33 @@ def test_bad_input_is_refused_before_anything_is_written(bert, llama, tmp_path):
     T5ForConditionalGeneration(T5Config(vocab_size=V, d_model=16, d_ff=32, num_layers=1, num_heads=2,
                                         d_kv=8)).save_pretrained(t5)
     with pytest.raises(ValueError, match="cannot convert model_type='t5'.*supported source architectures"):
-        linearize(t5, tmp_path / "out", train_files=[str(data)], steps=2)
+        linearize(t5, tmp_path / "out", train_files=[str(data)], steps=2, block_size=16)
     assert _nothing_written(tmp_path)
     # data that cannot be read: not UTF-8, malformed CSV, a column that is not there, a plain-text
     # file where pairs are asked for, no text at all
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"w2 w3\n\xff\xfe w4\n")
     with pytest.raises(ValueError, match=r"bad\.txt, line 2: not UTF-8"):
-        linearize(folder, tmp_path / "out", train_files=[str(bad)], line_by_line=True, steps=2)
+        linearize(folder, tmp_path / "out", train_files=[str(bad)], line_by_line=True, steps=2, block_size=16)
     broken = tmp_path / "broken.json"
     broken.write_text('{"sentence1": "w2 w3"}\n{"sentence1": \n')
     with pytest.raises(ValueError, match=r"broken\.json.*cannot be read as JSON"):
-        linearize(folder, tmp_path / "out", train_files=[str(broken)], text_column="sentence1", steps=2)
+        linearize(folder, tmp_path / "out", train_files=[str(broken)], text_column="sentence1", steps=2, block_size=16)
     with pytest.raises(ValueError, match=r"pairs\.csv.* has no column 'question'; its columns"):
         linearize(folder, tmp_path / "out", train_files=[str(data)], text_column="sentence1",
-                  text_pair_column="question", steps=2)
+                  text_pair_column="question", steps=2, block_size=16)
     with pytest.raises(ValueError, match="text_pair_column needs table train files"):
-        linearize(folder, tmp_path / "out", train_files=[str(llama[1])], text_pair_column="b", steps=2)
+        linearize(folder, tmp_path / "out", train_files=[str(llama[1])], text_pair_column="b", steps=2, block_size=16)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n \n")
     with pytest.raises(ValueError, match="holds no text"):
-        linearize(folder, tmp_path / "out", train_files=[str(empty)], steps=2)
+        linearize(folder, tmp_path / "out", train_files=[str(empty)], steps=2, block_size=16)
     assert _nothing_written(tmp_path)
     # an output path that is a file
     taken = tmp_path / "taken"
     taken.write_text("x")
     with pytest.raises(ValueError, match="output_dir .* is not a folder"):
-        linearize(folder, taken, train_files=[str(data)], text_column="sentence1", steps=2)
+        linearize(folder, taken, train_files=[str(data)], text_column="sentence1", steps=2, block_size=16)
     assert taken.read_text() == "x"
 
 
@@ -302,5 +302,5 @@ def test_command_line_sentence_pairs(bert, tmp_path, capsys):
     recipe = json.loads((tmp_path / "cli" / "linearize_report.json").read_text())["recipe"]
     assert recipe["text_pair_column"] == "sentence2" and recipe["blocks"] == 200
     assert main(["linearize", str(folder), str(tmp_path / "bad"), "--train_file", str(data), "--text_column", "nope",
-                 "--steps", "2"]) == 1
+                 "--steps", "2", "--block_size", "16"]) == 1
     assert "has no column 'nope'" in capsys.readouterr().err and not (tmp_path / "bad").exists()
