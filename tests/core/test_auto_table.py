@@ -8,6 +8,7 @@ that loads."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -143,6 +144,65 @@ def test_table_files_and_the_environment_variable(tmp_path, monkeypatch):
     monkeypatch.setenv(AUTO_TABLE_ENV, str(bad))
     with pytest.raises(ValueError, match=f"{AUTO_TABLE_ENV}=.*is not valid JSON"):
         choose_backend(n=8192, **PLAIN)
+
+
+def _load_in_a_thread(source, seconds=20.0):
+    """``load_auto_table(source)``'s exception (None if it returned), or a failure if it has not
+    returned within ``seconds`` (a read that blocks)."""
+    import threading
+
+    caught = []
+
+    def run():
+        try:
+            load_auto_table(source)
+            caught.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            caught.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"load_auto_table({source!r}) still blocked after {seconds} s"
+    return caught[0]
+
+
+def test_unreadable_table_files_are_refused_naming_the_file(tmp_path, monkeypatch):
+    """Bytes that are not UTF-8, JSON nested beyond what a table needs (Python's parser would hit
+    its recursion limit), a FIFO (reading one waits for a writer) and a directory: each the
+    documented ValueError naming the file, the active table unchanged; through
+    ``HF_KERNATTN_AUTO_TABLE`` every later automatic choice says the same."""
+    latin = tmp_path / "latin1.json"
+    latin.write_bytes(b'{"format": 1, "entries": [], "source": "caf\xe9"}')
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    nested = tmp_path / "nested.json"  # parses, then nests beyond any table
+    nested.write_text('{"format": 1, "entries": [], "source": ' + "[" * 500 + "]" * 500 + "}")
+    cases = [(latin, "is not UTF-8 text"), (deep, "nests deeper than"), (nested, "nests deeper than"),
+             (tmp_path, "is not a regular file")]
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "table.fifo"
+        os.mkfifo(fifo)
+        cases.append((fifo, "is not a regular file"))
+    for path, problem in cases:
+        before = registry.active_auto_table()
+        err = _load_in_a_thread(path)
+        assert isinstance(err, ValueError) and problem in str(err) and str(path) in str(err), (path, err)
+        assert registry.active_auto_table() is before
+        monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)
+        monkeypatch.setenv(AUTO_TABLE_ENV, str(path))
+        for _ in range(2):  # every later choice: the same clear error
+            with pytest.raises(ValueError, match=f"{AUTO_TABLE_ENV}=.*{problem}"):
+                choose_backend(n=8192, **PLAIN)
+        monkeypatch.delenv(AUTO_TABLE_ENV)
+        load_auto_table(None)
+    # a table given as a dict nested beyond any table: the same error, before anything reads it
+    value: list = []
+    for _ in range(5000):
+        value = [value]
+    with pytest.raises(ValueError, match="nests deeper than"):
+        load_auto_table({"format": 1, "entries": [{"mode": "fwd", "bias": "none", "causal": False, "clip": None,
+                                                   "dtype": "float32", "ranking": value}]})
 
 
 def test_auto_never_takes_a_ranked_backend_that_cannot_run_the_call():
