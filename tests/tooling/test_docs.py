@@ -177,3 +177,13 @@ def test_every_mentioned_file_exists():
             if not ok:
                 missing.append(f"{_page_id(page)}: {name}")
     assert not missing, missing
+
+
+def test_every_research_script_is_listed_where_the_scripts_are_listed():
+    """README.md, docs/architecture.md and docs/training.md each list the example scripts: every
+    script of examples/research/ is named in each."""
+    scripts = sorted(p.name for p in (ROOT / "examples" / "research").glob("*.py") if not p.name.startswith("_"))
+    assert len(scripts) >= 5
+    missing = {page: [s for s in scripts if s not in (ROOT / page).read_text(encoding="utf-8")]
+               for page in ("README.md", "docs/architecture.md", "docs/training.md")}
+    assert not any(missing.values()), missing
