@@ -353,8 +353,10 @@ def plot_series(
     logx: bool = True,
     logy: bool = True,
     ax=None,
+    colors: dict[str, str] | None = None,
 ) -> None:
-    """Plot named ``(x, y)`` lines (NaNs skipped) to a PNG, or onto ``ax`` if given."""
+    """Plot named ``(x, y)`` lines (NaNs skipped) to a PNG, or onto ``ax`` if given; ``colors``:
+    a colour per name (so one case keeps its colour across panels), else matplotlib's cycle."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -366,7 +368,7 @@ def plot_series(
     for name, (xs, ys) in series.items():
         pts = [(x, y) for x, y in zip(xs, ys) if y == y]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=(colors or {}).get(name))
     if logx:
         ax.set_xscale("log", base=2)
     if logy:

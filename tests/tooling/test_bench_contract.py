@@ -413,3 +413,33 @@ def test_generate_bench_times_the_hybrid_step_with_softmax_window(monkeypatch):
         generate.decode_workload("linear_state", context=4, new_tokens=1, hidden=16, layers=1, heads=2, softmax_window=3)
     assert generate.state_mb("linear_hybrid", 4, 1, 16, 1, 2, softmax_window=3) > generate.state_mb(
         "linear_state", 4, 1, 16, 1, 2)
+
+
+def test_the_decoding_figure_gives_each_case_one_colour_and_replots_from_its_csv(tmp_path):
+    """Each case of ``bench generate``'s figure keeps one colour in both panels (GPT-2's two caches
+    once took each other's colours in the state panel), and ``--replot`` redraws it from a
+    ``decode_latency.csv`` (the committed one of docs/figures) without measuring."""
+    import csv
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    from hf_kernattn.bench import generate
+
+    committed = Path(__file__).resolve().parents[2] / "docs" / "figures" / "linear_gpt_decode_latency.csv"
+    with open(committed, newline="") as f:
+        rows = list(csv.DictReader(f))
+    fig = generate._figure(rows)
+    try:
+        colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in fig.axes]
+    finally:
+        plt.close(fig)
+    assert len(colours) == 2 and set(colours[1]) <= set(colours[0]) and len(colours[1]) == 3
+    assert all(colours[0][label] == colour for label, colour in colours[1].items()), colours
+    assert len(set(colours[0].values())) == len(colours[0])  # and no two cases share one
+    args = generate.build_parser().parse_args(["--replot", str(committed), "--out", str(tmp_path)])
+    assert generate.run(args) == 0
+    assert (tmp_path / "generate.png").stat().st_size > 10_000
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not a decode_latency.csv"):
+        generate.replot(tmp_path / "other.csv", tmp_path / "x.png")
