@@ -510,3 +510,22 @@ def test_calibrate_counts_a_long_warm_up_call_as_the_first_rounds_timing(monkeyp
     rows = calibrate.measure_kind(spec)
     assert calls == {"dense": 2, "linear": 2}
     assert sum(r["status"] == "ok" for r in rows) == 4  # still a timing per round
+
+
+def test_the_crossover_sentences_follow_the_active_table(capsys):
+    """``bench calibrate --describe``'s sentences read the active table: every change of auto's
+    first choice, non-monotone rankings included, and forward and training apart when they differ."""
+    from hf_kernattn.bench import calibrate
+
+    load_auto_table(_table(
+        _entry([[100, ["dense", "windowed"]], [300, ["windowed", "dense"]], [None, ["dense", "windowed"]]],
+               bias="1d", causal=True, clip=64),
+        _entry([[None, ["windowed", "dense"]]], mode="fwdbwd", bias="1d", causal=True, clip=64),
+    ), replace=True)
+    call = dict(causal=True, rpe="1d", rpe_clip=64, heads=1)
+    assert calibrate.auto_picks(**call) == [(2, "dense"), (101, "windowed"), (301, "dense")]
+    assert calibrate.describe_crossovers(call) == (
+        "forward: `dense` up to 100 tokens, `windowed` up to 300, `dense` beyond; training: `windowed` at every length")
+    args = calibrate.build_parser().parse_args(["--describe"])
+    assert calibrate.run(args) == 0
+    assert "linear_gpt_rpe" in capsys.readouterr().out

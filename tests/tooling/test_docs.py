@@ -247,3 +247,48 @@ def test_the_readme_linear_gpt_quickstart_prints_no_deprecation(tmp_path):
     noise = [line for line in proc.stderr.splitlines()  # (other packages' unrelated notices left aside)
              if re.search(r"deprecat|FutureWarning", line, flags=re.I) and re.search(r"past_key_values|cache", line)]
     assert not noise, noise
+
+
+# --------------------------------------------------------------------------------------------
+# auto's crossovers: one source of truth, the shipped calibration table
+
+
+def _crossovers() -> dict[str, str]:
+    """The sentence for each call the docs describe, from the shipped table."""
+    from hf_kernattn.bench.calibrate import DOC_CALLS, describe_crossovers
+    from hf_kernattn.modeling.registry import load_auto_table
+
+    load_auto_table(None)  # the shipped table, whatever a test or HF_KERNATTN_AUTO_TABLE loaded
+    return {name: describe_crossovers(call) for name, call in DOC_CALLS.items()}
+
+
+def _flat(page: str) -> str:
+    """The page's text with its line breaks (and a table row's cells) as single spaces."""
+    return re.sub(r"\s+", " ", (ROOT / page).read_text(encoding="utf-8"))
+
+
+def test_the_crossovers_the_pages_state_are_the_shipped_tables():
+    """Every sentence on `auto`'s crossovers in README.md, docs/nprf_bert.md and docs/linear_gpt.md
+    is the one ``hf-kernattn bench calibrate --describe`` generates from the shipped table (a
+    changed table fails here, naming the sentence to write), and no page states another number
+    for NPRF-BERT's K = 512."""
+    said = _crossovers()
+    wanted = {
+        "README.md": [f"K = 512 and BERT-base's 12 heads runs {said['nprf_bert']}"],
+        "docs/nprf_bert.md": [f"K = 512 and 12 heads, **{said['nprf_bert']}**",
+                              f"(at one head: {said['nprf_bert_one_head']};",
+                              f"(at K = 512 and 12 heads: {said['nprf_bert']};"],
+        "docs/linear_gpt.md": [f"training included: {said['linear_gpt_rpe_state']}; with `use_cache=False`: "
+                               f"{said['linear_gpt_rpe']};"],
+    }
+    missing = [f"{page}: {sentence}" for page, sentences in wanted.items() for sentence in sentences
+               if sentence not in _flat(page)]
+    assert not missing, "write these sentences (from the shipped table):\n" + "\n".join(missing)
+    # any "up to N tokens" stated for NPRF-BERT's K = 512 is one of the table's crossovers for it
+    allowed = {m for key in ("nprf_bert", "nprf_bert_one_head") for m in re.findall(r"up to ([\d,]+)", said[key])}
+    stated = {}
+    for page in ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]:
+        for m in re.finditer(r"NPRF-BERT[^.]{0,80}K = 512|K = 512 and (?:BERT-base's )?12 heads", _flat(page)):
+            window = _flat(page)[m.end():m.end() + 200].split(";")[0]
+            stated.update({f"{page}: {n}": n for n in re.findall(r"up to ([\d,]+) tokens", window)})
+    assert stated and all(n in allowed for n in stated.values()), (stated, allowed)
