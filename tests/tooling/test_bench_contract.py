@@ -443,3 +443,57 @@ def test_the_decoding_figure_gives_each_case_one_colour_and_replots_from_its_csv
     (tmp_path / "other.csv").write_text("a,b\n1,2\n")
     with pytest.raises(ValueError, match="not a decode_latency.csv"):
         generate.replot(tmp_path / "other.csv", tmp_path / "x.png")
+
+
+def _fake_attention_measure(target, kwargs, **_):
+    """A timing per attention case: the FFT path grows as N log N, softmax with the bias as N^2
+    (overtaken at N = 2048), SDPA as N^2 but cheaper; no process is started."""
+    import math
+
+    n = kwargs["n"]
+    time_s = {"fft_rpe": 3e-5 * n * math.log2(n), "softmax_rpe": 2e-7 * n * n, "sdpa": 5e-8 * n * n}.get(kwargs["case"], 1e-3)
+    peak = {"fft_rpe": 50.0, "softmax_rpe": 6e-6 * n * n}.get(kwargs["case"], 10.0)
+    return {"time_s": time_s, "cpu_s": time_s, "peak_mb": peak, "runs": 2, "status": "ok"}
+
+
+def test_the_attention_bench_reports_progress_per_case_and_a_short_table_with_its_reading(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """What the demo's first step prints: a line per case and round as each is measured, then a
+    table of at most six columns and one sentence saying where the FFT path overtakes softmax with
+    the same bias (and that SDPA has no bias), and where the plot is."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    from hf_kernattn.bench import attention, common
+
+    monkeypatch.setattr(common, "measure", _fake_attention_measure)
+    logger = logging.get_logger("hf_kernattn.bench.attention")
+    logger.setLevel(logging.INFO)
+    args = attention.build_parser().parse_args(["--quick", "--out", str(tmp_path)])
+    with CaptureLogger(logger) as progress:
+        assert attention.run(args) == 0
+    cases = [c for c in attention.CASES if c != "softmax_rpe_unfold"]
+    lines = [line for line in progress.out.splitlines() if " round " in line]
+    assert len(lines) == len(attention.QUICK_NS) * len(cases) * 2  # every case, both rounds, as measured
+    assert all(any(case in line for case in cases) for line in lines)
+    out = capsys.readouterr().out
+    tables = [block.strip() for block in out.split("\n\n") if block.strip().startswith("| N |")]
+    assert len(tables) == 1 and 4 <= tables[0].splitlines()[0].count("|") - 1 <= 6, out
+    reading = [line for line in out.splitlines() if line.startswith("Reading:")]
+    assert len(reading) == 1 and "from N = 2,048 on" in reading[0] and "SDPA has no bias" in reading[0], reading
+    assert str(tmp_path / "attention_bench.png") in out
+
+
+def test_the_demo_names_its_plots_before_it_measures(monkeypatch, capsys):
+    import argparse
+
+    from hf_kernattn import demo
+
+    order = []
+    monkeypatch.setattr(demo, "STEPS", [(title, lambda args, t=title: order.append(t)) for title, _ in demo.STEPS])
+    assert demo.run(argparse.Namespace(out="somewhere")) == 0
+    out = capsys.readouterr().out
+    first_step = out.index("===")
+    for path in ("somewhere/attention/attention_bench.png", "somewhere/generate/generate.png"):
+        assert f"open {path}" in out[:first_step], out
+    assert len(order) == len(demo.STEPS)

@@ -292,3 +292,11 @@ def test_the_crossovers_the_pages_state_are_the_shipped_tables():
             window = _flat(page)[m.end():m.end() + 200].split(";")[0]
             stated.update({f"{page}: {n}": n for n in re.findall(r"up to ([\d,]+) tokens", window)})
     assert stated and all(n in allowed for n in stated.values()), (stated, allowed)
+
+
+def test_the_readme_shows_the_two_figures_that_tell_the_story():
+    """Decoding latency and state against the context, attention time and memory against N."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for figure in ("docs/figures/linear_gpt_generate.png", "docs/figures/attention_bench.png"):
+        assert re.search(r"!\[[^\]]+\]\(" + re.escape(figure) + r"\)", readme), figure
+        assert (ROOT / figure).is_file()
