@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_kernattn
-from hf_kernattn.modeling.backends import get_backend
+from hf_kernattn.modeling.registry import get_backend
 
 from tests.reference import assert_float32_matches_float64, literal_reference
 
