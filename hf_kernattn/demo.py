@@ -1,12 +1,14 @@
 """The README's main demo: a quick tour of what hf-kernattn does, with measured figures.
 
-Each step is a function ``step(args) -> None`` in :data:`STEPS`, run in order.
+Each step is a function ``step(args) -> None`` in :data:`STEPS`, run in order; :data:`FIGURES`
+names the plots each writes (listed before the first step, so a user knows where to look).
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Callable
 
 
@@ -46,15 +48,32 @@ STEPS: list[tuple[str, Callable[[argparse.Namespace], None]]] = [
 ]
 
 
+# The plots each step writes (under --out) and what they show.
+FIGURES: dict[str, list[tuple[str, str]]] = {
+    STEPS[0][0]: [("attention/attention_bench.png", "attention time and peak memory against N, every case")],
+    STEPS[1][0]: [("generate/generate.png", "decode latency per token and decoding state against the context")],
+}
+
+
+def _figures(args: argparse.Namespace, title: str) -> list[str]:
+    return [f"  open {Path(args.out) / path}   ({what})" for path, what in FIGURES.get(title, [])]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench_results/demo",
                         help="folder for the CSVs and plots (each benchmark in a sub-folder named after it)")
 
 
 def run(args: argparse.Namespace) -> int:
+    shown = [line for title, _ in STEPS for line in _figures(args, title)]
+    if shown:
+        print("The demo measures as it goes (progress below) and draws its plots; when a step ends:", flush=True)
+        print("\n".join(shown), flush=True)
     for title, step in STEPS:
         print(f"\n=== {title} ===", flush=True)
         start = time.perf_counter()
         step(args)
         print(f"[{title}: {time.perf_counter() - start:.1f}s]", flush=True)
+        for line in _figures(args, title):
+            print(line, flush=True)
     return 0

@@ -8,6 +8,7 @@ functions (``from tests.conftest import tiny_nprf_bert_config``).
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 from types import SimpleNamespace
 
@@ -18,6 +19,37 @@ from hf_kernattn import LinearGPTConfig, NPRFBertConfig, RelativePerformerViTCon
 
 # vocabulary sizes of the tiny models (test inputs draw token ids below these)
 V_BERT, V_GPT = 40, 53
+
+# The accelerator of the device tests (``accelerator`` fixture): ``--device`` or this variable; without
+# either, CUDA where torch sees it, else those tests skip.
+DEVICE_ENV = "HF_KERNATTN_TEST_DEVICE"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=os.environ.get(DEVICE_ENV) or None,
+                     help=f"accelerator for the device tests, e.g. cuda or cuda:1 (default ${DEVICE_ENV}, else cuda "
+                          "where available; without one they skip)")
+
+
+@pytest.fixture(scope="session")
+def accelerator(request) -> torch.device:
+    """The accelerator the device tests run on (never the CPU: their reference runs there). Skips
+    when none was asked for and torch sees no CUDA device; fails when the one asked for is missing."""
+    name = request.config.getoption("--device")
+    if name is None:
+        if not torch.cuda.is_available():
+            pytest.skip("no accelerator: the device tests run on CUDA (scripts/gpu_check.sh; --device or "
+                        f"${DEVICE_ENV} to choose one)")
+        name = "cuda"
+    dev = torch.device(name)
+    if dev.type == "cpu":
+        pytest.fail("--device cpu: the device tests compare an accelerator with the CPU; name an accelerator")
+    try:
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError) as err:
+        pytest.fail(f"--device {name}: torch cannot use it ({' '.join(str(err).split())[:200]})")
+    torch.set_float32_matmul_precision("highest")  # float32 products in float32 (no TF32) against the references
+    return dev
 
 
 def tiny_nprf_bert_config(**overrides) -> NPRFBertConfig:

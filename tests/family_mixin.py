@@ -13,8 +13,7 @@ Hooks:
     conformance_overrides: config overrides of the conformance checks (random-feature buffers,
         output flags): the family's configuration with random features.
     export_variants: ``{name: config overrides}`` the ``torch.export`` check runs over.
-    export_class / export_atol: the class that is exported (default the base model) and how close
-        the exported program's first output is to eager's.
+    export_class: the class that is exported (default the base model).
     layer_norm_field / config_fields_absent: the name of the family's layer-norm epsilon; shared
         fields the family's config does not have.
     tied_lm_class: the language-model head whose output embeddings are tied to the input ones
@@ -45,6 +44,7 @@ from transformers.utils import logging
 from hf_kernattn.modeling.feature_maps import FeatureMap
 
 from tests.conftest import checkpointing_enable
+from tests.reference import assert_model_outputs_reordered_close
 from tests.remote import run_without_package
 
 N = 9  # sequence length of the tests: differs from every head's label count
@@ -58,7 +58,6 @@ class FamilyTests:
     forward_kwargs: dict = {}
     export_variants: dict = {"default": {}}
     export_class = None
-    export_atol = 1e-6
     layer_norm_field = "layer_norm_eps"
     config_fields_absent: tuple = ()
     tied_lm_class = None
@@ -107,6 +106,10 @@ class FamilyTests:
         with torch.no_grad():
             return model(**inputs, **self.forward_kwargs).last_hidden_state
 
+    @staticmethod
+    def assert_reordered(got, want, config, n: int, msg=None) -> None:
+        assert_model_outputs_reordered_close(got, want, config, n, msg=msg)
+
     def padding_mask(self, lengths, n):
         mask = torch.zeros(len(lengths), n, dtype=torch.long)
         for i, length in enumerate(lengths):
@@ -135,7 +138,7 @@ class FamilyTests:
         """Every head on a batch whose padded slots hold NaN embeddings: each row's real
         positions equal that row run alone, and are finite (a NaN that entered any sum over
         keys would turn them NaN). float32 throughout; the two runs differ only in summation
-        order over at most N keys and two layers, a few ulp of O(1) values, so atol 1e-5."""
+        order (another batch shape): within the float32 bound of reordered sums."""
         lengths = [N, N - 4, 2]
         mask = self.padding_mask(lengths, N)
         ids = self.make_inputs(len(lengths), N, seed=1)["input_ids"]
@@ -153,7 +156,7 @@ class FamilyTests:
                         if row.dim() >= 2 and row.shape[1] == N:  # per-token field: real positions only
                             row = row[:, real]
                         assert torch.isfinite(row).all(), f"{cls.__name__}.{name} row {i}: padding leaked"
-                        torch.testing.assert_close(row, value, rtol=0, atol=1e-5, msg=f"{cls.__name__}.{name} row {i}")
+                        self.assert_reordered(row, value, model.config, N, msg=f"{cls.__name__}.{name} row {i}")
 
     def test_save_load_round_trip_through_safetensors_and_auto_classes(self, tmp_path):
         """Exact: the loaded model holds the same tensors and runs the same operations."""
@@ -409,8 +412,9 @@ class FamilyTests:
 
     def test_torch_export_matches_eager(self):
         """Every variant exports with torch.export (no data-dependent Python reads while tracing)
-        and the exported program gives eager's first output (the same graph of operations:
-        a few float32 ulps at most, ``export_atol``)."""
+        and the exported program gives eager's first output (the same operations, but the
+        exported graph may sum in another order, e.g. decomposed ops on another machine's
+        kernels: within the float32 bound of reordered sums, never bitwise)."""
         cls = self.export_class or self.base_class()
         for variant, overrides in self.export_variants.items():
             torch.manual_seed(0)
@@ -421,7 +425,7 @@ class FamilyTests:
                 program = torch.export.export(model, (value,), kwargs=extra)
                 got = program.module()(value, **extra)[0]
                 want = model(value, **extra)[0]
-            torch.testing.assert_close(got, want, rtol=self.export_atol, atol=self.export_atol, msg=variant)
+            self.assert_reordered(got, want, model.config, 10, msg=variant)
 
     def remote_generate_check(self) -> bool:
         return False

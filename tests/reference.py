@@ -50,6 +50,47 @@ def literal_reference(q, k, v, bias=None, causal=False, mask=None, grid=None, ep
     return (a @ v) / (den.sum(-1, keepdim=True) + eps)
 
 
+def reorder_atol(*tensors, terms: int, layers: int = 1, scale: float | None = None) -> float:
+    """The absolute tolerance between two evaluations of one formula in the same floating-point
+    dtype whose sums run in different orders (an exported, compiled, fused, chunked or batched
+    evaluation against the eager or whole one; BLAS kernels differ by machine).
+
+    A sum of ``n`` terms in any order is within ``gamma_n sum |x| < n eps sum |x|`` of its exact
+    value (unit roundoff ``u = eps / 2``, ``gamma_n = n u / (1 - n u)``), so two orders differ by
+    less than ``n eps sum |x|``; each of ``layers`` chained reductions adds its own. ``terms``: the
+    longest sum a compared value passes through (a width, a length, a number of items);
+    ``sum |x|`` is taken at the magnitude of the compared values, the largest finite entry of
+    ``tensors`` (``scale``: a larger one, e.g. of the terms before a normalisation). ``eps`` is
+    the machine epsilon of the tensors' dtype (float32: 2^-23). Any error of the formula itself
+    (a wrong key, a lost state) moves values by far more than this at these scales."""
+    dtype = next(t.dtype for t in tensors if t.is_floating_point())
+    magnitudes = [float(t.detach()[t.detach().isfinite()].abs().max()) for t in tensors if t.isfinite().any()]
+    if scale is None:
+        scale = max(magnitudes, default=0.0)
+    return layers * terms * torch.finfo(dtype).eps * scale
+
+
+def assert_reordered_close(got, want, *, terms: int, layers: int = 1, scale: float | None = None, msg=None) -> None:
+    """``got`` equals ``want`` within :func:`reorder_atol` of both (``rtol=0``: the bound is
+    absolute, at the magnitude of the largest entry, as summation errors are). Integer and bool
+    tensors (positions, validity) are compared exactly."""
+    if not (got.is_floating_point() or want.is_floating_point()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=msg)
+        return
+    atol = reorder_atol(got, want, terms=terms, layers=layers, scale=scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=msg)
+
+
+def assert_model_outputs_reordered_close(got, want, config, n: int, *, scale: float | None = None, msg=None) -> None:
+    """A model's outputs (hidden states, logits, a state, gradients) from two evaluations that
+    differ in the order of their sums (another batch shape, chunks or steps against the whole
+    sequence, an exported or checkpointed graph): :func:`assert_reordered_close` with the
+    longest sum the widest projection or the attention over ``n`` tokens, about four reductions
+    chained per layer of ``config`` (projections, attention, output, MLP)."""
+    terms = max(config.hidden_size, getattr(config, "intermediate_size", None) or 0, n)
+    assert_reordered_close(got, want, terms=terms, layers=4 * config.num_hidden_layers, scale=scale, msg=msg)
+
+
 def bytes_saved_for_backward(fn):
     """``(result of fn(), bytes of the tensors autograd saved for the backward while it ran)``,
     counted on their storages (what a kernel keeps alive between its forward and backward)."""

@@ -260,8 +260,16 @@ def _measure_all(args: argparse.Namespace, ns: tuple[int, ...]) -> list[dict[str
                               head_dim=args.head_dim, dtype=args.dtype, device=args.device,
                               clip=args.max_relative_position, backward=args.backward)
                 cases.append((case, "attention:workload", kwargs))
+        done = [0]
+
+        def progress(case: str, rnd: int, result: dict[str, Any], n=n, count=len(cases)) -> None:
+            done[0] += 1
+            _info(f"  N={n:6d} round {rnd + 1}/{args.rounds} [{done[0]}/{count * args.rounds}] {case:18s} "
+                  f"{1000 * result['time_s']:10.2f} ms  peak {result['peak_mb']:8.1f} MB  {result['status']}")
+
         measured = alternate(cases, rounds=args.rounds, repeats=args.repeats, timeout_s=args.timeout,
-                             max_seconds=args.max_seconds, extra_path=_flat_path(), threads=args.threads)
+                             max_seconds=args.max_seconds, extra_path=_flat_path(), threads=args.threads,
+                             progress=progress)
         for case in args.cases:
             row: dict[str, Any] = {"case": case, "n": n, "batch": args.batch, "heads": args.heads,
                                    "features": args.features, "head_dim": args.head_dim, "dtype": args.dtype}
@@ -336,6 +344,45 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+# the short table every run prints (the CSV holds every column): where the FFT overtakes exact
+# softmax with the same bias, and at what memory; SDPA without a bias for scale
+BRIEF_COLUMNS = ("N", "fft + RPE ms", "softmax + RPE ms", "fft speed-up", "memory softmax+RPE / fft", "SDPA, no bias ms")
+
+
+def brief_summary(summary: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """:func:`summarize`'s rows as :data:`BRIEF_COLUMNS` (the speed-up as median [min-max] over
+    rounds), and one sentence reading them."""
+    def ms(x: float) -> float:
+        return 1000 * x
+
+    rows = [{
+        "N": s["N"], "fft + RPE ms": ms(s["fft_rpe s"]), "softmax + RPE ms": ms(s["softmax_rpe s"]),
+        "fft speed-up": s["fft vs softmax+RPE, per round"], "memory softmax+RPE / fft": s["memory ratio softmax+RPE / fft"],
+        "SDPA, no bias ms": ms(s["sdpa s"]),
+    } for s in summary]
+    speed = "speed-up fft vs softmax+RPE"
+    measured = [s["N"] for s in summary if s[speed] == s[speed]]  # NaN: not both measured
+    faster = [s["N"] for s in summary if s[speed] > 1]
+    if not measured:
+        return rows, ("Reading: the FFT path and exact softmax with the bias were not both measured at any N "
+                      "(see the statuses below).")
+    if not faster:
+        where = "at no N measured"
+    elif faster == measured:
+        where = f"at every N measured ({measured[0]:,} to {measured[-1]:,})"
+    elif faster == measured[measured.index(faster[0]):]:
+        where = f"from N = {faster[0]:,} on (slower below)"
+    else:
+        where = "at N = " + ", ".join(f"{n:,}" for n in faster)
+    last = next(s for s in reversed(summary) if s["N"] == measured[-1])
+    memory = last["memory ratio softmax+RPE / fft"]
+    reading = (f"Reading: the FFT path (O(N log N), the same relative-position bias) is faster than exact softmax "
+               f"with the bias {where}: {last[speed]:.1f}x at N = {last['N']:,}"
+               + (f", with {memory:.1f}x less peak memory" if memory == memory else "")
+               + ". SDPA has no bias at all (shown for scale, not a like-for-like comparison).")
+    return rows, reading
+
+
 def plot(rows: list[dict[str, Any]], path: Path, args: argparse.Namespace) -> None:
     """Two log-log panels, time and peak memory vs N, one line per case (Luo et al. Fig. 1a)."""
     import matplotlib
@@ -352,7 +399,7 @@ def plot(rows: list[dict[str, Any]], path: Path, args: argparse.Namespace) -> No
             pts = sorted((r["n"], r[key]) for r in rows if r["case"] == case)
             series[LABELS[case]] = ([p[0] for p in pts], [p[1] for p in pts])
         plot_series(series, path, title=f"{ylabel.split(' (')[0]} vs N", xlabel="sequence length N",
-                    ylabel=ylabel, ax=ax)
+                    ylabel=ylabel, ax=ax, colors={LABELS[c]: f"C{i}" for i, c in enumerate(CASES)})
     fig.suptitle(f"batch {args.batch}, {args.heads} head(s), M={args.features} features, D={args.head_dim}, "
                  f"{args.dtype}, K={args.max_relative_position} (windowed), {args.threads} thread(s)", fontsize=9)
     fig.tight_layout()
@@ -548,9 +595,14 @@ def run(args: argparse.Namespace) -> int:
         cols = [c for c in cols if "unfold" not in c]
     if "windowed_rpe" not in args.cases:
         cols = [c for c in cols if "windowed" not in c]
-    print("\n" + format_table(summary, cols))
+    if not args.quick:  # every column (the CSV holds them too); the demo's quick run prints the short table
+        print("\n" + format_table(summary, cols))
+    if {"fft_rpe", "softmax_rpe", "sdpa"} <= set(args.cases):
+        brief, reading = brief_summary(summary)
+        print("\n" + format_table(brief, list(BRIEF_COLUMNS)))
+        print("\n" + reading)
     statuses = [f"- {r['case']} N={r['n']}: {r['status']}" for r in rows if r["status"] != "ok"]
     if statuses:
         print("\nnot measured:\n" + "\n".join(statuses))
-    print(f"\nwrote {csv_path} and {png_path}")
+    print(f"\nwrote {csv_path} and {png_path} (open it: time and peak memory against N, every case)")
     return 0

@@ -537,6 +537,63 @@ def build_parser() -> argparse.ArgumentParser:
     return common_parser(NAME, __doc__, add_arguments)
 
 
+# ----------------------------------------------------------------------------- crossovers as the docs state them
+
+# The longest input the crossover sentences describe (the table's last segment runs beyond).
+DESCRIBE_N_MAX = 65536
+# The calls whose crossovers the docs quote: name -> the call (choose_backend's keywords, the
+# mode aside). ``state``: the call returns its final state (Linear GPT with ``use_cache``).
+DOC_CALLS = {
+    "nprf_bert": dict(causal=False, rpe="1d", rpe_clip=512, heads=12),  # NPRF-BERT's defaults, BERT-base's heads
+    "nprf_bert_one_head": dict(causal=False, rpe="1d", rpe_clip=512, heads=1),
+    "linear_gpt_rpe": dict(causal=True, rpe="1d", rpe_clip=64, heads=8),  # Linear GPT's default K and heads
+    "linear_gpt_rpe_state": dict(causal=True, rpe="1d", rpe_clip=64, heads=8, state=True),
+}
+
+
+def auto_picks(*, causal: bool, rpe: Optional[str], rpe_clip: Optional[int] = None, heads: Optional[int] = None,
+               backward: bool = False, state: bool = False, key_mask: bool = False, device: str = "cpu",
+               n_max: int = DESCRIBE_N_MAX) -> list[tuple[int, str]]:
+    """``[(first N, backend), ...]``: where ``backend="auto"``'s first choice changes for N from 2 to
+    ``n_max`` tokens, read from the active table (``registry.choose_backend``) before any accuracy
+    check of the data. The choice changes only where a table segment ends or, below ``2K + 2``, where
+    the offsets a clipped bias reaches grow; those N and every N below ``2K + 2`` are asked."""
+    from ..modeling import registry
+
+    bounds = {n for ranking in registry.active_auto_table().values() for n, _ in ranking if n is not None}
+    ns = set(range(2, min(n_max, 2 * (rpe_clip or 0) + 2) + 1)) | {n + d for n in bounds for d in (0, 1)}
+    picks: list[tuple[int, str]] = []
+    for n in sorted(n for n in ns if 2 <= n <= n_max):
+        name = registry.choose_backend(n=n, causal=causal, rpe=rpe, key_mask=key_mask, device=device, rpe_clip=rpe_clip,
+                                       state=state, backward=backward, heads=heads)
+        if not picks or picks[-1][1] != name:
+            picks.append((n, name))
+    return picks
+
+
+def crossover_phrase(picks: list[tuple[int, str]]) -> str:
+    """``[(2, "dense"), (1723, "windowed")]`` -> ``"`dense` up to 1,722 tokens, `windowed` beyond"``."""
+    if len(picks) == 1:
+        return f"`{picks[0][1]}` at every length"
+    parts = []
+    for i, (_, name) in enumerate(picks):
+        if i + 1 < len(picks):
+            last = picks[i + 1][0] - 1
+            parts.append(f"`{name}` up to {last:,}" + (" tokens" if i == 0 else ""))
+        else:
+            parts.append(f"`{name}` beyond")
+    return ", ".join(parts)
+
+
+def describe_crossovers(call: dict[str, Any]) -> str:
+    """The sentence the docs give for ``auto`` on ``call`` (``DOC_CALLS``' form): forward and
+    training (forward+backward) together when they agree."""
+    forward, training = (crossover_phrase(auto_picks(**call, backward=b)) for b in (False, True))
+    if forward == training:
+        return f"{forward} (forward and training)"
+    return f"forward: {forward}; training: {training}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .common import add_common_arguments
 
@@ -573,6 +630,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds-again", type=int, default=5, help="with --check: rounds of a point measured again (0: none)")
     parser.add_argument("--check-drop", type=float, default=2.0,
                         help="with --check: a backend this many times slower than the fastest in the first round is not timed again at that N")
+    parser.add_argument("--describe", action="store_true",
+                        help="measure nothing: print the crossovers of the active table (the shipped one, or "
+                             "HF_KERNATTN_AUTO_TABLE's) for the calls the docs describe")
     parser.add_argument("--from-csv", nargs="+", default=None,
                         help="measure nothing: derive the table from the calibrate.csv of earlier runs (rows measured "
                              "at several head counts give an entry per head count; rows without heads count as --heads)")
@@ -692,6 +752,12 @@ def _report_check(args: argparse.Namespace, specs, rows, out: Path, start: float
 
 def run(args: argparse.Namespace) -> int:
     from .common import format_table, write_csv
+
+    if getattr(args, "describe", False):
+        for name, call in DOC_CALLS.items():
+            shown = ", ".join(f"{k}={v}" for k, v in call.items())
+            print(f"{name} ({shown}): {describe_crossovers(call)}")
+        return 0
 
     for name in ("heads", "features", "head_dim", "rounds", "threads"):
         if getattr(args, name) < 1:

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 _RUNNER = r"""
 import gc, importlib, importlib.util, json, resource, sys
@@ -257,6 +257,7 @@ def alternate(
     *,
     rounds: int,
     stop_failed: bool = False,
+    progress: Optional[Callable[[str, int, dict[str, Any]], None]] = None,
     **measure_kwargs: Any,
 ) -> dict[str, list[dict[str, Any]]]:
     """Measure every case once per round, each in a fresh process (:func:`measure`), the cases
@@ -265,7 +266,8 @@ def alternate(
 
     ``cases``: ``(name, target, kwargs)`` or ``(name, target, kwargs, measure_overrides)``.
     ``stop_failed``: a case that failed (timed out, out of memory) is not run again in later
-    rounds; its later results repeat the failure. Returns ``{name: [one result per round]}``.
+    rounds; its later results repeat the failure. ``progress(name, round, result)``: called after
+    each measurement (e.g. to print it). Returns ``{name: [one result per round]}``.
     """
     results: dict[str, list[dict[str, Any]]] = {case[0]: [] for case in cases}
     for rnd in range(rounds):
@@ -277,6 +279,8 @@ def alternate(
                 continue
             options = {**measure_kwargs, **(case[3] if len(case) > 3 else {})}
             results[name].append(measure(target, kwargs, **options))
+            if progress is not None:
+                progress(name, rnd, results[name][-1])
     return results
 
 
@@ -353,8 +357,10 @@ def plot_series(
     logx: bool = True,
     logy: bool = True,
     ax=None,
+    colors: dict[str, str] | None = None,
 ) -> None:
-    """Plot named ``(x, y)`` lines (NaNs skipped) to a PNG, or onto ``ax`` if given."""
+    """Plot named ``(x, y)`` lines (NaNs skipped) to a PNG, or onto ``ax`` if given; ``colors``:
+    a colour per name (so one case keeps its colour across panels), else matplotlib's cycle."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -366,7 +372,7 @@ def plot_series(
     for name, (xs, ys) in series.items():
         pts = [(x, y) for x, y in zip(xs, ys) if y == y]
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name, color=(colors or {}).get(name))
     if logx:
         ax.set_xscale("log", base=2)
     if logy:

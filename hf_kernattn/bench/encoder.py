@@ -4,8 +4,9 @@ Both models have the same shape (BERT-base widths by default: hidden 768, 12 hea
 intermediate 3072, ``--layers`` encoder layers, batch 1) and the same absolute position table;
 NPRF-BERT adds PRF features (``--features`` per head) and a shared relative-position bias
 clipped at ``--max-relative-position`` (default 512, the config default), evaluated by the
-backend ``--backend`` (default ``auto``: the O(N K) ``windowed`` backend once N >= max(512, 2K),
-else the dense or FFT path; ``fft`` forces the O(N log N) Toeplitz FFT), and by default
+backend ``--backend`` (default ``auto``: what the calibration table ranks first, e.g. ``dense``
+and then the O(N K) ``windowed`` backend, ``hf-kernattn bench calibrate --describe``; ``fft``
+forces the O(N log N) Toeplitz FFT), and by default
 recomputing its attention blocks in the backward pass (``recompute_attention``;
 ``--no-recompute`` keeps them, as BertModel does). Each (model, N, mode) case runs in its own process
 (:func:`hf_kernattn.bench.common.measure`), the two models alternating over ``--rounds``

@@ -358,6 +358,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=SHAPE["hidden"], help="model width (all cases)")
     parser.add_argument("--layers", type=int, default=SHAPE["layers"], help="decoder layers (all cases)")
     parser.add_argument("--heads", type=int, default=SHAPE["heads"], help="attention heads (all cases)")
+    parser.add_argument("--replot", metavar="CSV", default=None,
+                        help="measure nothing: draw OUT/generate.png again from a decode_latency.csv this command wrote")
 
 
 def _decode_group(args, shape, ctx: int, batch: int) -> dict[str, list[dict[str, Any]]]:
@@ -383,6 +385,10 @@ def _decode_group(args, shape, ctx: int, batch: int) -> dict[str, list[dict[str,
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "replot", None):
+        path = replot(args.replot, Path(args.out) / "generate.png")
+        print(f"wrote {path} from {args.replot}")
+        return 0
     if args.quick:
         args.contexts = [128, 4096]
         args.bound_context = 4096
@@ -496,7 +502,7 @@ def run(args: argparse.Namespace) -> int:
                             "value": r["ratio"], "cpu_value": r["cpu_ratio"]})
     write_csv(summary, out / "generate_summary.csv")
     print(format_table(summary, ["figure", "value", "cpu_value"]))
-    _plot(rows, args, out)
+    _plot(rows, out / "generate.png")
     print(f"wrote {out / 'decode_latency.csv'}, {out / 'generate_summary.csv'}, {out / 'generate.png'} "
           f"in {time.perf_counter() - started:.0f}s")
     return 0
@@ -509,27 +515,57 @@ def _ratio_entry(num: list[dict[str, Any]], den: list[dict[str, Any]]) -> dict[s
     return {"value": value, "cpu_value": cpu_value}
 
 
-def _plot(rows: list[dict[str, Any]], args: argparse.Namespace, out: Path) -> None:
+# the label and colour of each case, the same in every panel
+PLOT_LABELS = {"linear_state": "Linear GPT, state", "linear_nostate": "Linear GPT, no state",
+               "gpt2_kv": "GPT-2 SDPA + DynamicCache", "gpt2_static": "GPT-2 SDPA + StaticCache"}
+PLOT_COLORS = {"linear_state": "C0", "linear_nostate": "C1", "gpt2_kv": "C2", "gpt2_static": "C3"}
+
+
+def _figure(rows: list[dict[str, Any]]):
+    """The decoding figure of ``rows`` (``decode_latency.csv``'s): time per step and state size
+    against the context at batch 1, each case in one colour in both panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    labels = {"linear_state": "Linear GPT, state", "linear_nostate": "Linear GPT, no state",
-              "gpt2_kv": "GPT-2 SDPA + DynamicCache", "gpt2_static": "GPT-2 SDPA + StaticCache"}
-    one = [r for r in rows if r["batch"] == 1 and r["model"] in labels]
-    series = {labels[m]: ([r["context"] for r in one if r["model"] == m], [r["ms_per_token"] for r in one if r["model"] == m])
-              for m in MODELS}
-    plot_series(series, None, title="decode latency per token (batch 1, median of rounds)", xlabel="context length",
-                ylabel="ms per decoding step", ax=axes[0])
-    mem = {labels[m]: ([r["context"] for r in one if r["model"] == m], [r["state_mb"] for r in one if r["model"] == m])
-           for m in ("linear_state", "gpt2_kv", "gpt2_static")}
-    plot_series(mem, None, title="decoding state (batch 1)", xlabel="context length", ylabel="MB", ax=axes[1])
+    one = [r for r in rows if int(r["batch"]) == 1 and r["model"] in PLOT_LABELS]
+    colors = {PLOT_LABELS[m]: PLOT_COLORS[m] for m in PLOT_LABELS}
+
+    def series(models, field):
+        return {PLOT_LABELS[m]: ([float(r["context"]) for r in one if r["model"] == m],
+                                 [float(r[field]) for r in one if r["model"] == m]) for m in models}
+
+    plot_series(series(MODELS, "ms_per_token"), None, title="decode latency per token (batch 1, median of rounds)",
+                xlabel="context length", ylabel="ms per decoding step", ax=axes[0], colors=colors)
+    plot_series(series(("linear_state", "gpt2_kv", "gpt2_static"), "state_mb"), None, title="decoding state (batch 1)",
+                xlabel="context length", ylabel="MB", ax=axes[1], colors=colors)
     fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "generate.png", dpi=120)
+    return fig
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = _figure(rows)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def replot(csv_path, png_path) -> Path:
+    """Draw the decoding figure again from a ``decode_latency.csv`` this benchmark wrote (e.g.
+    ``docs/figures/linear_gpt_decode_latency.csv``), measuring nothing; returns the PNG's path."""
+    import csv
+
+    with open(csv_path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    need = {"model", "batch", "context", "ms_per_token", "state_mb"}
+    if not rows or need - set(rows[0]):
+        raise ValueError(f"{csv_path}: not a decode_latency.csv of this benchmark (needs the columns {sorted(need)})")
+    _plot(rows, Path(png_path))
+    return Path(png_path)
 
 
 def main() -> int:

@@ -436,16 +436,62 @@ def _shipped_table() -> dict[tuple, tuple]:
     return check_auto_table(AUTO_TABLE)
 
 
-def _read_table_file(path) -> object:
-    import json
+# How deep a table's JSON may nest: a table nests 6 levels (object, entries, entry, ranking,
+# segment, names) and its "source" record one more per merged calibration; far below the depth
+# where parsing or printing a value would exhaust Python's recursion limit.
+_MAX_TABLE_DEPTH = 100
 
+
+def _table_depth_error(table: object) -> Optional[str]:
+    """None, or the problem with a table that nests beyond ``_MAX_TABLE_DEPTH`` (walked without
+    recursion, so any depth is measured)."""
+    stack = [(table, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, (dict, list, tuple)):
+            if depth > _MAX_TABLE_DEPTH:
+                return f"nests deeper than {_MAX_TABLE_DEPTH} levels (a table nests 6)"
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((child, depth + 1) for child in children)
+    return None
+
+
+def _read_table_file(path) -> object:
+    """The JSON a table file holds; ``ValueError`` naming the file for anything but a readable
+    regular file of UTF-8 JSON (a FIFO or device is refused before a read could block)."""
+    import json
+    import os
+    import stat
+
+    shown = repr(os.fsdecode(path)) if isinstance(path, (str, bytes, os.PathLike)) else repr(str(path))
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
     except OSError as err:
-        raise ValueError(f"auto table: cannot read {str(path)!r}: {err.strerror or err}") from None
+        raise ValueError(f"auto table: cannot read {shown}: {err.strerror or err}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"auto table: {shown} is not a regular file (a JSON table file is needed)")
+        with os.fdopen(fd, "rb") as f:
+            fd = None
+            data = f.read()
+    except OSError as err:
+        raise ValueError(f"auto table: cannot read {shown}: {err.strerror or err}") from None
+    finally:
+        if fd is not None:
+            os.close(fd)
+    try:
+        table = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"auto table: {shown} is not UTF-8 text (byte {err.start}): a table file is UTF-8 JSON") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"auto table: {str(path)!r} is not valid JSON: {err}") from None
+        raise ValueError(f"auto table: {shown} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ValueError(f"auto table: {shown} nests deeper than {_MAX_TABLE_DEPTH} levels (a table nests 6)") from None
+    problem = _table_depth_error(table)
+    if problem:
+        raise ValueError(f"auto table: {shown} {problem}")
+    return table
 
 
 def load_auto_table(source=None, *, replace: bool = False) -> dict:
@@ -465,6 +511,9 @@ def load_auto_table(source=None, *, replace: bool = False) -> dict:
         return dict(shipped)
     if isinstance(source, dict):
         table = source
+        problem = _table_depth_error(table)
+        if problem:
+            raise _table_error("the table", problem)
     elif isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
         table = _read_table_file(source)
     else:

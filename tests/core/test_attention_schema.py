@@ -35,6 +35,7 @@ from hf_kernattn.modeling.attention_config import (
 )
 from hf_kernattn.modeling.registry import AUTO_MAX_ERROR
 from hf_kernattn.modeling.feature_maps import FeatureMap
+from tests.reference import assert_model_outputs_reordered_close
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "configs_v0"
 
@@ -224,10 +225,10 @@ def test_config_json_written_before_the_schema_loads_with_the_same_values(name, 
 def test_model_from_a_config_written_before_the_schema_gives_the_same_logits(name, model_cls, tmp_path):
     """Logits saved by the code before the schema (seed 0 init, fixed ids, eval). float32; the
     same function up to rounding: Linear GPT's fused GELU differs from the saved run's
-    multi-step one by an ulp, and a weight layout can change the products' summation
-    order: a few ulps per operation of values of order 1 (2^-23 ~ 1.2e-7) over two layers,
-    well under 1e-5 absolute, while any change of the init, a default or the math moves the
-    logits by 1e-3 or more."""
+    multi-step one by an ulp, and a weight layout (or another machine's kernels) can change the
+    products' summation order: within the float32 bound of reordered sums at the logits'
+    magnitude, while any change of the init, a default or the math moves the logits by 1e-3 or
+    more."""
     shutil.copy(FIXTURES / f"{name}.json", tmp_path / "config.json")
     config = transformers.AutoConfig.from_pretrained(tmp_path)
     expected = load_file(FIXTURES / "logits.safetensors")
@@ -236,4 +237,4 @@ def test_model_from_a_config_written_before_the_schema_gives_the_same_logits(nam
     with torch.no_grad():
         logits = model(expected[f"{name}_ids"]).logits
     assert math.isfinite(float(logits.abs().max()))
-    torch.testing.assert_close(logits, expected[name], rtol=0, atol=1e-5)
+    assert_model_outputs_reordered_close(logits, expected[name], config, expected[f"{name}_ids"].shape[-1])

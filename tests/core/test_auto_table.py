@@ -8,6 +8,7 @@ that loads."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -143,6 +144,65 @@ def test_table_files_and_the_environment_variable(tmp_path, monkeypatch):
     monkeypatch.setenv(AUTO_TABLE_ENV, str(bad))
     with pytest.raises(ValueError, match=f"{AUTO_TABLE_ENV}=.*is not valid JSON"):
         choose_backend(n=8192, **PLAIN)
+
+
+def _load_in_a_thread(source, seconds=20.0):
+    """``load_auto_table(source)``'s exception (None if it returned), or a failure if it has not
+    returned within ``seconds`` (a read that blocks)."""
+    import threading
+
+    caught = []
+
+    def run():
+        try:
+            load_auto_table(source)
+            caught.append(None)
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            caught.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"load_auto_table({source!r}) still blocked after {seconds} s"
+    return caught[0]
+
+
+def test_unreadable_table_files_are_refused_naming_the_file(tmp_path, monkeypatch):
+    """Bytes that are not UTF-8, JSON nested beyond what a table needs (Python's parser would hit
+    its recursion limit), a FIFO (reading one waits for a writer) and a directory: each the
+    documented ValueError naming the file, the active table unchanged; through
+    ``HF_KERNATTN_AUTO_TABLE`` every later automatic choice says the same."""
+    latin = tmp_path / "latin1.json"
+    latin.write_bytes(b'{"format": 1, "entries": [], "source": "caf\xe9"}')
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    nested = tmp_path / "nested.json"  # parses, then nests beyond any table
+    nested.write_text('{"format": 1, "entries": [], "source": ' + "[" * 500 + "]" * 500 + "}")
+    cases = [(latin, "is not UTF-8 text"), (deep, "nests deeper than"), (nested, "nests deeper than"),
+             (tmp_path, "is not a regular file")]
+    if hasattr(os, "mkfifo"):
+        fifo = tmp_path / "table.fifo"
+        os.mkfifo(fifo)
+        cases.append((fifo, "is not a regular file"))
+    for path, problem in cases:
+        before = registry.active_auto_table()
+        err = _load_in_a_thread(path)
+        assert isinstance(err, ValueError) and problem in str(err) and str(path) in str(err), (path, err)
+        assert registry.active_auto_table() is before
+        monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)
+        monkeypatch.setenv(AUTO_TABLE_ENV, str(path))
+        for _ in range(2):  # every later choice: the same clear error
+            with pytest.raises(ValueError, match=f"{AUTO_TABLE_ENV}=.*{problem}"):
+                choose_backend(n=8192, **PLAIN)
+        monkeypatch.delenv(AUTO_TABLE_ENV)
+        load_auto_table(None)
+    # a table given as a dict nested beyond any table: the same error, before anything reads it
+    value: list = []
+    for _ in range(5000):
+        value = [value]
+    with pytest.raises(ValueError, match="nests deeper than"):
+        load_auto_table({"format": 1, "entries": [{"mode": "fwd", "bias": "none", "causal": False, "clip": None,
+                                                   "dtype": "float32", "ranking": value}]})
 
 
 def test_auto_never_takes_a_ranked_backend_that_cannot_run_the_call():
@@ -450,3 +510,22 @@ def test_calibrate_counts_a_long_warm_up_call_as_the_first_rounds_timing(monkeyp
     rows = calibrate.measure_kind(spec)
     assert calls == {"dense": 2, "linear": 2}
     assert sum(r["status"] == "ok" for r in rows) == 4  # still a timing per round
+
+
+def test_the_crossover_sentences_follow_the_active_table(capsys):
+    """``bench calibrate --describe``'s sentences read the active table: every change of auto's
+    first choice, non-monotone rankings included, and forward and training apart when they differ."""
+    from hf_kernattn.bench import calibrate
+
+    load_auto_table(_table(
+        _entry([[100, ["dense", "windowed"]], [300, ["windowed", "dense"]], [None, ["dense", "windowed"]]],
+               bias="1d", causal=True, clip=64),
+        _entry([[None, ["windowed", "dense"]]], mode="fwdbwd", bias="1d", causal=True, clip=64),
+    ), replace=True)
+    call = dict(causal=True, rpe="1d", rpe_clip=64, heads=1)
+    assert calibrate.auto_picks(**call) == [(2, "dense"), (101, "windowed"), (301, "dense")]
+    assert calibrate.describe_crossovers(call) == (
+        "forward: `dense` up to 100 tokens, `windowed` up to 300, `dense` beyond; training: `windowed` at every length")
+    args = calibrate.build_parser().parse_args(["--describe"])
+    assert calibrate.run(args) == 0
+    assert "linear_gpt_rpe" in capsys.readouterr().out

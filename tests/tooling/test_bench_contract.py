@@ -413,3 +413,87 @@ def test_generate_bench_times_the_hybrid_step_with_softmax_window(monkeypatch):
         generate.decode_workload("linear_state", context=4, new_tokens=1, hidden=16, layers=1, heads=2, softmax_window=3)
     assert generate.state_mb("linear_hybrid", 4, 1, 16, 1, 2, softmax_window=3) > generate.state_mb(
         "linear_state", 4, 1, 16, 1, 2)
+
+
+def test_the_decoding_figure_gives_each_case_one_colour_and_replots_from_its_csv(tmp_path):
+    """Each case of ``bench generate``'s figure keeps one colour in both panels (GPT-2's two caches
+    once took each other's colours in the state panel), and ``--replot`` redraws it from a
+    ``decode_latency.csv`` (the committed one of docs/figures) without measuring."""
+    import csv
+    from pathlib import Path
+
+    import matplotlib.pyplot as plt
+
+    from hf_kernattn.bench import generate
+
+    committed = Path(__file__).resolve().parents[2] / "docs" / "figures" / "linear_gpt_decode_latency.csv"
+    with open(committed, newline="") as f:
+        rows = list(csv.DictReader(f))
+    fig = generate._figure(rows)
+    try:
+        colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in fig.axes]
+    finally:
+        plt.close(fig)
+    assert len(colours) == 2 and set(colours[1]) <= set(colours[0]) and len(colours[1]) == 3
+    assert all(colours[0][label] == colour for label, colour in colours[1].items()), colours
+    assert len(set(colours[0].values())) == len(colours[0])  # and no two cases share one
+    args = generate.build_parser().parse_args(["--replot", str(committed), "--out", str(tmp_path)])
+    assert generate.run(args) == 0
+    assert (tmp_path / "generate.png").stat().st_size > 10_000
+    (tmp_path / "other.csv").write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="not a decode_latency.csv"):
+        generate.replot(tmp_path / "other.csv", tmp_path / "x.png")
+
+
+def _fake_attention_measure(target, kwargs, **_):
+    """A timing per attention case: the FFT path grows as N log N, softmax with the bias as N^2
+    (overtaken at N = 2048), SDPA as N^2 but cheaper; no process is started."""
+    import math
+
+    n = kwargs["n"]
+    time_s = {"fft_rpe": 3e-5 * n * math.log2(n), "softmax_rpe": 2e-7 * n * n, "sdpa": 5e-8 * n * n}.get(kwargs["case"], 1e-3)
+    peak = {"fft_rpe": 50.0, "softmax_rpe": 6e-6 * n * n}.get(kwargs["case"], 10.0)
+    return {"time_s": time_s, "cpu_s": time_s, "peak_mb": peak, "runs": 2, "status": "ok"}
+
+
+def test_the_attention_bench_reports_progress_per_case_and_a_short_table_with_its_reading(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """What the demo's first step prints: a line per case and round as each is measured, then a
+    table of at most six columns and one sentence saying where the FFT path overtakes softmax with
+    the same bias (and that SDPA has no bias), and where the plot is."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    from hf_kernattn.bench import attention, common
+
+    monkeypatch.setattr(common, "measure", _fake_attention_measure)
+    logger = logging.get_logger("hf_kernattn.bench.attention")
+    logger.setLevel(logging.INFO)
+    args = attention.build_parser().parse_args(["--quick", "--out", str(tmp_path)])
+    with CaptureLogger(logger) as progress:
+        assert attention.run(args) == 0
+    cases = [c for c in attention.CASES if c != "softmax_rpe_unfold"]
+    lines = [line for line in progress.out.splitlines() if " round " in line]
+    assert len(lines) == len(attention.QUICK_NS) * len(cases) * 2  # every case, both rounds, as measured
+    assert all(any(case in line for case in cases) for line in lines)
+    out = capsys.readouterr().out
+    tables = [block.strip() for block in out.split("\n\n") if block.strip().startswith("| N |")]
+    assert len(tables) == 1 and 4 <= tables[0].splitlines()[0].count("|") - 1 <= 6, out
+    reading = [line for line in out.splitlines() if line.startswith("Reading:")]
+    assert len(reading) == 1 and "from N = 2,048 on" in reading[0] and "SDPA has no bias" in reading[0], reading
+    assert str(tmp_path / "attention_bench.png") in out
+
+
+def test_the_demo_names_its_plots_before_it_measures(monkeypatch, capsys):
+    import argparse
+
+    from hf_kernattn import demo
+
+    order = []
+    monkeypatch.setattr(demo, "STEPS", [(title, lambda args, t=title: order.append(t)) for title, _ in demo.STEPS])
+    assert demo.run(argparse.Namespace(out="somewhere")) == 0
+    out = capsys.readouterr().out
+    first_step = out.index("===")
+    for path in ("somewhere/attention/attention_bench.png", "somewhere/generate/generate.png"):
+        assert f"open {path}" in out[:first_step], out
+    assert len(order) == len(demo.STEPS)

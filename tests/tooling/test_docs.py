@@ -41,6 +41,21 @@ TOY = {
 
 NO_TEST = re.compile(r"<!--\s*no-test:\s*(.+?)\s*-->")
 
+# The pages show transformers' current name of the decoding state (``cache=``, ``out.cache``, from
+# 5.24) and say in a line that earlier releases take ``past_key_values``: under those, the blocks
+# run with that name, as the line says.
+OLD_CACHE_NAME = {r"(?<![\w.])cache=": "past_key_values=", r"\bout\.cache\b": "out.past_key_values"}
+
+
+def _for_installed_transformers(code: str) -> str:
+    from hf_kernattn.modeling.cache import CACHE_FIELD
+
+    if CACHE_FIELD == "cache":
+        return code
+    for old, new in OLD_CACHE_NAME.items():
+        code = re.sub(old, new, code)
+    return code
+
 
 def python_blocks(page: Path) -> tuple[list[str], int]:
     """The page's ```python blocks in order, and how many were marked no-test."""
@@ -108,6 +123,7 @@ def test_every_python_block_runs(page, stand_ins, tmp_path):
     code = "\n\n".join(blocks)
     for old, new in TOY.items():
         code = code.replace(old, new)
+    code = _for_installed_transformers(code)
     for entry in stand_ins.iterdir():
         (tmp_path / entry.name).symlink_to(entry, target_is_directory=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
@@ -177,3 +193,110 @@ def test_every_mentioned_file_exists():
             if not ok:
                 missing.append(f"{_page_id(page)}: {name}")
     assert not missing, missing
+
+
+def test_every_research_script_is_listed_where_the_scripts_are_listed():
+    """README.md, docs/architecture.md and docs/training.md each list the example scripts: every
+    script of examples/research/ is named in each."""
+    scripts = sorted(p.name for p in (ROOT / "examples" / "research").glob("*.py") if not p.name.startswith("_"))
+    assert len(scripts) >= 5
+    missing = {page: [s for s in scripts if s not in (ROOT / page).read_text(encoding="utf-8")]
+               for page in ("README.md", "docs/architecture.md", "docs/training.md")}
+    assert not any(missing.values()), missing
+
+
+# --------------------------------------------------------------------------------------------
+# the decoding state's name
+
+
+OLD_NAME_SHOWN = re.compile(r"past_key_values=|\.past_key_values\b")
+
+
+def test_the_pages_and_model_cards_teach_the_current_name_of_the_decoding_state():
+    """transformers 5.24 renamed the decoding state (``cache=``, ``out.cache``; the old names warn
+    there): the README, the docs pages and the model card templates show the current name, and the
+    old one only in a line saying it is what transformers before 5.24 takes."""
+    cards = sorted((ROOT / "hf_kernattn" / "model_cards").glob("*.md"))
+    shown = []
+    for page in [*PAGES, *cards]:
+        for number, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            if OLD_NAME_SHOWN.search(line) and "before 5.24" not in line:
+                shown.append(f"{page.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not shown, shown
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    card = (ROOT / "hf_kernattn" / "model_cards" / "linear_gpt.md").read_text(encoding="utf-8")
+    for text in (readme, card):
+        assert "cache=" in text and "out.cache" in text and "before 5.24" in text
+
+
+def test_the_readme_linear_gpt_quickstart_prints_no_deprecation(tmp_path):
+    """The README's Linear GPT quickstart, run as shown (smaller prompt) under the installed
+    transformers, continues from the returned state and prints no deprecation warning (the old
+    name of the state printed two under 5.24)."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(encoding="utf-8"), flags=re.S)
+    (code,) = [b for b in blocks if "LinearGPTForCausalLM(config)" in b and "generate(" in b]
+    for old, new in TOY.items():
+        code = code.replace(old, new)
+    code = _for_installed_transformers(code)
+    code += "\nassert more.shape[1] == out.sequences.shape[1] + 20\nprint('CONTINUED')\n"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "HF_MODULES_CACHE": str(tmp_path / "modules"), "PYTHONWARNINGS": "always"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and "CONTINUED" in proc.stdout, proc.stderr[-3000:]
+    noise = [line for line in proc.stderr.splitlines()  # (other packages' unrelated notices left aside)
+             if re.search(r"deprecat|FutureWarning", line, flags=re.I) and re.search(r"past_key_values|cache", line)]
+    assert not noise, noise
+
+
+# --------------------------------------------------------------------------------------------
+# auto's crossovers: one source of truth, the shipped calibration table
+
+
+def _crossovers() -> dict[str, str]:
+    """The sentence for each call the docs describe, from the shipped table."""
+    from hf_kernattn.bench.calibrate import DOC_CALLS, describe_crossovers
+    from hf_kernattn.modeling.registry import load_auto_table
+
+    load_auto_table(None)  # the shipped table, whatever a test or HF_KERNATTN_AUTO_TABLE loaded
+    return {name: describe_crossovers(call) for name, call in DOC_CALLS.items()}
+
+
+def _flat(page: str) -> str:
+    """The page's text with its line breaks (and a table row's cells) as single spaces."""
+    return re.sub(r"\s+", " ", (ROOT / page).read_text(encoding="utf-8"))
+
+
+def test_the_crossovers_the_pages_state_are_the_shipped_tables():
+    """Every sentence on `auto`'s crossovers in README.md, docs/nprf_bert.md and docs/linear_gpt.md
+    is the one ``hf-kernattn bench calibrate --describe`` generates from the shipped table (a
+    changed table fails here, naming the sentence to write), and no page states another number
+    for NPRF-BERT's K = 512."""
+    said = _crossovers()
+    wanted = {
+        "README.md": [f"K = 512 and BERT-base's 12 heads runs {said['nprf_bert']}"],
+        "docs/nprf_bert.md": [f"K = 512 and 12 heads, **{said['nprf_bert']}**",
+                              f"(at one head: {said['nprf_bert_one_head']};",
+                              f"(at K = 512 and 12 heads: {said['nprf_bert']};"],
+        "docs/linear_gpt.md": [f"training included: {said['linear_gpt_rpe_state']}; with `use_cache=False`: "
+                               f"{said['linear_gpt_rpe']};"],
+    }
+    missing = [f"{page}: {sentence}" for page, sentences in wanted.items() for sentence in sentences
+               if sentence not in _flat(page)]
+    assert not missing, "write these sentences (from the shipped table):\n" + "\n".join(missing)
+    # any "up to N tokens" stated for NPRF-BERT's K = 512 is one of the table's crossovers for it
+    allowed = {m for key in ("nprf_bert", "nprf_bert_one_head") for m in re.findall(r"up to ([\d,]+)", said[key])}
+    stated = {}
+    for page in ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]:
+        for m in re.finditer(r"NPRF-BERT[^.]{0,80}K = 512|K = 512 and (?:BERT-base's )?12 heads", _flat(page)):
+            window = _flat(page)[m.end():m.end() + 200].split(";")[0]
+            stated.update({f"{page}: {n}": n for n in re.findall(r"up to ([\d,]+) tokens", window)})
+    assert stated and all(n in allowed for n in stated.values()), (stated, allowed)
+
+
+def test_the_readme_shows_the_two_figures_that_tell_the_story():
+    """Decoding latency and state against the context, attention time and memory against N."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for figure in ("docs/figures/linear_gpt_generate.png", "docs/figures/attention_bench.png"):
+        assert re.search(r"!\[[^\]]+\]\(" + re.escape(figure) + r"\)", readme), figure
+        assert (ROOT / figure).is_file()

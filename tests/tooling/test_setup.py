@@ -222,3 +222,19 @@ def test_the_readme_vit_quickstart_runs_without_warnings(tmp_path):
     noise = [line for line in proc.stderr.splitlines()
              if re.search(r"warn|torchvision|deprecat", line, flags=re.I) and "real_accelerator" not in line]
     assert not noise, noise
+
+
+def test_the_test_modules_import_without_pillow():
+    """Pillow is not a dependency of the package: a test module that imported it at module level
+    would stop the whole run where it is missing. Without it, every module collects and the image
+    pipeline checks skip, saying why."""
+    code = (
+        "import sys; sys.modules['PIL'] = None\n"  # import PIL raises ImportError
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', '-n', '0',\n"
+        "    'tests/models/relative_performer_vit/test_model.py', '-k', 'pipeline or identically']))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "2 skipped" in run.stdout and "Pillow is not installed" in run.stdout, run.stdout

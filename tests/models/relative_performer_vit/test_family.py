@@ -14,9 +14,7 @@ from tests.family_mixin import FamilyTests
 class TestRelativePerformerViTFamily(FamilyTests):
     model_classes = (RelativePerformerViTModel, RelativePerformerViTForImageClassification)
     auto_map = AUTO_MAP
-    # the exported classifier gives eager's logits exactly (the same operations)
     export_class = RelativePerformerViTForImageClassification
-    export_atol = 0
     export_variants = {rpe: {"rpe": rpe} for rpe in ("learned_2d", "manhattan", "rotary_features", "absolute")}
     config_fields_absent = ("use_cache",)
     training_class = RelativePerformerViTForImageClassification
@@ -44,8 +42,8 @@ class TestRelativePerformerViTFamily(FamilyTests):
     def test_padded_batch_equals_unpadded_rows_and_padding_never_leaks(self):
         """Images of 4 x 4, 3 x 2 and 1 x 3 patches padded into one 16 x 16 batch whose padded
         pixels are NaN (``patch_mask`` 0 there): each image's pooled output and logits equal the
-        image run alone at its own size, and are finite. float32, a few ulp of summation order
-        over 16 keys and two layers: atol 1e-5."""
+        image run alone at its own size, and are finite. float32: within the bound of reordered
+        sums over 16 keys and two layers."""
         sizes = [(4, 4), (3, 2), (1, 3)]
         images = self.make_inputs(3, 0, seed=1)["pixel_values"]
         mask = torch.zeros(3, 4, 4, dtype=torch.long)
@@ -63,4 +61,4 @@ class TestRelativePerformerViTFamily(FamilyTests):
                         if name in alone:
                             row = batch[name][i : i + 1]
                             assert torch.isfinite(row).all(), f"{cls.__name__}.{name} row {i}: padding leaked"
-                            torch.testing.assert_close(row, alone[name], rtol=0, atol=1e-5)
+                            self.assert_reordered(row, alone[name], model.config, 16, msg=f"{name} row {i}")
