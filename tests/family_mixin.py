@@ -296,6 +296,27 @@ class FamilyTests:
                 embeds = model.get_input_embeddings()(inputs["input_ids"])
                 torch.testing.assert_close(model(inputs_embeds=embeds, **extra).last_hidden_state, as_dict.last_hidden_state)
 
+    def test_output_hidden_states_selects_layers_as_transformers_does(self):
+        """``output_hidden_states`` as an int or a list of ints (transformers 5.24's selection, negative
+        indices from the end): those hidden states, None in the other places, the selected ones equal to
+        those of ``True``; a bad value is a TypeError naming the argument."""
+        cls = self.base_class()
+        torch.manual_seed(0)
+        model = cls(self.base_config()).eval()
+        inputs = self.make_inputs(2, N)
+        extra = self.forward_kwargs
+        count = model.config.num_hidden_layers + 1
+        with torch.no_grad():
+            every = model(**inputs, output_hidden_states=True, **extra).hidden_states
+            for request, want in (([0, 2], {0, 2}), (-1, {count - 1}), (1, {1}), ([count + 3], set()),
+                                  ((0, -1), {0, count - 1})):
+                got = model(**inputs, output_hidden_states=request, **extra).hidden_states
+                assert len(got) == count, request
+                assert {i for i, h in enumerate(got) if h is not None} == want, request
+                assert all(torch.equal(got[i], every[i]) for i in want), request
+            with pytest.raises(TypeError, match="output_hidden_states must be a bool, an int or a list of ints"):
+                model(**inputs, output_hidden_states="all", **extra)
+
     def training_inputs(self, seed: int) -> dict:
         """Token families: a language-model batch (the ids are their own labels)."""
         ids = self.make_inputs(2, N, seed=seed)["input_ids"]

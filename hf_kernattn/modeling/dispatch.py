@@ -453,7 +453,24 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
+    if backend != "auto" and spec.error_bound is not None and rpe_bias is not None and name not in _WARNED \
+            and not tracing() and q.device.type != "meta":
+        full = _full_bias(rpe_bias, call.rpe, call.n, call.grid, call.rpe_clip)
+        bound = spec.error_bound(q, k, rpe_bias=full, causal=request["causal"], key_mask=call.key_mask, dtype=dt)
+        if bound > NAMED_WARN_ERROR:
+            _WARNED.add(name)
+            logger.warning(
+                f"backend={name!r}: its error bound for these inputs is {bound:.3g} of the values (above "
+                f"{NAMED_WARN_ERROR}), a bias spanning {float(full.max() - full.min()):.3g} in {dt}: the result may be "
+                "wrong. backend='auto' computes such calls exactly (or in float64); float64 inputs run it in float64. "
+                "(Said once per backend.)")
     return spec, dt, fold, full
+
+
+# a named approximate backend (``fft``) whose error bound for a call's data exceeds this (relative to the values)
+# is reported once: ``auto`` keeps to AUTO_MAX_ERROR, a named one runs as asked
+NAMED_WARN_ERROR = 1e-2
+_WARNED: set = set()
 
 
 def _prepare(call: _Call, dt, q, k, v, q_den, k_den):

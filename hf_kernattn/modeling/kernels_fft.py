@@ -567,7 +567,7 @@ def _worst_mass_ratio(q: torch.Tensor, k: torch.Tensor, key_mask: Optional[torch
     keep = None if key_mask is None else key_mask[:, None, :, None]
 
     def keys(s: int, e: int) -> torch.Tensor:
-        kc = k[:, :, s:e].double()
+        kc = k[:, :, s:e].to(torch.float64, copy=True)  # a copy, also of float64 keys: written in place below
         return kc if keep is None else kc.mul_(keep[:, :, s:e])
 
     total = sum(keys(s, min(s + rows, n)).sum(dim=2) for s in range(0, n, rows))  # K: (B, H, M)

@@ -44,6 +44,7 @@ from .dispatch import get_backend
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D, apply_rotary, rotary_cos_sin  # noqa: F401  (apply_rotary: public here)
 from .pretrained import (
+    HiddenStates,
     KernelizedPreTrainedModel,
     drop_default_generation_attentions,
     eager_checks,
@@ -471,10 +472,9 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
             rotary = rotary_cos_sin(position_ids, dim, cfg.rotary_base, torch.float64 if hidden.dtype == torch.float64 else torch.float32)
 
         feature_maps_step(self)  # once per top-level forward (training only)
-        all_hidden = [] if output_hidden_states else None
+        collected = HiddenStates(output_hidden_states, len(self.h))
         for i, block in enumerate(self.h):
-            if all_hidden is not None:
-                all_hidden.append(hidden)
+            collected.add(hidden)
             layer_state = cache.layers[i] if cache is not None else None
             # the projection is read outside the block's checkpoint: a redraw installs a new tensor,
             # so a recomputation in the backward uses this forward's features
@@ -483,8 +483,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
                 projection=block.attn.feature_map.projection,
             )
         hidden = self.ln_f(hidden)
-        if all_hidden is not None:
-            all_hidden.append(hidden)
+        collected.add(hidden)
+        all_hidden = collected.result()
         if cache is not None:
             for layer in cache.layers:
                 layer.cumulative_length += n
@@ -494,7 +494,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         return BaseModelOutputWithPast(
             last_hidden_state=hidden,
             **{CACHE_FIELD: out_cache},
-            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            hidden_states=all_hidden,
         )
 
 
@@ -524,8 +524,11 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         (``past_key_values`` must be a :class:`LinearGPTCache`; ``attention_mask`` must match
         ``input_ids``, or cover ``past + input`` when continuing from a state)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
-        past = kwargs.get("past_key_values", kwargs.get("cache"))
+        past = cache_argument(kwargs.get("past_key_values"), kwargs.get("cache"))
         _refuse_foreign_cache(past)
+        if CACHE_FIELD == "past_key_values" and kwargs.get("cache") is not None:
+            # transformers before 5.24 knows the state only as past_key_values (it would not crop the inputs)
+            kwargs["past_key_values"] = kwargs.pop("cache")
         mask = kwargs.get("attention_mask")
         if mask is not None and isinstance(ids, torch.Tensor) and ids.dim() == 2:
             if not isinstance(mask, torch.Tensor) or mask.dim() != 2:

@@ -37,7 +37,7 @@ from .attention_inputs import check_attention_mask
 from .configuration_nprf_bert import NPRFBertConfig
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import RelativePositionBias1D
-from .pretrained import KernelizedPreTrainedModel, classification_loss, eager_checks, refuse_output_attentions
+from .pretrained import HiddenStates, KernelizedPreTrainedModel, classification_loss, eager_checks, refuse_output_attentions
 
 
 class NPRFBertEmbeddings(nn.Module):
@@ -351,14 +351,15 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         hidden = self.embeddings(input_ids, token_type_ids, position_ids, inputs_embeds)
         # the table clipped at K itself (H, 2K+1): the core expands it only where a backend needs it
         rpe_bias = self.rpe.weight if self.rpe is not None else None
-        all_hidden = (hidden,) if output_hidden_states else None
+        collected = HiddenStates(output_hidden_states, len(self.layers))
+        collected.add(hidden)
         for layer in self.layers:
             # positional: gradient checkpointing tracks positional tensors (rpe_bias has a gradient);
             # the projection is read here, outside the layer's checkpoint (a later redraw installs
             # a new tensor, so this backward keeps recomputing with this forward's features)
             hidden = layer(hidden, attention_mask, rpe_bias, projection=layer.attention.feature_map.projection)
-            if output_hidden_states:
-                all_hidden = all_hidden + (hidden,)
+            collected.add(hidden)
+        all_hidden = collected.result()
         pooled = self.pooler(hidden) if self.pooler is not None else None
         if not return_dict:
             return tuple(x for x in (hidden, pooled, all_hidden) if x is not None)

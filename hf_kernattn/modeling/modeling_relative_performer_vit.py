@@ -41,7 +41,7 @@ from .attention import KernelizedSelfAttention
 from .configuration_relative_performer_vit import RelativePerformerViTConfig
 from .feature_maps import FeatureMap, feature_maps_step
 from .positional import ManhattanDistanceBias, RelativePositionBias2D, RotaryPositionFeatures
-from .pretrained import KernelizedPreTrainedModel, classification_loss, eager_checks, refuse_output_attentions
+from .pretrained import HiddenStates, KernelizedPreTrainedModel, classification_loss, eager_checks, refuse_output_attentions
 
 GRID_BIASES = ("learned_2d", "manhattan")
 
@@ -333,18 +333,17 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
         cls = token is not None
         feature_maps_step(self)
         shared = self.positions(grid, cls, hidden.device) if self.positions is not None else None
-        all_hidden = [] if output_hidden_states else None
+        collected = HiddenStates(output_hidden_states, len(self.layers))
         for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(hidden)
+            collected.add(hidden)
             # the projection (a buffer, never sharded) is an argument: a recomputing backward
             # (gradient checkpointing) then uses this forward's random features
             hidden = layer(hidden, mask, grid, cls, shared_positions=shared, projection=layer.attention.feature_map.projection)
         hidden = self.layernorm(hidden)
         if cls and cfg.rpe in GRID_BIASES:  # drop the padding of the class token's row
             hidden = torch.cat([hidden[:, :1], hidden[:, grid[1]:]], dim=1)
-        if all_hidden is not None:
-            all_hidden.append(hidden)
+        collected.add(hidden)
+        all_hidden = collected.result()
         if cls:
             pooled = hidden[:, 0]
         elif keep is None:
@@ -353,10 +352,10 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
             real = keep.bool()[..., None]
             pooled = torch.where(real, hidden, hidden.new_zeros(())).sum(1) / real.sum(1).to(hidden.dtype)
         if not return_dict:
-            return tuple(x for x in (hidden, pooled, tuple(all_hidden) if all_hidden is not None else None) if x is not None)
+            return tuple(x for x in (hidden, pooled, all_hidden) if x is not None)
         return BaseModelOutputWithPooling(
             last_hidden_state=hidden, pooler_output=pooled,
-            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            hidden_states=all_hidden,
         )
 
 

@@ -83,6 +83,32 @@ def drop_default_generation_attentions(name: str, generation_config, kwargs: dic
         kwargs["output_attentions"] = False
 
 
+class HiddenStates:
+    """The hidden states ``output_hidden_states`` asks for, of a stack of ``layers`` layers (``layers
+    + 1`` states: the input of each layer, then the output): True every one; an int or a sequence of
+    ints (negative from the end, as transformers takes them) those, None in the other places;
+    False / None none (``states`` is then None)."""
+
+    def __init__(self, request: object, layers: int) -> None:
+        count = layers + 1
+        if request is None or isinstance(request, bool):
+            self.keep = range(count) if request else None
+        elif isinstance(request, int) or (isinstance(request, (list, tuple)) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in request)):
+            self.keep = {i % count for i in ([request] if isinstance(request, int) else request) if -count <= i < count}
+        else:
+            raise TypeError(f"output_hidden_states must be a bool, an int or a list of ints (indices of the {count} "
+                            f"hidden states), got {request!r}")
+        self.states = None if self.keep is None else []
+
+    def add(self, hidden: torch.Tensor) -> None:
+        if self.states is not None:
+            self.states.append(hidden if len(self.states) in self.keep else None)
+
+    def result(self) -> Optional[tuple]:
+        return None if self.states is None else tuple(self.states)
+
+
 def classification_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
     """The loss of a sequence/image classification head through ``model.loss_function``
     (``problem_type`` inferred as BERT does when unset). With

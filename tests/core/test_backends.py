@@ -342,3 +342,44 @@ def test_manhattan_declaration_is_checked_and_auto_uses_it():
     # the calibration table decides from which grid on (dense stays faster up to a few thousand tokens)
     assert choose_backend(n=65536, causal=False, rpe="2d", key_mask=False, device="cpu", rpe_clip=4) == "manhattan"
     assert choose_backend(n=64, causal=False, rpe="2d", key_mask=False, device="cpu", rpe_clip=4) == "dense"
+
+
+def test_a_named_fft_warns_once_where_its_error_bound_is_too_large(caplog):
+    """``backend="fft"`` asked by name for a bias whose range the transform cannot resolve in
+    float32 (a table over [-40, 40]: error bound ~e^80 eps) runs as asked and says so once, naming
+    the bound; a bias it resolves says nothing; ``auto`` never takes it there."""
+    import logging
+
+    from hf_kernattn.modeling import dispatch
+
+    g = torch.Generator().manual_seed(5)
+    n = 64
+    q, k, v = torch.rand(1, 2, n, 8, generator=g), torch.rand(1, 2, n, 8, generator=g), torch.randn(1, 2, n, 4, generator=g)
+    wide = torch.linspace(-40, 40, 2 * n - 1).repeat(2, 1)
+    narrow = torch.linspace(-1, 1, 2 * n - 1).repeat(2, 1)
+    dispatch._WARNED.discard("fft")
+    with caplog.at_level(logging.WARNING):
+        hf_kernattn.kernelized_attention(q, k, v, rpe_bias=narrow, backend="fft")
+        assert "error bound" not in caplog.text
+        hf_kernattn.kernelized_attention(q, k, v, rpe_bias=wide, backend="fft")
+        assert caplog.text.count("backend='fft': its error bound for these inputs is") == 1
+        hf_kernattn.kernelized_attention(q, k, v, rpe_bias=wide, backend="fft")
+        assert caplog.text.count("error bound") == 1  # once
+    want = literal_reference(q.double(), k.double(), v.double(), wide.double())
+    torch.testing.assert_close(hf_kernattn.kernelized_attention(q, k, v, rpe_bias=wide).double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_fft_error_bound_leaves_its_inputs_untouched(dtype, masked):
+    """The bound sums prefixes of the keys in place in float64 slices: of a copy, also where the
+    keys already are float64 (a view would be the caller's own tensor)."""
+    from hf_kernattn.modeling.kernels_fft import fft_error_bound
+
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.rand(2, 2, 9, 4, generator=g, dtype=dtype), torch.rand(2, 2, 9, 4, generator=g, dtype=dtype)
+    bias = torch.randn(2, 17, generator=g, dtype=dtype)
+    mask = torch.ones(2, 9, dtype=torch.bool) if masked else None
+    copies = [x.clone() for x in (q, k, bias)]
+    fft_error_bound(q, k, rpe_bias=bias, causal=True, key_mask=mask)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, bias), copies))

@@ -219,8 +219,11 @@ def test_the_readme_vit_quickstart_runs_without_warnings(tmp_path):
                           timeout=300, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CLASSES 5" in proc.stdout
+    # (torchao, when installed, is imported by transformers with every model and registers enums that torch
+    # calls deprecated: its own noise, not the quickstart's)
     noise = [line for line in proc.stderr.splitlines()
-             if re.search(r"warn|torchvision|deprecat", line, flags=re.I) and "real_accelerator" not in line]
+             if re.search(r"warn|torchvision|deprecat", line, flags=re.I) and "real_accelerator" not in line
+             and not re.search(r"register_constant\(\) on Enum subclasses is deprecated", line)]
     assert not noise, noise
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_kernattn import LinearGPTCache, LinearGPTConfig, LinearGPTForCausalLM
-from tests.conftest import tiny_linear_gpt_config
-from tests.reference import assert_model_outputs_reordered_close
+from tests.conftest import V_GPT, tiny_linear_gpt_config
+from tests.reference import assert_model_outputs_reordered_close, reorder_atol
 
 VARIANTS = {
     "absolute": dict(),
@@ -171,3 +171,21 @@ def test_padded_keys_outside_the_feature_range_are_not_refused(variant):
             # the same operations on the same real tokens: float32 rounding of different batch shapes
             assert_model_outputs_reordered_close(batched[i, width - len(r) :], alone[0], model.config, width)
             assert torch.equal(generated[i], model.generate(inputs_embeds=r[None], max_new_tokens=5, do_sample=False)[0])
+
+
+def test_generate_continues_from_a_state_given_under_either_name():
+    """``cache=`` (transformers' name from 5.24) and ``past_key_values=`` (before) continue the
+    same state on every supported transformers release: the scores equal recomputing from scratch."""
+    torch.manual_seed(0)
+    model = LinearGPTForCausalLM(tiny_linear_gpt_config(eos_token_id=None)).eval().double()
+    ids = torch.randint(1, V_GPT, (2, 5), generator=torch.Generator().manual_seed(3))
+    kw = dict(do_sample=False, pad_token_id=V_GPT, return_dict_in_generate=True, output_scores=True)
+    first = model.generate(ids, max_new_tokens=3, **kw)
+    want = model.generate(first.sequences, max_new_tokens=4, use_cache=False, **kw)
+    for name in ("cache", "past_key_values"):
+        state = model.generate(ids, max_new_tokens=3, **kw).past_key_values
+        got = model.generate(first.sequences, max_new_tokens=4, **{name: state}, **kw)
+        assert torch.equal(got.sequences, want.sequences), name
+        for a, b in zip(got.scores, want.scores):  # float32 scores: the float64 logits to half an ulp, twice
+            atol = reorder_atol(b.double(), terms=64, layers=4 * model.config.num_hidden_layers)
+            torch.testing.assert_close(a.double(), b.double(), rtol=2 ** -23, atol=atol)
