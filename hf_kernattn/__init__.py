@@ -6,9 +6,12 @@ Importing the package registers every model family with the ``transformers`` Aut
 from .modeling.dispatch import kernelized_attention  # importing it registers the built-in backends
 from .modeling.kernels_manhattan import manhattan_attention as _manhattan  # noqa: F401  (registers manhattan)
 from .modeling.kernels_hybrid import hybrid_attention as _hybrid  # noqa: F401  (registers hybrid)
-from .modeling.registry import (
-    BackendSpec, available_backends, get_backend, load_auto_table, register_backend, unregister_backend,
-)
+from .modeling.registry import BackendSpec, available_backends, get_backend, register_backend, unregister_backend
+from .modeling import registry as _registry
+from . import auto_tables as _auto_tables
+from .auto_tables import load_auto_table
+
+_registry.set_table_source(_auto_tables.environment_table)  # HF_KERNATTN_AUTO_TABLE, read on the first automatic choice
 from .modeling.state import AttentionState, StateKind
 from .modeling.feature_maps import FeatureMap, feature_maps_step
 from .modeling.positional import RelativePositionBias1D, RelativePositionBias2D

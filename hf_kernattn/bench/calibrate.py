@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pprint
 import os
 import statistics
 import subprocess
@@ -79,9 +80,9 @@ def _info(message: str) -> None:
 def _modeling():
     """The flat ``modeling`` package (a checkpoint's layout) or the installed one."""
     try:
-        from ..modeling import dispatch, registry
+        from ..modeling import dispatch, kernels_hybrid, kernels_manhattan, registry  # noqa: F401  (registered)
     except ImportError:  # imported as a top-level module by the isolated worker
-        from modeling import dispatch, registry  # type: ignore[no-redef]
+        from modeling import dispatch, kernels_hybrid, kernels_manhattan, registry  # type: ignore[no-redef]  # noqa: F401
     return dispatch, registry
 
 
@@ -298,9 +299,10 @@ def measure_kind(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
-    if spec.get("table"):
+    if spec.get("table"):  # the table the parent checked and merged: [[key, ranking], ...]
         _, registry = _modeling()
-        registry.load_auto_table(spec["table"])
+        registry.activate_auto_table({tuple(key): tuple((n, tuple(tuple(r) for r in ranked)) for n, ranked in ranking)
+                                      for key, ranking in spec["table"]})
     bias, causal, clip, mode = spec["bias"], spec["causal"], spec["clip"], spec["mode"]
     backward = mode == "fwdbwd"
     names = candidates(bias, causal, clip, spec["device"])
@@ -483,8 +485,10 @@ def table_from_rows(rows: list[dict[str, Any]], source: dict[str, Any], names_of
 
 
 def _table_literal(table: dict[str, Any]) -> str:
-    """``table`` as a Python dict literal: an entry per line, a ranking segment per line."""
-    lines = ["{", f'    "format": {table["format"]!r},', f'    "source": {table.get("source", {})!r},', '    "entries": [']
+    """``table`` as a Python dict literal: an entry per line, a ranking segment per line, the
+    source record's items one per line."""
+    source = pprint.pformat(table.get("source", {}), width=112, sort_dicts=False).replace("\n", "\n    ")
+    lines = ["{", f'    "format": {table["format"]!r},', f'    "source": {source},', '    "entries": [']
     for e in table["entries"]:
         head = ", ".join(f"{json.dumps(k)}: {e[k]!r}" if not isinstance(e[k], str) else f"{json.dumps(k)}: {json.dumps(e[k])}"
                          for k in ("mode", "bias", "causal", "clip", "dtype", "heads") if k in e)
@@ -515,7 +519,7 @@ def write_table_module(table: dict[str, Any], path: Path, command: str) -> Path:
     """The table as ``modeling/auto_table.py``: a dict literal (a checkpoint carries it; the
     modeling folder imports only torch, transformers and the standard library)."""
     text = (
-        '"""The calibration table ``backend="auto"`` ranks backends by (data; see ``registry.check_auto_table``).\n\n'
+        '"""The calibration table ``backend="auto"`` ranks backends by (data; its format: ``hf_kernattn.auto_tables``).\n\n'
         "Measured on the machine and with the settings in ``AUTO_TABLE[\"source\"]`` (entries per kind of call\n"
         "and the head count they were measured at); re-measure entries with\n"
         f"``{command} --ship`` (``--kinds``, ``--heads``: only those entries are replaced). Users load a table\n"
@@ -643,7 +647,11 @@ def _specs(args: argparse.Namespace) -> list[dict[str, Any]]:
     sides = tuple(args.sides or (QUICK_SIDES if args.quick else FULL_SIDES))
     clips_1d = tuple(args.clips_1d or ((16,) if args.quick else FULL_CLIPS_1D))
     clips_2d = tuple(args.clips_2d or FULL_CLIPS_2D)
-    table = str(Path(args.table).resolve()) if args.table else None
+    table = None
+    if args.table:  # checked and merged here, handed to the workers as [[key, ranking], ...]
+        from ..auto_tables import merged_table
+
+        table = [[list(key), ranking] for key, ranking in merged_table(str(Path(args.table).resolve())).items()]
     common = dict(ns=ns, sides=sides, heads=args.heads, features=args.features, head_dim=args.head_dim, rounds=args.rounds,
                   min_time=args.min_time, max_call_seconds=args.max_call_seconds, max_nn_mb=args.max_nn_mb,
                   prune=args.prune, threads=args.threads, device=args.device, check=args.check, table=table,
@@ -794,8 +802,9 @@ def run(args: argparse.Namespace) -> int:
         source.update(seconds=None, from_csv=[str(p) for p in args.from_csv])
     table = table_from_rows(rows, source, lambda bias, causal, clip: candidates(bias, causal, clip, args.device),
                             args.heads)
-    _, registry = _modeling()
-    registry.check_auto_table(table)  # what we write loads
+    from ..auto_tables import check_auto_table
+
+    check_auto_table(table)  # what we write loads
     csv_path = write_csv(rows, out / "calibrate.csv")
     json_path = out / "auto_table.json"
     json_path.write_text(json.dumps(table, indent=1) + "\n", encoding="utf-8")

@@ -455,13 +455,14 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
     if backend != "auto" and spec.error_bound is not None and rpe_bias is not None and name not in _WARNED \
             and not tracing() and q.device.type != "meta":
-        full = _full_bias(rpe_bias, call.rpe, call.n, call.grid, call.rpe_clip)
-        bound = spec.error_bound(q, k, rpe_bias=full, causal=request["causal"], key_mask=call.key_mask, dtype=dt)
+        with torch.no_grad():  # (nothing recorded: a recomputation in the backward need not repeat it)
+            bias = _full_bias(rpe_bias.detach(), call.rpe, call.n, call.grid, call.rpe_clip)
+            bound = spec.error_bound(q, k, rpe_bias=bias, causal=request["causal"], key_mask=call.key_mask, dtype=dt)
         if bound > NAMED_WARN_ERROR:
             _WARNED.add(name)
             logger.warning(
                 f"backend={name!r}: its error bound for these inputs is {bound:.3g} of the values (above "
-                f"{NAMED_WARN_ERROR}), a bias spanning {float(full.max() - full.min()):.3g} in {dt}: the result may be "
+                f"{NAMED_WARN_ERROR}), a bias spanning {float(bias.max() - bias.min()):.3g} in {dt}: the result may be "
                 "wrong. backend='auto' computes such calls exactly (or in float64); float64 inputs run it in float64. "
                 "(Said once per backend.)")
     return spec, dt, fold, full

@@ -11,7 +11,7 @@ calibration table of measured crossovers ranks them by N for the kind of call (f
 forward+backward, no / 1D / 2D bias, clipped at K or not, causal or not, compute dtype). The
 table is data beside the registry (``auto_table.py``, so that a checkpoint carries it), measured by
 ``hf-kernattn bench calibrate``, which also writes a JSON table for the machine it runs on:
-load it with :func:`load_auto_table` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable. The
+load it with ``hf_kernattn.load_auto_table`` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable. The
 single entry point that validates a call and dispatches it is ``dispatch.kernelized_attention``.
 """
 
@@ -315,232 +315,56 @@ AUTO_MAX_NN_BYTES = 1 << 28
 TABLE_MODES = ("fwd", "fwdbwd")  # forward only; forward and backward (autograd records through q, k or the bias)
 TABLE_BIASES = ("none", "1d", "2d")
 TABLE_DTYPES = ("float32", "float64")  # the compute dtype
-TABLE_FORMAT = 1
 # An entry measured with a bias clipped at K serves calls clipped at K' <= CLIP_REACH * K (the
 # entry of the nearest measured K, on a log scale); beyond it the unclipped entry serves them.
 CLIP_REACH = 2
-# The environment variable naming a user's table (JSON), loaded on the first automatic choice.
-AUTO_TABLE_ENV = "HF_KERNATTN_AUTO_TABLE"
-_ENTRY_KEYS = ("mode", "bias", "causal", "clip", "dtype", "ranking")
-# An entry may also say at how many heads it was measured (``"heads"``, default 1): a call reads
-# the entry of its kind measured at the head count nearest to its own (log scale; per-call costs
-# weigh more at few heads, so crossovers move with H).
-_OPTIONAL_KEYS = ("heads",)
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
-
-
-def _table_error(where: str, problem: str) -> ValueError:
-    return ValueError(f"auto table: {where}: {problem}")
-
-
-def _check_ranked_name(where: str, item: object) -> tuple[str, Optional[str]]:
-    """``"name"`` or ``"name@float64"`` -> ``(name, dtype or None)``."""
-    if not isinstance(item, str) or not item:
-        raise _table_error(where, f"a ranked backend must be a non-empty string, got {item!r}")
-    name, _, dtype = item.partition("@")
-    if not name or set(name) - _NAME_CHARS:
-        raise _table_error(where, f"{item!r} is not a backend name (letters, digits, '_', '-', '.')")
-    if "@" in item and dtype not in TABLE_DTYPES:
-        raise _table_error(where, f"{item!r}: after '@' comes the dtype to compute in, one of {list(TABLE_DTYPES)}")
-    return name, (dtype or None)
-
-
-def _check_entry(i: int, entry: object) -> tuple[tuple, tuple]:
-    """One entry -> ``(key, ranking)``; ``ValueError`` naming the entry and the problem."""
-    where = f"entries[{i}]"
-    if not isinstance(entry, dict):
-        raise _table_error(where, f"must be an object with keys {list(_ENTRY_KEYS)}, got {type(entry).__name__}")
-    if set(entry) - set(_OPTIONAL_KEYS) != set(_ENTRY_KEYS):
-        raise _table_error(where, f"must have exactly the keys {list(_ENTRY_KEYS)} (and optionally {list(_OPTIONAL_KEYS)}); "
-                                  f"missing {sorted(set(_ENTRY_KEYS) - set(entry))}, "
-                                  f"unknown {sorted(set(entry) - set(_ENTRY_KEYS) - set(_OPTIONAL_KEYS))}")
-    mode, bias, causal, clip, dtype = (entry[k] for k in _ENTRY_KEYS[:5])
-    heads = entry.get("heads", 1)
-    where = f"{where} ({mode}, bias {bias}, causal {causal}, clip {clip}, {dtype}, heads {heads})"
-    if type(heads) is not int or heads < 1:
-        raise _table_error(where, f"heads must be the head count it was measured at (an int >= 1), got {heads!r}")
-    if mode not in TABLE_MODES:
-        raise _table_error(where, f"mode must be one of {list(TABLE_MODES)}, got {mode!r}")
-    if bias not in TABLE_BIASES:
-        raise _table_error(where, f"bias must be one of {list(TABLE_BIASES)}, got {bias!r}")
-    if type(causal) is not bool:
-        raise _table_error(where, f"causal must be true or false, got {causal!r}")
-    if causal and bias == "2d":
-        raise _table_error(where, "causal attention has no 2D bias")
-    if clip is not None and (type(clip) is not int or clip < 0 or bias == "none"):
-        raise _table_error(where, f"clip must be null or, with a bias, the K it was measured at (an int >= 0), got {clip!r}")
-    if dtype not in TABLE_DTYPES:
-        raise _table_error(where, f"dtype must be one of {list(TABLE_DTYPES)}, got {dtype!r}")
-    ranking = entry["ranking"]
-    if not isinstance(ranking, list) or not ranking:
-        raise _table_error(where, "ranking must be a non-empty list of [n_max, [backend, ...]] (n_max null for the last)")
-    segments, previous = [], 0
-    for j, segment in enumerate(ranking):
-        at = f"{where}: ranking[{j}]"
-        if not isinstance(segment, (list, tuple)) or len(segment) != 2:
-            raise _table_error(at, f"must be a pair [n_max, [backend, ...]], got {segment!r}")
-        n_max, names = segment
-        last = j == len(ranking) - 1
-        if last and n_max is not None:
-            raise _table_error(at, f"the last segment must have n_max null (every longer input), got {n_max!r}")
-        if not last and (type(n_max) is not int or n_max <= previous):
-            raise _table_error(at, f"n_max must be an int greater than the previous segment's ({previous}), got {n_max!r}")
-        if not isinstance(names, (list, tuple)) or not names:
-            raise _table_error(at, f"must rank at least one backend, got {names!r}")
-        ranked = tuple(_check_ranked_name(at, item) for item in names)
-        if len(set(ranked)) != len(ranked):
-            raise _table_error(at, f"ranks a backend twice: {list(names)}")
-        segments.append((n_max, ranked))
-        previous = n_max if n_max is not None else previous
-    return (mode, bias, causal, clip, dtype, heads), tuple(segments)
-
-
-def check_auto_table(table: object) -> dict[tuple, tuple]:
-    """Validate a calibration table (the dict a JSON table file holds) and return it in the form
-    :func:`choose_backend` reads, ``{(mode, bias, causal, clip, dtype, heads): ((n_max, ((name,
-    dtype or None), ...)), ...)}``. ``ValueError`` naming the entry and what is wrong.
-
-    A table is ``{"format": 1, "entries": [...], ...}`` (other top-level keys, e.g. ``"source"``,
-    are kept as a record and not read). Each entry is ``{"mode": "fwd" | "fwdbwd", "bias": "none"
-    | "1d" | "2d", "causal": bool, "clip": null | K, "dtype": "float32" | "float64", "ranking":
-    [[n_max, [backend, ...]], ..., [null, [backend, ...]]]}``: for inputs of at most ``n_max``
-    tokens (the first segment that holds them) the backends in order of measured time, fastest
-    first; ``"name@float64"`` ranks backend ``name`` computed in float64. An entry may add
-    ``"heads": H``, the head count it was measured at (default 1): a call reads the entry of its
-    kind measured nearest to its own head count. Backend names are not looked up here (a table may
-    rank a backend registered later)."""
-    if not isinstance(table, dict):
-        raise _table_error("the table", f"must be an object {{'format': {TABLE_FORMAT}, 'entries': [...]}}, "
-                                        f"got {type(table).__name__}")
-    if table.get("format") != TABLE_FORMAT:
-        raise _table_error("format", f"must be {TABLE_FORMAT}, got {table.get('format')!r}")
-    entries = table.get("entries")
-    if not isinstance(entries, list):
-        raise _table_error("entries", f"must be a list of entries, got {type(entries).__name__}")
-    checked: dict[tuple, tuple] = {}
-    for i, entry in enumerate(entries):
-        key, ranking = _check_entry(i, entry)
-        if key in checked:
-            raise _table_error(f"entries[{i}]", f"a second entry for mode {key[0]}, bias {key[1]}, causal {key[2]}, "
-                                                f"clip {key[3]}, dtype {key[4]}, heads {key[5]}")
-        checked[key] = ranking
-    return checked
 
 
 _ACTIVE_TABLE: Optional[dict[tuple, tuple]] = None
+# what gives a user's table on the first automatic choice (the package sets it: HF_KERNATTN_AUTO_TABLE)
+_TABLE_SOURCE: Optional[Callable[[], Optional[dict]]] = None
 
 
-def _shipped_table() -> dict[tuple, tuple]:
+def shipped_auto_table() -> dict[tuple, tuple]:
+    """The table shipped in ``auto_table.py``, in the form ``auto`` reads: ``{(mode, bias, causal,
+    clip, dtype, heads): ((n_max, ((name, dtype or None), ...)), ...)}`` (checked by the package's
+    tests and ``hf_kernattn.auto_tables.check_auto_table``)."""
     from .auto_table import AUTO_TABLE
 
-    return check_auto_table(AUTO_TABLE)
+    def ranked(names):
+        return tuple((name, dtype or None) for name, _, dtype in (item.partition("@") for item in names))
+
+    return {(e["mode"], e["bias"], e["causal"], e["clip"], e["dtype"], e.get("heads", 1)):
+            tuple((n_max, ranked(names)) for n_max, names in e["ranking"]) for e in AUTO_TABLE["entries"]}
 
 
-# How deep a table's JSON may nest: a table nests 6 levels (object, entries, entry, ranking,
-# segment, names) and its "source" record one more per merged calibration; far below the depth
-# where parsing or printing a value would exhaust Python's recursion limit.
-_MAX_TABLE_DEPTH = 100
-
-
-def _table_depth_error(table: object) -> Optional[str]:
-    """None, or the problem with a table that nests beyond ``_MAX_TABLE_DEPTH`` (walked without
-    recursion, so any depth is measured)."""
-    stack = [(table, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, (dict, list, tuple)):
-            if depth > _MAX_TABLE_DEPTH:
-                return f"nests deeper than {_MAX_TABLE_DEPTH} levels (a table nests 6)"
-            children = value.values() if isinstance(value, dict) else value
-            stack.extend((child, depth + 1) for child in children)
-    return None
-
-
-def _read_table_file(path) -> object:
-    """The JSON a table file holds; ``ValueError`` naming the file for anything but a readable
-    regular file of UTF-8 JSON (a FIFO or device is refused before a read could block)."""
-    import json
-    import os
-    import stat
-
-    shown = repr(os.fsdecode(path)) if isinstance(path, (str, bytes, os.PathLike)) else repr(str(path))
-    try:
-        # O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as err:
-        raise ValueError(f"auto table: cannot read {shown}: {err.strerror or err}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"auto table: {shown} is not a regular file (a JSON table file is needed)")
-        with os.fdopen(fd, "rb") as f:
-            fd = None
-            data = f.read()
-    except OSError as err:
-        raise ValueError(f"auto table: cannot read {shown}: {err.strerror or err}") from None
-    finally:
-        if fd is not None:
-            os.close(fd)
-    try:
-        table = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as err:
-        raise ValueError(f"auto table: {shown} is not UTF-8 text (byte {err.start}): a table file is UTF-8 JSON") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(f"auto table: {shown} is not valid JSON: {err}") from None
-    except RecursionError:
-        raise ValueError(f"auto table: {shown} nests deeper than {_MAX_TABLE_DEPTH} levels (a table nests 6)") from None
-    problem = _table_depth_error(table)
-    if problem:
-        raise ValueError(f"auto table: {shown} {problem}")
+def activate_auto_table(table: dict[tuple, tuple]) -> dict[tuple, tuple]:
+    """Make ``table`` (a checked table) the one ``auto`` reads; ``auto`` chooses afresh."""
+    global _ACTIVE_TABLE, _AUTO_VERSION
+    _ACTIVE_TABLE = table
+    _AUTO_VERSION += 1
     return table
 
 
-def load_auto_table(source=None, *, replace: bool = False) -> dict:
-    """Load a calibration table for ``backend="auto"`` (e.g. the ``auto_table.json`` that
-    ``hf-kernattn bench calibrate`` wrote on this machine): a path to a JSON file or the table as
-    a dict (see :func:`check_auto_table` for its form). Its entries replace the shipped table's
-    entries of the same kind of call (measured at any head count); the shipped table keeps serving the others (``replace=True``:
-    only the given table is used). ``source=None`` restores the shipped table. ``ValueError``
-    naming the problem for a table that cannot be read or is malformed (the active table is then
-    unchanged). Returns the active table in the checked form. The environment variable
-    ``HF_KERNATTN_AUTO_TABLE`` names a file loaded the same way on the first automatic choice."""
+def forget_auto_table() -> None:
+    """Forget the active table: the next automatic choice reads it again as a new process does (a
+    user's table, ``HF_KERNATTN_AUTO_TABLE`` where the package is imported, or the shipped one)."""
     global _ACTIVE_TABLE, _AUTO_VERSION
-    shipped = _shipped_table()
-    if source is None:
-        _ACTIVE_TABLE = shipped
-        _AUTO_VERSION += 1
-        return dict(shipped)
-    if isinstance(source, dict):
-        table = source
-        problem = _table_depth_error(table)
-        if problem:
-            raise _table_error("the table", problem)
-    elif isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-        table = _read_table_file(source)
-    else:
-        raise TypeError(f"source must be a path to a JSON table, a dict or None, got {type(source).__name__}")
-    checked = check_auto_table(table)
-    if not replace:  # the given entries replace the shipped ones of their kind, at every head count
-        given = {key[:5] for key in checked}
-        checked = {**{key: r for key, r in shipped.items() if key[:5] not in given}, **checked}
-    _ACTIVE_TABLE = checked
+    _ACTIVE_TABLE = None
     _AUTO_VERSION += 1
-    return dict(_ACTIVE_TABLE)
+
+
+def set_table_source(source: Optional[Callable[[], Optional[dict]]]) -> None:
+    """What gives a user's table on the first automatic choice (it activates it and returns it, or
+    returns None: the shipped table)."""
+    global _TABLE_SOURCE
+    _TABLE_SOURCE = source
 
 
 def active_auto_table() -> dict[tuple, tuple]:
-    """The table ``auto`` reads (the shipped one, overlaid by ``HF_KERNATTN_AUTO_TABLE`` or
-    :func:`load_auto_table`)."""
-    if _ACTIVE_TABLE is None:
-        import os
-
-        path = os.environ.get(AUTO_TABLE_ENV)
-        if path:
-            try:
-                load_auto_table(path)
-            except ValueError as err:
-                raise ValueError(f"{AUTO_TABLE_ENV}={path!r}: {err}") from None
-        else:
-            load_auto_table(None)
+    """The table ``auto`` reads (the shipped one, overlaid by a user's)."""
+    if _ACTIVE_TABLE is None and (_TABLE_SOURCE is None or _TABLE_SOURCE() is None):
+        activate_auto_table(shipped_auto_table())
     return _ACTIVE_TABLE
 
 

@@ -13,7 +13,8 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling import registry
-from hf_kernattn.modeling.registry import AUTO_TABLE_ENV, auto_candidates, choose_backend, load_auto_table
+from hf_kernattn.auto_tables import AUTO_TABLE_ENV, load_auto_table
+from hf_kernattn.modeling.registry import auto_candidates, choose_backend
 
 PLAIN = dict(causal=False, rpe=None, key_mask=False, device="cpu")
 
@@ -45,11 +46,12 @@ def _kinds():
 NS = (1, 2, 64, 181, 182, 256, 362, 363, 576, 1024, 2896, 2897, 4096, 5792, 5793, 16384, 65536)
 
 
+class _Length(int):
+    """An int ``auto`` does not cache by (it caches calls whose length is exactly an ``int``)."""
+
+
 def _uncached(n, **kind):
-    args = {**dict(rpe_clip=None, state=False, split=False, backward=False, dtype=torch.float32, heads=None), **kind}
-    return registry._auto_candidates(registry.active_auto_table(), n, args["causal"], args["rpe"], args["key_mask"],
-                                     args["device"], args["rpe_clip"], args["state"], args["split"], args["backward"],
-                                     args["dtype"], args["heads"])
+    return auto_candidates(n=_Length(n), **kind)
 
 
 def test_the_cached_candidates_are_the_uncached_ones_for_every_kind_and_n():
@@ -81,12 +83,12 @@ def test_the_environment_variable_table_replaces_the_cached_choice(tmp_path, mon
     path = tmp_path / "table.json"
     path.write_text(json.dumps(_table(([[None, ["dense", "linear"]]], False))))
     monkeypatch.setenv(AUTO_TABLE_ENV, str(path))
-    monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)  # as in a new process: read on the first choice
+    registry.forget_auto_table()  # as in a new process: read on the first choice
     assert choose_backend(n=8192, **PLAIN) == "dense"
 
 
-def test_registering_replacing_or_removing_a_backend_replaces_the_cached_choice(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+def test_registering_replacing_or_removing_a_backend_replaces_the_cached_choice(request):
+    request.addfinalizer(lambda: hf_kernattn.unregister_backend("test_cached"))
     load_auto_table(_table(([[None, ["test_cached", "linear"]]], False), ([[None, ["test_cached", "dense"]]], True)))
     assert choose_backend(n=8192, **PLAIN) == "linear"  # ranked but not registered
 
@@ -100,7 +102,7 @@ def test_registering_replacing_or_removing_a_backend_replaces_the_cached_choice(
                                  takes=("eps", "causal"), overwrite=True)
     assert choose_backend(n=8192, **dict(PLAIN, causal=True)) == "test_cached"
     assert choose_backend(n=8192, **PLAIN) == "linear"
-    del registry._REGISTRY["test_cached"]
+    hf_kernattn.unregister_backend("test_cached")
     assert choose_backend(n=8192, **dict(PLAIN, causal=True)) == "dense"
 
 

@@ -15,7 +15,8 @@ import torch
 
 import hf_kernattn
 from hf_kernattn.modeling import registry
-from hf_kernattn.modeling.registry import AUTO_TABLE_ENV, choose_backend, load_auto_table
+from hf_kernattn.auto_tables import AUTO_TABLE_ENV, load_auto_table
+from hf_kernattn.modeling.registry import choose_backend
 
 PLAIN = dict(causal=False, rpe=None, key_mask=False, device="cpu")
 
@@ -44,20 +45,29 @@ def _qkv(n=12, b=1, h=2, m=4, d=3, seed=0, dtype=torch.float32):
     return q, k, v
 
 
-def _spy(monkeypatch, *names):
-    """Record which backend runs (and in which dtype), the backends unchanged otherwise."""
-    import dataclasses
+@pytest.fixture
+def spy():
+    """``spy(*names)``: record which backend runs (and in which dtype), the backends unchanged
+    otherwise (registered again as they were at the test's end)."""
+    import contextlib
 
-    seen = []
-    for name in names:
-        spec = registry.get_backend(name)
+    from tests.reference import replaced_backend
 
-        def fn(q, k, v, _name=name, _fn=spec.fn, **kw):
-            seen.append((_name, q.dtype))
-            return _fn(q, k, v, **kw)
+    seen, stack = [], contextlib.ExitStack()
 
-        monkeypatch.setitem(registry._REGISTRY, name, dataclasses.replace(spec, fn=fn))
-    return seen
+    def start(*names):
+        for name in names:
+            spec = registry.get_backend(name)
+
+            def fn(q, k, v, _name=name, _fn=spec.fn, **kw):
+                seen.append((_name, q.dtype))
+                return _fn(q, k, v, **kw)
+
+            stack.enter_context(replaced_backend(name, fn))
+        return seen
+
+    with stack:
+        yield start
 
 
 def test_a_loaded_table_changes_the_choice_and_none_restores_the_shipped_one():
@@ -71,9 +81,9 @@ def test_a_loaded_table_changes_the_choice_and_none_restores_the_shipped_one():
     assert choose_backend(n=8192, **PLAIN) == "linear"
 
 
-def test_the_mode_of_the_call_picks_its_ranking(monkeypatch):
+def test_the_mode_of_the_call_picks_its_ranking(spy):
     """Forward calls read the ``fwd`` entry; calls autograd records through read ``fwdbwd``."""
-    seen = _spy(monkeypatch, "dense", "linear")
+    seen = spy("dense", "linear")
     load_auto_table(_table(_entry([[None, ["dense", "linear"]]], mode="fwd"),
                            _entry([[None, ["linear", "dense"]]], mode="fwdbwd")))
     q, k, v = _qkv()
@@ -137,11 +147,11 @@ def test_table_files_and_the_environment_variable(tmp_path, monkeypatch):
         load_auto_table(tmp_path / "missing.json")
     with pytest.raises(TypeError, match="source must be a path"):
         load_auto_table(3)
-    monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)
     monkeypatch.setenv(AUTO_TABLE_ENV, str(good))
+    registry.forget_auto_table()  # as in a new process: read on the first choice
     assert choose_backend(n=8192, **PLAIN) == "dense"
-    monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)
     monkeypatch.setenv(AUTO_TABLE_ENV, str(bad))
+    registry.forget_auto_table()
     with pytest.raises(ValueError, match=f"{AUTO_TABLE_ENV}=.*is not valid JSON"):
         choose_backend(n=8192, **PLAIN)
 
@@ -189,8 +199,8 @@ def test_unreadable_table_files_are_refused_naming_the_file(tmp_path, monkeypatc
         err = _load_in_a_thread(path)
         assert isinstance(err, ValueError) and problem in str(err) and str(path) in str(err), (path, err)
         assert registry.active_auto_table() is before
-        monkeypatch.setattr(registry, "_ACTIVE_TABLE", None)
         monkeypatch.setenv(AUTO_TABLE_ENV, str(path))
+        registry.forget_auto_table()  # as in a new process: read on the first choice
         for _ in range(2):  # every later choice: the same clear error
             with pytest.raises(ValueError, match=f"{AUTO_TABLE_ENV}=.*{problem}"):
                 choose_backend(n=8192, **PLAIN)
@@ -223,15 +233,14 @@ def test_auto_never_takes_a_ranked_backend_that_cannot_run_the_call():
     torch.testing.assert_close(out, hf_kernattn.kernelized_attention(q, k, v, bias, causal=True, backend="dense"))
 
 
-def test_a_user_backend_is_chosen_by_its_capabilities_where_the_table_ranks_it(monkeypatch):
+def test_a_user_backend_is_chosen_by_its_capabilities_where_the_table_ranks_it(request):
     """A backend registered by a user: usable by name always; ``auto`` takes it only where the
     table ranks it and its declared capabilities cover the call (or nothing ranked can)."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
-
     def mine(q, k, v, *, eps):
         return hf_kernattn.get_backend("linear").fn(q, k, v, eps=eps)
 
     hf_kernattn.register_backend("test_mine", mine, causal=False, noncausal=True, key_mask=False, takes=("eps",))
+    request.addfinalizer(lambda: hf_kernattn.unregister_backend("test_mine"))
     q, k, v = _qkv()
     assert choose_backend(n=8192, **PLAIN) == "linear"  # not ranked: not considered
     torch.testing.assert_close(hf_kernattn.kernelized_attention(q, k, v, backend="test_mine"),
@@ -246,11 +255,11 @@ def test_a_user_backend_is_chosen_by_its_capabilities_where_the_table_ranks_it(m
     assert choose_backend(n=8192, **dict(PLAIN, causal=True)) == "dense"
 
 
-def test_the_precision_rule_prefers_what_the_table_ranks_first_among_accurate_candidates(monkeypatch):
+def test_the_precision_rule_prefers_what_the_table_ranks_first_among_accurate_candidates(spy):
     """A causal 1D bias at N = 2048: the FFT's float32 bound (~N eps) misses 1e-4. ``auto`` then
     runs the next candidate the table ranks: an exact float32 backend if it ranks before the
     float64 FFT, else the float64 FFT; where the bound holds (non-causal) the float32 FFT."""
-    seen = _spy(monkeypatch, "dense", "fft")
+    seen = spy("dense", "fft")
     n = 2048
     q, k, v = _qkv(n=n, h=1, m=2, d=2)
     bias = 0.1 * torch.randn(1, 2 * n - 1, generator=torch.Generator().manual_seed(3))
@@ -269,10 +278,10 @@ def test_the_precision_rule_prefers_what_the_table_ranks_first_among_accurate_ca
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=1e-4 * float(v.abs().max()))
 
 
-def test_the_accuracy_rule_reads_the_declared_error_bound_not_the_name(monkeypatch):
+def test_the_accuracy_rule_reads_the_declared_error_bound_not_the_name(request):
     """An approximate backend registered by a user with ``error_bound`` is checked like fft; the
     built-in fft re-registered without one counts as exact."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    request.addfinalizer(lambda: hf_kernattn.unregister_backend("test_rough"))
     dense = hf_kernattn.get_backend("dense")
     runs = []
 
@@ -370,7 +379,7 @@ def test_bench_calibrate_check_measures_a_point_above_the_limit_again_and_report
     assert "0 of 8 points within 0x" in printed and printed.count("above:") == 8
 
 
-def test_a_call_reads_the_entry_measured_at_the_nearest_head_count(monkeypatch):
+def test_a_call_reads_the_entry_measured_at_the_nearest_head_count(spy):
     """Crossovers move with the head count (per-call costs weigh more at few heads): a table may
     hold a kind's entry per head count measured, and a call reads the one nearest its own (log
     scale, a tie to the fewer); an entry without ``heads`` was measured at one head."""
@@ -384,7 +393,7 @@ def test_a_call_reads_the_entry_measured_at_the_nearest_head_count(monkeypatch):
     assert choose_backend(n=300, **PLAIN, heads=12) == "linear"
     assert choose_backend(n=300, **PLAIN, heads=96) == "linear"
     # kernelized_attention passes the call's head count
-    seen = _spy(monkeypatch, "dense", "linear")
+    seen = spy("dense", "linear")
     for h, want in ((1, "dense"), (12, "linear"), (2, "dense")):
         seen.clear()
         q, k, v = _qkv(n=16, h=h)
@@ -529,3 +538,12 @@ def test_the_crossover_sentences_follow_the_active_table(capsys):
     args = calibrate.build_parser().parse_args(["--describe"])
     assert calibrate.run(args) == 0
     assert "linear_gpt_rpe" in capsys.readouterr().out
+
+
+def test_the_shipped_table_is_a_valid_table_and_read_as_checked():
+    """The table checkpoints carry (``auto_table.py``, read without the file format's checks)
+    passes every check of a table file and is read in the same form the checks give."""
+    from hf_kernattn.auto_tables import check_auto_table
+    from hf_kernattn.modeling.auto_table import AUTO_TABLE
+
+    assert registry.shipped_auto_table() == check_auto_table(AUTO_TABLE)

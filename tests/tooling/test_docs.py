@@ -256,7 +256,7 @@ def test_the_readme_linear_gpt_quickstart_prints_no_deprecation(tmp_path):
 def _crossovers() -> dict[str, str]:
     """The sentence for each call the docs describe, from the shipped table."""
     from hf_kernattn.bench.calibrate import DOC_CALLS, describe_crossovers
-    from hf_kernattn.modeling.registry import load_auto_table
+    from hf_kernattn import load_auto_table
 
     load_auto_table(None)  # the shipped table, whatever a test or HF_KERNATTN_AUTO_TABLE loaded
     return {name: describe_crossovers(call) for name, call in DOC_CALLS.items()}
