@@ -5,22 +5,37 @@ attention and sliding-window hybrids, trained from scratch with the same budget.
 
 The task. Token ids: 0 is filler, keys are ``1 .. K``, values ``K + 1 .. K + V`` (disjoint
 ranges). A sequence of ``T`` tokens starts with ``P`` key-value pairs ``k_1 v_1 .. k_P v_P``
-(distinct keys, values drawn at random), followed by filler in which the keys come back as
-queries, each alone in a two-token slot at a random place after the pairs (every key queried
-once, in random order). The model must output the queried key's value at the query position;
-the loss and the accuracy count those positions only. Softmax attention solves this by looking
-back at the token after the matching key; a recurrent state of fixed size must hold every pair
-at once, which is where linear attention falls behind (Zoology, Based).
+(distinct keys, values drawn at random), followed by two-token slots ``q 0`` in which keys of
+the pairs come back as queries, after the pairs and in random order: with ``--queries once``
+(Zoology's layout) each key once, in random slots; with ``--queries all`` (the default) every
+slot holds one, each key at least once, so a sequence has ``(T - 2P) / 2`` answers to learn
+from instead of ``P``. The model must output the queried key's value at the query position; the
+loss and the accuracy count those positions only. Softmax attention solves this by looking back
+at the token after the matching key; a recurrent state of fixed size must hold every pair at
+once, which is where linear attention falls behind (Zoology, Based).
 
-The models (``--models``): ``gpt2`` (stock ``transformers`` GPT2LMHeadModel, softmax attention),
-Linear GPT with ``feature_map`` ``elu``, ``prf`` (positive random features) and ``hedgehog``
-(learned), and ``windowW``: Linear GPT with ``softmax_window=W`` (exact softmax over the last
-``W`` keys, ``--window_feature_map`` beyond). All have the same width, depth, heads, MLP,
-learned absolute positions, vocabulary and initialisation seed, and train on the same batches
-with the same optimiser (AdamW, linear warm-up then cosine decay, gradient clipping at 1).
-Each training step draws one ``(T, P)`` of the training grid in turn (``--seq_lens`` x
+The models (``--models``): ``softmax`` (the stock ``transformers`` model: LlamaForCausalLM, or
+GPT2LMHeadModel with ``--architecture gpt2``), Linear GPT with ``feature_map`` ``elu``, ``prf``
+(positive random features) and ``hedgehog`` (learned), and ``windowW``: Linear GPT with
+``softmax_window=W`` (exact softmax over the last ``W`` keys, ``--window_feature_map`` beyond).
+All share one layout (``--architecture``: Llama's RMSNorm, gated MLP and rotary positions by
+default; GPT-2's LayerNorm, GELU MLP and learned absolute positions), width, depth, heads, MLP
+width, vocabulary and initialisation seed, differing only in attention, and train on the same
+batches with the same optimiser (AdamW, linear warm-up then cosine decay, gradient clipping at
+1). Each training step draws one ``(T, P)`` of the training grid in turn (``--seq_lens`` x
 ``--pairs``), so every model sees every difficulty; accuracy is measured on fresh sequences of
 every ``(T, P)`` of the grid. ``--widths`` with more than one width repeats everything per width.
+
+Why the defaults are what they are: learning MQAR from scratch is a phase transition; until a
+model forms its lookup circuit it sits at accuracy ``1 / P`` (one of the values in the
+context). On this budget a GPT-2 layout (learned absolute positions) stayed on that plateau for
+10,000 steps (T in {32, 64}, P in {2, 4, 8}, each key queried once, lr 3e-3) and for 3,000
+steps at T = 16, P = 2 with every slot queried (lr 3e-4 to 1e-3, width 64 or 128, 2 or 3
+layers), while the Llama layout (rotary positions) with every slot queried left it within 1,500
+steps at T = 16 and reached 0.94-0.99 at 3,000 steps on T in {32, 64}, P in {2, 4, 8} (Linear
+GPT with hedgehog features, same budget: still 1 / P); hence the Llama layout, ``--queries
+all`` and 8,000 steps by default. Where the softmax model stays near ``1 / P`` a run has not
+shown where linear attention falls behind: raise ``--steps``.
 
 Output (``--out``, default ``docs/figures``): ``mqar.json`` (every setting, and per model its
 configuration, parameter count, state size, loss curve, training time and accuracy per
@@ -29,12 +44,16 @@ against the number of pairs, or against the width when several are given; one li
 as Zoology's figures). The data are deterministic given ``--seed``: batch ``i`` comes from a
 generator seeded with ``(seed, i)``, whatever the model or the process.
 
-Runtime: the defaults (6 models, 3,000 steps each, one thread per model, 2 models at a time)
-take about 50 minutes on 2 CPU cores; ``--steps 300`` is a quick look. Each model runs in its own
-process (``--workers``, default 2) with one thread::
+Runtime: the defaults (6 models of width 64, 8,000 steps of 32 sequences of 32 or 64 tokens,
+one thread per model, 2 models at a time) take about 30 minutes on 2 otherwise idle CPU cores,
+extrapolated from a run of 5% of the steps (3,340 CPU seconds of training in all, the hybrids
+the slowest at 0.09-0.11 s per step). Each model runs in its own process (``--workers``,
+default 2) with one thread.
+
+Commands::
 
     python examples/research/mqar.py                          # writes docs/figures/mqar.*
-    python examples/research/mqar.py --steps 300 --out /tmp/mqar
+    python examples/research/mqar.py --steps 600 --out /tmp/mqar
 """
 
 from __future__ import annotations
@@ -56,8 +75,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 FILLER = 0  # the token between pairs and queries; keys are 1 .. K, values K + 1 .. K + V
-BASE_MODELS = ("gpt2", "elu", "prf", "hedgehog")
-DEFAULT_MODELS = ("gpt2", "elu", "prf", "hedgehog", "window8", "window32")
+BASE_MODELS = ("softmax", "elu", "prf", "hedgehog")
+DEFAULT_MODELS = ("softmax", "elu", "prf", "hedgehog", "window8", "window16")
 RESULT_TAG = "MQAR_RESULT "
 
 
@@ -65,12 +84,13 @@ RESULT_TAG = "MQAR_RESULT "
 
 
 def mqar_batch(batch: int, seq_len: int, num_pairs: int, num_keys: int, num_values: int,
-               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+               generator: torch.Generator, fill: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``input_ids (B, T)`` and ``targets (B, T)``: ``P`` pairs ``k v`` at positions ``0 .. 2P - 1``
     (keys distinct, from ``1 .. K``; values from ``K + 1 .. K + V``), then each key once as a query
-    at position ``2P + 2s`` for ``P`` distinct random slots ``s < (T - 2P) // 2``; ``targets`` holds
-    the queried key's value at the query's position (the model predicts it there), -100
-    elsewhere. Everything else is ``FILLER``."""
+    at position ``2P + 2s`` for ``P`` distinct random slots ``s < (T - 2P) // 2`` (``fill``: every
+    slot holds a query, each key at least once, the other slots random keys of the pairs);
+    ``targets`` holds the queried key's value at the query's position (the model predicts it
+    there), -100 elsewhere. Everything else is ``FILLER``."""
     if num_pairs < 1 or num_pairs > num_keys:
         raise ValueError(f"num_pairs must be in [1, num_keys={num_keys}], got {num_pairs}")
     slots = (seq_len - 2 * num_pairs) // 2
@@ -85,7 +105,9 @@ def mqar_batch(batch: int, seq_len: int, num_pairs: int, num_keys: int, num_valu
         values = torch.randint(0, num_values, (num_pairs,), generator=generator) + num_keys + 1
         ids[b, 0:ctx:2], ids[b, 1:ctx:2] = keys, values
         order = torch.randperm(num_pairs, generator=generator)  # which pair each query asks for
-        pos = ctx + 2 * torch.randperm(slots, generator=generator)[:num_pairs]
+        if fill:
+            order = torch.cat([order, torch.randint(0, num_pairs, (slots - num_pairs,), generator=generator)])
+        pos = ctx + 2 * torch.randperm(slots, generator=generator)[:len(order)]
         ids[b, pos] = keys[order]
         targets[b, pos] = values[order]
     return ids, targets
@@ -102,14 +124,14 @@ def train_batch(step: int, args) -> tuple[torch.Tensor, torch.Tensor, int, int]:
     combos = grid(args.seq_lens, args.pairs)
     t, p = combos[step % len(combos)]
     gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    return (*mqar_batch(args.batch_size, t, p, args.num_keys, args.num_values, gen), t, p)
+    return (*mqar_batch(args.batch_size, t, p, args.num_keys, args.num_values, gen, args.queries == "all"), t, p)
 
 
 # ----------------------------------------------------------------------------- models
 
 
 def parse_model(name: str) -> tuple[str, Optional[int]]:
-    """``"gpt2"``, ``"elu"``, ``"prf"``, ``"hedgehog"`` -> ``(name, None)``; ``"windowW"`` ->
+    """``"softmax"``, ``"elu"``, ``"prf"``, ``"hedgehog"`` -> ``(name, None)``; ``"windowW"`` ->
     ``("window", W)``."""
     if name in BASE_MODELS:
         return name, None
@@ -119,12 +141,25 @@ def parse_model(name: str) -> tuple[str, Optional[int]]:
 
 
 def build_model(name: str, width: int, args) -> torch.nn.Module:
-    """The model ``name`` at ``width``, initialised from ``args.seed``."""
+    """The model ``name`` at ``width`` in ``args.architecture``'s layout, initialised from
+    ``args.seed``: ``softmax`` is the stock ``transformers`` model (LlamaForCausalLM or
+    GPT2LMHeadModel), the others Linear GPT with the same layout (Llama: RMSNorm, gated MLP,
+    rotary positions on queries and keys; GPT-2: LayerNorm, GELU MLP, learned absolute
+    positions), differing only in attention."""
     kind, window = parse_model(name)
     vocab = 1 + args.num_keys + args.num_values
     positions = max(args.seq_lens)
+    llama = args.architecture == "llama"
     torch.manual_seed(args.seed)
-    if kind == "gpt2":
+    if kind == "softmax" and llama:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=vocab, hidden_size=width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
+            num_key_value_heads=args.heads, intermediate_size=4 * width, max_position_embeddings=positions,
+            tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+            attn_implementation="sdpa"))
+    if kind == "softmax":
         from transformers import GPT2Config, GPT2LMHeadModel
 
         return GPT2LMHeadModel(GPT2Config(
@@ -133,12 +168,14 @@ def build_model(name: str, width: int, args) -> torch.nn.Module:
             eos_token_id=None, pad_token_id=None, attn_implementation="sdpa"))
     from hf_kernattn import LinearGPTConfig, LinearGPTForCausalLM
 
+    layout = (dict(norm_type="rmsnorm", mlp_type="gated", mlp_bias=False, attention_bias=False, hidden_act="silu",
+                   position_embedding_type="rope", layer_norm_epsilon=1e-6) if llama else {})
     return LinearGPTForCausalLM(LinearGPTConfig(
         vocab_size=vocab, hidden_size=width, num_hidden_layers=args.layers, num_attention_heads=args.heads,
         intermediate_size=4 * width, max_position_embeddings=positions,
         feature_map=args.window_feature_map if kind == "window" else kind,
         num_random_features=args.num_random_features, softmax_window=window,
-        bos_token_id=None, eos_token_id=None, pad_token_id=None))
+        bos_token_id=None, eos_token_id=None, pad_token_id=None, **layout))
 
 
 def state_floats(model: torch.nn.Module, seq_len: int) -> int:
@@ -146,8 +183,8 @@ def state_floats(model: torch.nn.Module, seq_len: int) -> int:
     every token (softmax), ``H (M D + M)`` for ``(S, z)`` (linear; ``M`` features), plus the
     last ``W - 1`` raw keys, features and values (hybrid)."""
     cfg = model.config
-    if cfg.model_type == "gpt2":
-        return 2 * seq_len * cfg.n_embd
+    if cfg.model_type in ("gpt2", "llama"):
+        return 2 * seq_len * cfg.hidden_size
     attn = model.transformer.h[0].attn
     h, d, m = attn.num_heads, attn.head_dim, attn.feature_map.num_features
     size = h * (m * d + m)
@@ -171,7 +208,7 @@ def accuracy(model: torch.nn.Module, seq_len: int, pairs: int, args) -> tuple[fl
     left = args.eval_examples
     while left > 0:
         n = min(args.batch_size, left)
-        ids, targets = mqar_batch(n, seq_len, pairs, args.num_keys, args.num_values, gen)
+        ids, targets = mqar_batch(n, seq_len, pairs, args.num_keys, args.num_values, gen, args.queries == "all")
         logits = model(input_ids=ids, use_cache=False).logits
         keep = targets != -100
         hits += int((logits[keep].argmax(-1) == targets[keep]).sum())
@@ -266,7 +303,8 @@ def _run_all(jobs: list[tuple[str, int]], args, argv: list[str]) -> list[dict]:
 
 def label(rec: dict, several_widths: bool) -> str:
     kind, window = parse_model(rec["model"])
-    text = {"gpt2": "GPT-2 (softmax)", "elu": "Linear GPT, elu", "prf": "Linear GPT, prf",
+    softmax = "Llama (softmax)" if rec["config"]["model_type"] == "llama" else "GPT-2 (softmax)"
+    text = {"softmax": softmax, "elu": "Linear GPT, elu", "prf": "Linear GPT, prf",
             "hedgehog": "Linear GPT, hedgehog"}.get(kind) or f"hybrid, window {window}"
     return f"{text}, width {rec['width']}" if several_widths else text
 
@@ -302,6 +340,7 @@ def plot(report: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     s = report["settings"]
     recs = report["models"]
@@ -320,7 +359,11 @@ def plot(report: dict, path: Path) -> None:
                 pts = [(a["num_pairs"], a["accuracy"]) for a in mine[0]["accuracy"] if a["seq_len"] == t]
                 xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             ax.plot(xs, ys, marker="o", color=f"C{i}", label=label(mine[0], False))
+        if not several:  # the plateau before a model learns the lookup: one of the P values in context
+            ps = sorted({a["num_pairs"] for a in recs[0]["accuracy"] if a["seq_len"] == t})
+            ax.plot(ps, [1 / p for p in ps], ls="--", color="grey", lw=0.8, label="1 / P")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.set_xlabel("model width" if several else "key-value pairs")
         ax.set_title(f"sequence length {t}")
         ax.set_ylim(-0.02, 1.02)
@@ -337,21 +380,28 @@ def plot(report: dict, path: Path) -> None:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS),
-                   help="gpt2, elu, prf, hedgehog or windowW (default: %(default)s)")
+                   help="softmax, elu, prf, hedgehog or windowW (default: %(default)s)")
+    p.add_argument("--architecture", choices=("llama", "gpt2"), default="llama",
+                   help="the layout every model shares: llama (RMSNorm, gated MLP, rotary positions; softmax: "
+                        "LlamaForCausalLM) or gpt2 (LayerNorm, GELU MLP, learned absolute positions; softmax: "
+                        "GPT2LMHeadModel) (default: %(default)s)")
     p.add_argument("--widths", type=int, nargs="+", default=[64], help="model widths (default: %(default)s)")
     p.add_argument("--layers", type=int, default=2, help="decoder blocks (default: %(default)s)")
     p.add_argument("--heads", type=int, default=2, help="attention heads (default: %(default)s)")
-    p.add_argument("--seq_lens", type=int, nargs="+", default=[64, 128, 256],
+    p.add_argument("--seq_lens", type=int, nargs="+", default=[32, 64],
                    help="training sequence lengths T (default: %(default)s)")
-    p.add_argument("--pairs", type=int, nargs="+", default=[4, 8, 16],
+    p.add_argument("--pairs", type=int, nargs="+", default=[2, 4, 8, 16],
                    help="training numbers of key-value pairs P (default: %(default)s)")
     p.add_argument("--eval_seq_lens", type=int, nargs="+", default=None, help="evaluated T (default: --seq_lens)")
     p.add_argument("--eval_pairs", type=int, nargs="+", default=None, help="evaluated P (default: --pairs)")
+    p.add_argument("--queries", choices=("once", "all"), default="all",
+                   help="once: each key queried once (Zoology); all: every free slot after the pairs holds a query "
+                        "(each key at least once), more answers to learn from per sequence (default: %(default)s)")
     p.add_argument("--num_keys", type=int, default=64, help="key ids K (default: %(default)s)")
     p.add_argument("--num_values", type=int, default=64, help="value ids V (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=3000, help="training steps per model (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=8000, help="training steps per model (default: %(default)s)")
     p.add_argument("--batch_size", type=int, default=32, help="sequences per step (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak AdamW learning rate (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=200, help="linear warm-up steps, then cosine (default: %(default)s)")
     p.add_argument("--weight_decay", type=float, default=0.1, help="AdamW weight decay (default: %(default)s)")
     p.add_argument("--num_random_features", type=int, default=64, help="prf: random features (default: %(default)s)")

@@ -99,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
     texts = tokenize(tokenizer, texts)
     if args.eval_task == "context":  # a text too short is refused before the models load
         bos = tokenizer.bos_token_id if args.prepend_bos else None
+        if args.prepend_bos and bos is None:
+            raise ValueError("--prepend_bos: the tokenizer has no BOS token")
         context_windows(texts, args.max_length, max_windows=1, bos_token_id=bos)
     else:
         recall_trials(tokenizer, texts, args.distances, span_length=args.span_length, trials=1)

@@ -38,6 +38,15 @@ def test_generator_puts_pairs_first_and_each_answer_at_its_query(mqar):
         assert bool((ids[b, rest] == mqar.FILLER).all())  # filler elsewhere (the answers are not in the input)
     again = mqar.mqar_batch(16, T, P, K, V, torch.Generator().manual_seed(0))
     assert torch.equal(again[0], ids) and torch.equal(again[1], targets)
+    # fill: every slot after the pairs asks for a key of the pairs, each key at least once
+    ids, targets = mqar.mqar_batch(8, T, P, K, V, torch.Generator().manual_seed(1), fill=True)
+    for b in range(8):
+        value_of = dict(zip(ids[b, 0:2 * P:2].tolist(), ids[b, 1:2 * P:2].tolist()))
+        scored = (targets[b] != -100).nonzero()[:, 0]
+        assert scored.tolist() == list(range(2 * P, T - 1, 2))  # (T - 2P) // 2 slots, all queried
+        asked = ids[b, scored].tolist()
+        assert set(asked) == set(value_of) and targets[b, scored].tolist() == [value_of[k] for k in asked]
+        assert bool((ids[b, 2 * P + 1::2] == mqar.FILLER).all())
     with pytest.raises(ValueError, match="needs at least 4 \\* num_pairs"):
         mqar.mqar_batch(1, 4 * P - 1, P, K, V, torch.Generator())
     with pytest.raises(ValueError, match="num_pairs must be in"):
@@ -45,7 +54,8 @@ def test_generator_puts_pairs_first_and_each_answer_at_its_query(mqar):
 
 
 def test_training_batches_depend_on_seed_and_step_only(mqar):
-    args = SimpleNamespace(seq_lens=[16, 32], pairs=[2, 4, 8], batch_size=3, num_keys=12, num_values=5, seed=1)
+    args = SimpleNamespace(seq_lens=[16, 32], pairs=[2, 4, 8], batch_size=3, num_keys=12, num_values=5, seed=1,
+                           queries="once")
     assert mqar.grid(args.seq_lens, args.pairs) == [(16, 2), (16, 4), (32, 2), (32, 4), (32, 8)]
     later = mqar.train_batch(7, args)
     first = [mqar.train_batch(s, args) for s in range(8)]
@@ -85,7 +95,7 @@ class _Oracle(torch.nn.Module):
 
 
 def test_accuracy_counts_the_queries(mqar):
-    args = SimpleNamespace(seed=0, eval_examples=10, batch_size=4, num_keys=8, num_values=6)
+    args = SimpleNamespace(seed=0, eval_examples=10, batch_size=4, num_keys=8, num_values=6, queries="once")
     vocab = 1 + 8 + 6
     assert mqar.accuracy(_Oracle(vocab), 24, 4, args) == (1.0, 40)
     acc, queries = mqar.accuracy(_Oracle(vocab, wrong_every=4), 24, 4, args)
@@ -95,30 +105,46 @@ def test_accuracy_counts_the_queries(mqar):
 
 
 def test_a_toy_run_writes_the_table_the_plot_and_every_setting(mqar, tmp_path):
-    report = mqar.main(["--models", "gpt2", "elu", "window4", "--widths", "8", "--layers", "1", "--heads", "2",
+    report = mqar.main(["--models", "softmax", "elu", "window4", "--widths", "8", "--layers", "1", "--heads", "2",
                         "--seq_lens", "16", "--pairs", "2", "4", "--num_keys", "6", "--num_values", "5", "--steps", "3",
                         "--warmup", "1", "--batch_size", "4", "--eval_examples", "3", "--log_every", "2",
                         "--num_random_features", "8", "--workers", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "mqar.json").read_text())
     assert saved == json.loads(json.dumps(report))
     s = saved["settings"]
-    assert s["steps"] == 3 and s["lr"] == 3e-3 and s["batch_size"] == 4 and s["widths"] == [8]
+    assert s["steps"] == 3 and s["lr"] == 1e-3 and s["batch_size"] == 4 and s["widths"] == [8]
+    assert s["architecture"] == "llama" and s["queries"] == "all"
     assert s["train_grid"] == [[16, 2], [16, 4]] and s["eval_grid"] == [[16, 2], [16, 4]]
     assert s["vocab_size"] == 12 and s["chance_accuracy"] == pytest.approx(0.2)
-    assert [r["model"] for r in saved["models"]] == ["gpt2", "elu", "window4"]
-    for r in saved["models"]:
-        assert [(a["seq_len"], a["num_pairs"], a["queries"]) for a in r["accuracy"]] == [(16, 2, 6), (16, 4, 12)]
+    assert [r["model"] for r in saved["models"]] == ["softmax", "elu", "window4"]
+    for r in saved["models"]:  # every slot queried: (16 - 2P) / 2 answers per sequence
+        assert [(a["seq_len"], a["num_pairs"], a["queries"]) for a in r["accuracy"]] == [(16, 2, 18), (16, 4, 12)]
         assert all(0.0 <= a["accuracy"] <= 1.0 for a in r["accuracy"])
         assert [p[0] for p in r["loss_curve"]] == [2, 3] and r["train_seconds"] > 0 and r["parameters"] > 0
     cfgs = {r["model"]: r["config"] for r in saved["models"]}
-    assert cfgs["gpt2"]["model_type"] == "gpt2" and cfgs["elu"]["feature_map"] == "elu"
+    assert cfgs["softmax"]["model_type"] == "llama" and cfgs["elu"]["feature_map"] == "elu"
+    assert cfgs["elu"]["position_embedding_type"] == "rope"  # the Llama layout: rotary positions
     assert cfgs["window4"]["softmax_window"] == 4 and cfgs["window4"]["feature_map"] == "hedgehog"
-    # state per layer: GPT-2's KV cache at T = 16; elu: 2 heads x (4 x 4 + 4); the hybrid adds 3 window slots
+    # state per layer: the softmax model's KV cache at T = 16; elu: 2 heads x (4 x 4 + 4); the hybrid
+    # adds 3 window slots of raw keys, features and values
     states = {r["model"]: r["state_floats_per_layer"] for r in saved["models"]}
-    assert states == {"gpt2": 2 * 16 * 8, "elu": 2 * (4 * 4 + 4), "window4": 2 * (8 * 4 + 8) + 2 * 3 * (4 + 8 + 4)}
+    assert states == {"softmax": 2 * 16 * 8, "elu": 2 * (4 * 4 + 4), "window4": 2 * (8 * 4 + 8) + 2 * 3 * (4 + 8 + 4)}
     table = (tmp_path / "mqar.md").read_text()
-    assert "| GPT-2 (softmax) |" in table and "| hybrid, window 4 |" in table and "T=16 P=4" in table
+    assert "| Llama (softmax) |" in table and "| hybrid, window 4 |" in table and "T=16 P=4" in table
     assert (tmp_path / "mqar.png").stat().st_size > 1000
+
+
+def test_the_two_layouts_differ_only_in_attention(mqar):
+    """With --architecture gpt2 the softmax model is GPT2LMHeadModel and Linear GPT takes GPT-2's
+    layout; with llama, LlamaForCausalLM and Llama's: the same parameters outside attention."""
+    base = ["--widths", "8", "--layers", "1", "--heads", "2", "--seq_lens", "16", "--pairs", "2", "--num_keys", "6",
+            "--num_values", "5"]
+    for arch, softmax_type, positions in (("gpt2", "gpt2", "absolute"), ("llama", "llama", "rope")):
+        args = mqar.parse_args([*base, "--architecture", arch])
+        softmax, linear = mqar.build_model("softmax", 8, args), mqar.build_model("elu", 8, args)
+        assert softmax.config.model_type == softmax_type and linear.config.position_embedding_type == positions
+        n_soft, n_lin = (sum(p.numel() for p in m.parameters()) for m in (softmax, linear))
+        assert n_soft == n_lin, (arch, n_soft, n_lin)
 
 
 def test_bad_settings_are_usage_errors(mqar, capsys):
@@ -134,7 +160,7 @@ def test_bad_settings_are_usage_errors(mqar, capsys):
 def test_a_worker_process_prints_its_one_record(mqar, capsys):
     """What each worker process of a parallel run does: train one model and print its record
     as one tagged JSON line, which the parent reads."""
-    rec = mqar.main(["--job", "prf", "8", "--layers", "1", "--seq_lens", "16", "--pairs", "2", "--num_keys", "4",
+    rec = mqar.main(["--job", "prf", "8", "--layers", "1", "--architecture", "gpt2", "--seq_lens", "16", "--pairs", "2", "--num_keys", "4",
                      "--num_values", "3", "--steps", "2", "--batch_size", "2", "--eval_examples", "2",
                      "--num_random_features", "4", "--out", "unused"])
     line = [x for x in capsys.readouterr().out.splitlines() if x.startswith(mqar.RESULT_TAG)]
