@@ -7,6 +7,8 @@
 * ``hf-kernattn convert``: softmax checkpoint -> kernelized one (``hf_kernattn/convert/``).
 * ``hf-kernattn linearize``: convert, then train the feature maps by attention transfer
   (``hf_kernattn/convert/linearize.py``).
+* ``hf-kernattn eval context|recall MODEL [...]``: compare causal LMs on the same text
+  (``hf_kernattn/evaluation/``).
 * ``hf-kernattn push CHECKPOINT REPO_ID``: publish a saved checkpoint on the Hub (``hf_kernattn/push.py``).
 
 This module lives next to the ``hf_kernattn`` package, not inside it: importing the package
@@ -43,7 +45,7 @@ BENCHMARKS = {
     "calibrate": "calibrate",
 }
 # top-level command -> module under hf_kernattn
-COMMANDS = {"demo": "demo", "convert": "convert", "linearize": "convert.linearize", "push": "push"}
+COMMANDS = {"demo": "demo", "convert": "convert", "linearize": "convert.linearize", "push": "push", "eval": "evaluation"}
 
 
 def _package_file(module: str) -> Optional[str]:
