@@ -1,27 +1,20 @@
 """The entry point :func:`kernelized_attention`: check -> prepare -> choose -> run -> finish.
 
-Backends declare what they can do at registration (``registry.py``; built-ins in
-``builtin_backends.py``). A named backend that cannot run a call is refused with a ``ValueError``
-listing those that can. ``backend="auto"`` runs the first candidate the calibration table ranks
-(``registry.auto_candidates``) that is accurate: an exact backend, or an approximate one
-(``error_bound``, e.g. ``fft``) whose bound for the data, in the dtype it would compute in, is at
-most :data:`AUTO_MAX_ERROR`. It passes over ``dense`` where that would hold a ``(B, H, N, N)``
-matrix above ``registry.AUTO_MAX_NN_BYTES``, unless nothing else can run the call.
+Backends declare what they can do at registration (``registry.py``). A named backend that cannot
+run a call is refused, naming those that can. ``backend="auto"`` runs the first candidate the
+calibration table ranks that is accurate: exact, or approximate (``error_bound``, e.g. ``fft``)
+with a bound for the data within :data:`AUTO_MAX_ERROR`; it skips ``dense`` where that would hold
+a ``(B, H, N, N)`` matrix above ``registry.AUTO_MAX_NN_BYTES``, unless nothing else can run.
 
-The work common to every backend happens here once: check (``attention_inputs.py``); prepare
-(compute dtype float32 at least, float64 stays; padded keys and their values zeroed); choose; the
-non-finite guard (``kernels_common.guard_non_finite``); run (the backend receives exactly the
-keyword arguments it declared, ``takes``); finish (non-finite rows, output dtype, state). A backend
-declared ``propagates_non_finite`` runs before the guard: one sum of its output tells whether the
-guard, and a second run on isolated inputs, is needed (while tracing the branch-free isolation runs
-first).
+Done here once for every backend: checks (``attention_inputs.py``); the compute dtype (float32
+at least, float64 stays); padded keys and values zeroed; the non-finite guard
+(``kernels_common.guard_non_finite``); the backend called with exactly its declared ``takes``;
+non-finite rows, output dtype and state. A ``propagates_non_finite`` backend runs before the
+guard: one sum of its output tells whether the guard and a second run are needed.
 
-Causal calls carry a state (``state.AttentionState``): prefill, continuation and one-token decoding
-are one call. A state needs a backend declared ``state`` (for one new token ``auto`` prefers one
-declared ``decoding``); with a bias only a clipped one (an unclipped bias has no constant-size
-state). A backend without a state still serves a call that starts without one: the final state is
-folded from the call's keys and values. The sliding-window hybrid (``softmax_window``) runs only
-on a backend declared ``softmax_window``.
+Causal calls carry a state (``state.AttentionState``): prefill, continuation and one-token
+decoding are one call. A backend without a state serves a call that starts without one: the
+final state is folded from its keys and values.
 """
 
 from __future__ import annotations
@@ -133,50 +126,43 @@ def kernelized_attention(
         q, k: ``(B, H, N, M)`` query and key features (after the feature map).
         v: ``(B, H, N, D)`` values.
         rpe_bias: None, ``(H, 2N-1)`` (entry ``r + N - 1`` holds offset ``r = j - i``) or, with
-            ``grid``, ``(H, 2Hg-1, 2Wg-1)``. With ``rpe_clip = K`` also the clipped table ``(H, 2K+1)``
-            (entry ``r + K``; what continuing from a state needs when ``N <= K``) or, with ``grid``,
-            the per-distance table ``(H, K+1)`` (entry ``d`` holds ``b_d``).
+            ``grid``, ``(H, 2Hg-1, 2Wg-1)``. With ``rpe_clip = K`` also the table ``(H, 2K+1)``
+            (entry ``r + K``; needed to continue from a state when ``N <= K``) or, with ``grid``,
+            the per-distance table ``(H, K+1)``.
         causal: only keys ``j <= i`` (1D only).
-        attention_mask: ``(B, N)``, 1 keep, 0 padding (padded keys contribute nothing).
-        grid: ``(Hg, Wg)`` with ``Hg * Wg == N``: a 2D bias on a row-major token grid.
-        backend: ``"auto"`` or a registered name (:func:`available_backends`). ``auto`` picks the
-            fastest backend whose error meets :data:`AUTO_MAX_ERROR` (1e-4 of the values); a named
-            ``fft`` computes in the input's dtype (error: ``kernels_fft.fft_error_bound``).
+        attention_mask: ``(B, N)``, 1 keep, 0 padding.
+        grid: ``(Hg, Wg)``, ``Hg * Wg == N``: a 2D bias on a row-major token grid.
+        backend: ``"auto"`` (the fastest backend within :data:`AUTO_MAX_ERROR`, 1e-4 of the
+            values) or a registered name (:func:`available_backends`; a named ``fft`` computes in
+            the input's dtype, error: ``kernels_fft.fft_error_bound``).
         eps: added to the denominator.
-        rpe_clip: ``K``: declares the 1D bias constant beyond offsets ``+-K`` (enables the O(N K)
-            ``windowed`` backend; gradients of the clipped region land on entries ``+-K``), or the 2D
-            bias a function of ``min(|dy| + |dx|, K)`` (Horn et al.; enables the O(N K^2)
-            ``manhattan`` backend). Checked in eager mode, trusted while tracing.
+        rpe_clip: ``K``: declares the 1D bias constant beyond offsets ``+-K`` (O(N K) ``windowed``;
+            gradients of the clipped region land on entries ``+-K``), or the 2D bias a function of
+            ``min(|dy| + |dx|, K)`` (Horn et al.; O(N K^2) ``manhattan``). Checked in eager mode.
         q_den, k_den: optional ``(B, H, N, M')`` denominator features:
-            ``out_i = sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (no bias). Rotary
-            features rotate ``q`` and ``k`` and keep the positive ones here.
+            ``out_i = sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (no bias); rotary
+            features pass their rotated (signed) features as ``q``, ``k`` and the positive ones here.
         initial_state: causal only: the :class:`AttentionState` an earlier call returned; the new
             tokens continue after it (a bias needs ``rpe_clip``).
-        output_final_state: causal only: also return the state after these tokens. A backend
-            without a state (``dense``, ``fft``) folds it from the call's keys and values
-            (O(N M D)); continuing from a state needs a backend declared ``state``.
+        output_final_state: causal only: also return the state after these tokens.
         in_place: write the final state into ``initial_state``'s tensors (decoding without an
-            allocation per token). Needs ``initial_state`` in the compute dtype,
-            ``output_final_state`` and no autograd recording through the state or the inputs.
-        softmax_window: the sliding-window hybrid (``kernels_hybrid.py``): a
-            :class:`~attention_inputs.SoftmaxWindow` of the raw queries and keys ``(B, H, N, Dk)``,
-            ``W = window``, the scale (None: ``Dk ** -0.5``) and optional per-head weights ``(H,)``.
-            Keys in the window (the last ``W`` when causal, ``|j - i| < W`` otherwise) weigh
-            ``a_h exp(scale q_i . k_j)``, the others ``b_h phi(q_i) . phi(k_j)``, in one numerator
-            and denominator. Excludes ``rpe_bias`` and ``q_den``/``k_den``. Its state also keeps
-            the last ``W - 1`` raw keys, features and values.
+            allocation per token). Needs ``output_final_state``, a state in the compute dtype and
+            no autograd recording through the state or the inputs.
+        softmax_window: the sliding-window hybrid (``kernels_hybrid.py``), a
+            :class:`~attention_inputs.SoftmaxWindow` of the raw queries and keys: keys in the
+            window weigh ``a_h exp(scale q_i . k_j)``, the others ``b_h phi(q_i) . phi(k_j)``, in
+            one numerator and denominator. Excludes ``rpe_bias`` and ``q_den``/``k_den``.
 
     Returns:
         ``(B, H, N, D)`` in the dtype of ``v``; with ``output_final_state`` ``(out, state)``, the
-        state in the compute dtype (float32, or float64 for float64 inputs). Splitting a sequence
-        and carrying the state gives what one call over it gives.
+        state in the compute dtype. Splitting a sequence and carrying the state gives what one call
+        over it gives.
 
-    Bad arguments raise ``TypeError`` / ``ValueError`` naming them; 0 sequences or heads give an
-    empty result. A NaN/inf in a query, or in a real key or value, makes NaN exactly the rows that
-    see it (its own; later ones when causal, all otherwise), in outputs and gradients, and through
-    a returned state every row of later calls. Host syncs in eager mode: the mask values, a
-    clipped bias and the inputs' sums (or a ``propagates_non_finite`` backend's output); a
-    one-token step from a state reads none of them.
+    Bad arguments raise ``TypeError`` / ``ValueError`` naming them. A NaN/inf in a query, or in a
+    real key or value, makes NaN exactly the rows that see it (its own; later ones when causal,
+    all otherwise), in outputs and gradients, and every row of later calls through a returned
+    state. Host syncs in eager mode: mask values, a clipped bias and one check of the inputs (or
+    output) being finite; a one-token step from a state has none.
     """
     call = _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
                   initial_state, output_final_state, in_place, softmax_window)

@@ -1,29 +1,22 @@
 """Kernelized attention with a Toeplitz relative-position bias, by FFT (1D and 2D).
 
-Formula (``r = j - i``, ``c_r = exp(b_r)``; on a row-major ``(Hg, Wg)`` grid the offsets are
-``(dy, dx)``; causal: coefficients of ``r > 0`` zeroed)::
+With ``r = j - i`` (2D: ``(dy, dx)`` on a row-major grid) and ``c_r = exp(b_r)`` (zero for
+``r > 0`` when causal)::
 
     out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)
 
-Numerator and denominator are one (block-)Toeplitz product over ``[v, 1]``
-(:class:`ToeplitzKernelProduct`)::
+Numerator and denominator are one (block-)Toeplitz product over ``[v, 1]``::
 
     Y_i = sum_j c_{j-i} (q_i . k_j) v_j = sum_m q_im sum_j c_{j-i} k_jm v_j
 
-for each feature m the Toeplitz matrix ``C[i, j] = c_{j-i}`` applied to ``k_m v``, embedded in a
-circulant of a fast length ``L >= 2S - 1`` and applied by ``rfftn`` (Luo et al. 2021, Alg. 1). The
-bias is shifted by its maximum so no coefficient exceeds 1. :class:`FFTAttention` fuses product
-and division: ``[v, 1]`` and the numerator never exist as whole ``(B, H, N, D+1)`` tensors.
+for each feature m, ``C[i, j] = c_{j-i}`` applied to ``k_m v`` as a circulant of a fast length
+``L >= 2S - 1`` by ``rfftn`` (Luo et al. 2021, Alg. 1). The bias is shifted by its maximum so no
+coefficient exceeds 1.
 
 Cost: time O(N M D log N) (``M (D+1)`` forward and inverse FFTs), memory O(N (M + D)) plus one
-block of FFT buffers (:data:`FFT_BLOCK_BYTES`); the backward recomputes the transforms instead of
-keeping ``N x M x D`` products, and large calls run in passes over heads
-(:data:`FFT_HEAD_CHUNK_BYTES`). Accuracy: :func:`fft_error_bound`.
-
-The eager form writes into preallocated buffers through ``out=`` views, which TorchDynamo does not
-trace: under ``torch.compile`` the same forward and backward run as two custom operators, one
-graph node at any (also symbolic) N. ``torch.export(strict=False)`` traces the eager form with
-static sizes only (not ``symbolic_n``).
+block of FFT buffers; the backward recomputes the transforms. Accuracy: :func:`fft_error_bound`.
+Under ``torch.compile`` forward and backward run as custom operators (one graph node at any N,
+symbolic too); ``torch.export(strict=False)`` traces the eager form with static sizes.
 """
 
 from __future__ import annotations
@@ -76,16 +69,10 @@ def _fft_lengths(spatial: Sequence[int]) -> tuple[int, ...]:
 def toeplitz_kernel_spectrum(
     c: torch.Tensor, spatial: tuple[int, ...], lengths: Optional[tuple[int, ...]] = None
 ) -> torch.Tensor:
-    """Spectrum of the circulant embedding of the (block-)Toeplitz ``C[i, j] = c_{j-i}``.
-
-    Args:
-        c: ``(H, 2S-1)`` or ``(H, 2Sy-1, 2Sx-1)``, offset ``r`` at index ``r + S - 1``.
-        spatial: ``(S,)`` or ``(Sy, Sx)``.
-        lengths: padded FFT lengths, each ``>= 2S - 1`` (default :func:`_fft_lengths`).
-    Returns:
-        ``rfftn`` of ``h``, ``h[(-r) mod L] = c_r``: ``(H, L // 2 + 1)`` or ``(H, Ly, Lx // 2 + 1)``.
-        Then ``C X = irfftn(spectrum * rfftn(X, s=L))`` cropped to ``S``.
-    """
+    """Spectrum of the circulant embedding of ``C[i, j] = c_{j-i}``: ``c (H, 2S-1)`` or
+    ``(H, 2Sy-1, 2Sx-1)`` (offset ``r`` at ``r + S - 1``), ``spatial`` ``(S,)`` or ``(Sy, Sx)``,
+    ``lengths`` each ``>= 2S - 1``. Returns ``rfftn(h)``, ``h[(-r) mod L] = c_r``; then
+    ``C X = irfftn(spectrum * rfftn(X, s=L))`` cropped to ``S``."""
     lengths = _fft_lengths(spatial) if lengths is None else tuple(lengths)
     h = c.new_zeros((c.shape[0],) + lengths)
     idx = [((-torch.arange(-(s - 1), s, device=c.device)) % L) for s, L in zip(spatial, lengths)]
@@ -373,12 +360,9 @@ def _attention_backward(g, q, k, v, c, out, den, spatial, needs):
 
 class FFTAttention(torch.autograd.Function):
     """``out_i = Y_i[:D] / (Y_i[D] + eps)``, ``Y`` the :class:`ToeplitzKernelProduct` of ``[v, 1]``,
-    0 on ``dead`` rows. The ones column lives only in each pass's feature-major copy of ``v``; the
-    backward keeps the inputs, the output and the denominators ``(B, H, N)`` (``+inf`` on dead rows).
-
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c`` as for :class:`ToeplitzKernelProduct`, ``eps``
-    a float or ``(H,)``, ``dead (B, H, N)`` bool or None. Returns ``(B, H, N, D)``.
-    """
+    0 on ``dead`` rows, in one op: ``[v, 1]`` exists only in each pass's feature-major copy, and
+    the backward keeps inputs, output and denominators ``(B, H, N)`` (``+inf`` on dead rows).
+    ``eps``: a float or ``(H,)``; ``dead (B, H, N)`` bool or None."""
 
     @staticmethod
     @full_precision
@@ -538,18 +522,14 @@ def fft_error_bound(
     """Bound on :func:`fft_attention`'s error in ``dtype`` (default: its compute dtype), relative to
     the values: ``max_i |out_i - exact_i|_inf / max |v|``.
 
-    ``bound = kappa * eps_dtype * exp(S) * R``, where
+    ``bound = FFT_ERROR_KAPPA * eps_dtype * exp(S) * R``, ``S = max b - min b`` over the offsets in
+    use (``r <= 0`` when causal), ``R = max_i (q_i . K) / (q_i . P_i)``: the whole sequence's key
+    mass ``K`` against what row ``i`` sees, ``P_i`` (1 non-causal; about ``N / (i + 1)`` causal).
 
-    * ``S = max b - min b`` over the offsets in use (``r <= 0`` when causal; 0 without a bias);
-    * ``R = max_i (q_i . K) / (q_i . P_i)``, the whole sequence's key mass ``K`` against what row
-      ``i`` sees, ``P_i`` (1 non-causal; about ``N / (i + 1)`` causal);
-    * ``kappa = FFT_ERROR_KAPPA``.
-
-    Why: the transform computes each ``T_m(l) = sum_j c_{j-l} k_jm v_j`` with absolute error about
-    ``eps`` times the largest ``|T_m|`` ``<= exp(max b) K_m max|v|``, while row ``i``'s denominator
-    is at least ``exp(min b) q_i . P_i``. It needs non-negative features: with signed ones (trf)
-    denominators can cancel and ``inf`` is returned; also ``inf`` while tracing (no data).
-    Memory: no whole copy of ``q`` or ``k`` (:func:`_worst_mass_ratio`).
+    Why: the transform computes ``T_m(l) = sum_j c_{j-l} k_jm v_j`` with absolute error about
+    ``eps`` times the largest ``|T_m| <= exp(max b) K_m max|v|``, while row ``i``'s denominator is
+    at least ``exp(min b) q_i . P_i``. Signed features (trf) can cancel: ``inf``; also ``inf``
+    while tracing.
     """
     dt = dtype if dtype is not None else compute_dtype_for(q)
     if torch.compiler.is_compiling():  # no data to read
@@ -582,13 +562,8 @@ def fft_attention(
 
     ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``rpe_bias`` ``(H, 2N-1)`` or, with
     ``grid = (Hg, Wg)``, ``(H, 2Hg-1, 2Wg-1)``, in the compute dtype, padded keys and values zero.
-
-    The transform mixes all positions, so rounding error follows the sequence's largest entries,
-    not each row's: bounded by :func:`fft_error_bound` (float32: near 1e-7 non-causal, growing
-    like ``N eps`` on the first rows of a causal call, times up to ``e^S`` for a bias span S).
-    Float64 inputs compute in float64; ``backend="auto"`` uses float64 or an exact backend where
-    float32 misses 1e-4. Rows without any allowed key return exactly 0; empty inputs give the
-    formula's result without a transform.
+    The transform mixes all positions, so its rounding error follows the sequence's largest entries
+    (:func:`fft_error_bound`); rows without any allowed key return exactly 0.
     """
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         attached = q.sum() + k.sum() + (0 if rpe_bias is None else rpe_bias.sum().to(v.dtype))

@@ -11,18 +11,14 @@ and a near sum over the ``2K^2 - 2K + 1`` offsets closer than K::
 
 with ``[S, z] = sum_j k_j^T [v_j, 1]``; ``out_i = Y_i[:D] / (Y_i[D] + eps)``.
 
-Both come from matrix products (:class:`ManhattanAttention`): the grid is cut into tiles of
-``Ty x Tx`` tokens (8 x 4) and stored in strips of ``Tx`` columns, so that a tile's keys within
-reach in the strip ``s`` strips aside form one consecutive run of ``(Ty + 2 h_s) Tx`` tokens
-(``h_s = K - 1 - min |dx|``). Per row of tiles and strip offset, one batched product gives the
-score blocks, weighed by ``c_d - c_K`` (0 beyond the diamond), and one more adds ``[v, 1]``
-times them into the tiles' numerators and denominators, started with the far term. The blocks
-cover about 1.5-1.8x the diamond's keys (the tiles' corners), against N for the dense form.
+:class:`ManhattanAttention` computes both with matrix products: tiles of ``Ty x Tx`` queries
+(8 x 4) against runs of keys, the inputs stored in strips of ``Tx`` columns so that the keys a
+tile reaches in a neighbouring strip are consecutive tokens (:class:`TilePlan`). Score blocks are
+weighed by ``c_d - c_K`` (0 beyond the diamond) and cover about 1.5-1.8x the diamond's keys.
 
-Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): the backward keeps the inputs, the
-coefficients, the output and its denominator and recomputes each score block. The reference is
-the dense form on ``kernels_common.manhattan_table``'s bias; :func:`manhattan_offsets_near` is
-the near sum offset by offset (what ``torch.export`` traces with a dynamic grid).
+Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): the backward keeps inputs, output and
+denominator and recomputes each score block. :func:`manhattan_offsets_near` is the near sum
+offset by offset (what ``torch.export`` traces with a dynamic grid).
 """
 
 from __future__ import annotations
@@ -42,15 +38,15 @@ GROUP_TOKENS = 4096
 
 
 class TilePlan:
-    """The geometry of :class:`ManhattanAttention` for one call: tiles of ``ty x tx`` tokens on a
-    ``(hg, wg)`` grid (padded to ``(hq, wq)``), the strip offsets ``s`` with their runs' half-height
-    ``h_s``, the distance index of every (run position, tile position) pair, the on-grid rows of
-    each run, and the groups of columns walked at once.
+    """The geometry of :class:`ManhattanAttention` for one call: ``ty x tx`` tiles on a ``(hg, wg)``
+    grid (padded to ``(hq, wq)``), the strip offsets ``s`` with their runs' half-height
+    ``h_s = K - 1 - min |dx|``, the distance index of every (run position, tile position) pair, and
+    the groups of columns walked at once.
 
-    Strip layout of a ``(B, H, N, F)`` tensor: a flat ``(L, F)`` buffer, ``L = ntx B H hq tx``,
-    ordered (strip, batch row, head, row, column in strip), zero off the grid. Tile row ``r`` of
-    column ``c`` is ``ty tx`` tokens from ``c hq tx + r ty tx``; its run of offset ``s`` is rows
-    ``[r ty - h_s, (r + 1) ty + h_s)`` of column ``c + s B H``, so for one tile row and offset the
+    Strip layout of ``(B, H, N, F)``: a flat ``(L, F)`` buffer, ``L = ntx B H hq tx``, ordered
+    (strip, batch row, head, row, column in strip), zero off the grid. Tile row ``r`` of column
+    ``c`` is the ``ty tx`` tokens from ``c hq tx + r ty tx``; its run of offset ``s`` is rows
+    ``[r ty - h_s, (r + 1) ty + h_s)`` of column ``c + s B H``: for one tile row and offset, the
     tiles and runs of consecutive columns are strided views (one batched product)."""
 
     def __init__(self, b: int, h: int, grid: tuple[int, int], clip: int, tile: tuple[int, int], device,
@@ -99,10 +95,8 @@ class TilePlan:
 
     @functools.cached_property
     def steps(self) -> list:
-        """The walk's products as plain numbers: per group and tile row, ``(a, z, r, first tile
-        token, items)`` for columns ``[a, z)``, ``items`` one ``(i, c0, c1, first run token, keys, h0,
-        heads, first weight row, block)`` per on-grid strip offset ``i``, ``block`` indexing
-        ``self.blocks`` (set here)."""
+        """The walk's products as plain numbers: per group and tile row ``(a, z, r, first tile token,
+        items)``, one item per on-grid strip offset; sets ``self.blocks``, the distinct weight blocks."""
         out, blocks = [], {}
         for group in self.groups:
             for r in range(self.nty):
@@ -263,13 +257,9 @@ def _plan(b: int, h: int, grid: tuple[int, int], clip: int, tile: tuple[int, int
 
 
 class ManhattanAttention(torch.autograd.Function):
-    """:func:`manhattan_attention` on :class:`TilePlan` tiles, with a hand-written backward, in
-    chunks of (batch row, head) pairs (:func:`_chunks`).
-
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c (H, K+1)`` the coefficients ``exp(b_d)``, ``eps
-    (H,)``; ``grid``, ``clip``, ``tile`` as for :class:`TilePlan`. Returns ``(B, H, N, D)``. Saves
-    inputs, output and denominator; the backward rebuilds the strips and takes each key's tile
-    against its queries' runs (the weights are symmetric, so the blocks are the forward's)."""
+    """:func:`manhattan_attention` on :class:`TilePlan` tiles, in chunks of (batch row, head) pairs,
+    with a hand-written backward. ``c (H, K+1)``: ``exp(b_d)``; ``eps (H,)``. The backward takes
+    each key's tile against its queries' runs (the weights are symmetric: the forward's blocks)."""
 
     @staticmethod
     @full_precision
@@ -310,9 +300,8 @@ CHUNK_FLOATS = 1 << 18
 
 
 def _chunks(q: torch.Tensor, d: int, grid: tuple[int, int], clip: int, tile: tuple[int, int]):
-    """``((b0, b1, h0, h1), plan)`` per chunk of (batch row, head) pairs, sized so a chunk's
-    numerator tiles hold at most :data:`CHUNK_FLOATS` floats: larger fresh buffers cost more per
-    byte (page-faulted), and the runs a tile row reads stay in cache."""
+    """``((b0, b1, h0, h1), plan)`` per chunk of (batch row, head) pairs whose numerator tiles hold at
+    most :data:`CHUNK_FLOATS` floats (fresh large buffers are page-faulted; the runs stay in cache)."""
     b, h, n, _ = q.shape
     per_row = -(-grid[0] // tile[0]) * tile[0] * -(-grid[1] // tile[1]) * tile[1] * (max(d, q.shape[-1]) + 1)
     rows = max(1, CHUNK_FLOATS // per_row)
@@ -328,9 +317,8 @@ def _chunks(q: torch.Tensor, d: int, grid: tuple[int, int], clip: int, tile: tup
 
 
 def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
-    """A chunk's ``out (B, H, N, D)`` and ``den (B, H, N)``, written in place: far term plus near
-    sum over the denominator plus ``eps``. Products run feature-major (``(D+1, ty tx)`` tiles):
-    measured faster than the transpose."""
+    """A chunk's ``out`` and ``den``, in place: far term plus near sum, over the denominator plus
+    ``eps``. Products run feature-major (``(D+1, ty tx)`` tiles, measured faster)."""
     d = v.shape[-1]
     w = plan.weights(c)
     qt, kb, vt = plan.to_tiles_t(q), plan.to_strips(k), plan.to_strips_t(v, ones=True)
@@ -356,9 +344,8 @@ def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
 
 
 def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
-    """A chunk's gradients from ``g (B, H, N, D+1)`` (of numerator and denominator): ``dq, dk, dv``
-    in place (those not None) and ``dc (H, K+1)`` if ``need_c``. Per key tile and query run: one
-    score block and one block of ``g . [v, 1]``."""
+    """A chunk's ``dq, dk, dv`` (in place, those not None) and ``dc (H, K+1)`` if ``need_c``, from
+    ``g (B, H, N, D+1)``, the gradient of numerator and denominator."""
     b, h, n, m = q.shape
     d = v.shape[-1]
     need_q, need_k, need_v = dq is not None, dk is not None, dv is not None

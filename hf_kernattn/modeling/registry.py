@@ -1,13 +1,10 @@
 """The attention backend registry: each backend's declared capabilities, and ``auto``'s choice.
 
-A backend declares at registration what it can run (causality, 1D / 2D bias, padding, a state,
-separate denominator features, decoding, a softmax window, a symbolic length, devices), whether it
-is exact (else an ``error_bound``), and the keyword arguments it takes. ``backend="auto"``
-(:func:`auto_candidates`) keeps the backends able to run a call and ranks them by N with a
-calibration table of measured crossovers per kind of call (mode, bias, clipping, causality, compute
-dtype, heads). The table is data beside the registry (``auto_table.py``, carried by checkpoints);
-``hf-kernattn bench calibrate`` measures one for a machine, loaded with
-``hf_kernattn.load_auto_table`` or ``HF_KERNATTN_AUTO_TABLE``.
+``backend="auto"`` (:func:`auto_candidates`) keeps the backends whose declarations can run a
+call and ranks them by N with a calibration table of measured crossovers per kind of call. The
+table is data beside the registry (``auto_table.py``, carried by checkpoints); a table measured
+by ``hf-kernattn bench calibrate`` loads with ``hf_kernattn.load_auto_table`` or
+``HF_KERNATTN_AUTO_TABLE``.
 """
 
 from __future__ import annotations
@@ -38,31 +35,23 @@ class BackendSpec:
         name: registry key.
         fn: ``fn(q, k, v, **kwargs) -> (B, H, N, D)`` (``(out, AttentionState)`` with
             ``output_final_state=True``), called with exactly the keyword arguments in ``takes``.
-        takes: the keyword arguments ``fn`` accepts, among :data:`BACKEND_ARGUMENTS`.
+        takes: its keyword arguments, among :data:`BACKEND_ARGUMENTS`.
         causal, noncausal: supports ``causal=True`` / ``causal=False``.
-        rpe_1d: supports a 1D bias ``(H, 2N-1)``.
-        rpe_2d: supports a 2D bias on a grid ``(H, 2Hg-1, 2Wg-1)``.
-        key_mask: supports an ``attention_mask`` with padding.
-        decoding: a recurrent form: ``auto`` prefers it for one new token from a state, never for a
-            sequence.
-        state: continues from ``initial_state`` and returns the final state (causal; with a bias
-            only a clipped one).
+        rpe_1d, rpe_2d: supports a 1D bias ``(H, 2N-1)`` / a 2D bias ``(H, 2Hg-1, 2Wg-1)``.
+        key_mask: supports padding.
+        decoding: a recurrent form: ``auto`` prefers it for one new token from a state, never runs
+            it on a sequence.
+        state: continues from ``initial_state`` and returns the final state.
         split_denominator: takes ``q_den``, ``k_den``.
-        needs_rpe_clip: runs only a bias declared clipped (``rpe_clip``); it receives a 1D one as
-            its table ``(H, 2K+1)``, a 2D one as its per-distance table ``(H, K+1)``.
-        softmax_window: runs exactly the calls that carry ``softmax_window`` (the sliding-window
-            hybrid).
-        symbolic_n: runs a symbolic N (``torch.export`` with a dynamic length): no Python loop
-            whose count depends on N. (``torch.compile`` shows sizes as guarded ints: not needed.)
+        needs_rpe_clip: runs only a bias declared clipped, received as its table (1D ``(H, 2K+1)``,
+            2D ``(H, K+1)``).
+        softmax_window: runs exactly the calls carrying ``softmax_window``.
+        symbolic_n: runs a symbolic N (``torch.export``, dynamic length): no Python loop over N.
         propagates_non_finite: a NaN/inf in ``q``, or in a real key or value, makes some output
-            entry NaN/inf, so the entry point checks one sum of the output instead of the inputs
-            (isolating and rerunning only when it is not finite). False when unknown.
-        keeps_inputs: its backward keeps only its inputs (no N x N or N x M x D intermediate), so
-            the models' ``recompute_attention`` would save nothing. False when unknown.
-        error_bound: None when exact up to floating-point summation; else
-            ``error_bound(q, k, *, rpe_bias, causal, key_mask, dtype) -> float``, a bound on the
-            error relative to the values (``inf`` if unknown); ``auto`` needs it within
-            :data:`AUTO_MAX_ERROR`.
+            entry NaN/inf, so one sum of the output replaces the input check.
+        keeps_inputs: its backward keeps only its inputs, so ``recompute_attention`` saves nothing.
+        error_bound: None when exact; else ``error_bound(q, k, *, rpe_bias, causal, key_mask,
+            dtype) -> float``, the error relative to the values (``inf`` if unknown).
         devices: device types it runs on.
         complexity: a short note, e.g. ``"O(N)"``.
         description: one line for ``hf-kernattn backends``.
@@ -132,9 +121,8 @@ _AUTO_VERSION = 0
 
 
 def auto_version() -> tuple:
-    """A token that changes whenever ``auto``'s choices may (a registration, another active table,
-    the registry or table replaced as objects); compared by identity of its items. A caller that
-    asks ``auto`` the same question per token keeps the answer while it compares equal."""
+    """A token that changes whenever ``auto``'s choices may (compared by identity of its items): a
+    caller asking the same question per token keeps the answer while it compares equal."""
     return (_AUTO_VERSION, _REGISTRY, _ACTIVE_TABLE)
 
 
@@ -164,22 +152,13 @@ def register_backend(
 ) -> BackendSpec:
     """Register an attention backend under ``name`` with its declared capabilities.
 
-    ``fn`` receives ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` in the compute dtype (float32 at
-    least; float64 stays), padded keys and values already zero, and the keyword arguments in
-    ``takes`` (default ``rpe_bias, causal, key_mask, grid, eps``, plus ``rpe_clip`` with
-    ``needs_rpe_clip``); it returns ``(B, H, N, D)``, or ``(out, AttentionState)`` for a backend
-    declared ``state`` called with ``output_final_state``. Each declared capability needs its
-    arguments in ``takes`` (``initial_state``/``output_final_state``, ``q_den``/``k_den``,
-    ``softmax_window``: an ``attention_inputs.SoftmaxWindow`` in the compute dtype).
-    ``ValueError`` / ``TypeError`` name a bad argument, a taken name (unless ``overwrite``) or
-    ``"auto"``.
-
-    Declare ``propagates_non_finite`` only if the output is provably not finite whenever a real
-    entry of ``q``, ``k`` or ``v`` is not: ``fn`` then also receives non-finite inputs.
-
-    ``auto`` considers a backend only where the calibration table ranks it (a table measured with
-    ``hf-kernattn bench calibrate`` ranks every registered backend), or where no ranked one can run
-    the call; by name it is always usable.
+    ``fn`` receives ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` in the compute dtype, padded keys and
+    values zero, and the keyword arguments in ``takes`` (default ``rpe_bias, causal, key_mask, grid,
+    eps``, plus ``rpe_clip`` with ``needs_rpe_clip``), which must include those its capabilities
+    need. It returns ``(B, H, N, D)``, or ``(out, AttentionState)`` when asked for the final state.
+    Declare ``propagates_non_finite`` only where it provably holds: ``fn`` then also receives
+    non-finite inputs. ``auto`` considers a backend only where the active table ranks it, or where
+    no ranked one can run the call.
     """
     global _AUTO_VERSION
     if not isinstance(name, str) or not name or name == "auto":
@@ -390,20 +369,16 @@ def auto_candidates(
     heads: Optional[int] = None,
 ) -> list[tuple[str, Optional[torch.dtype]]]:
     """``auto``'s candidates for a call, best first: ``(name, dtype to compute in or None)``, each
-    able to run the call. Cached per set of arguments for the active table and registry.
+    able to run it; cached per arguments for the active table and registry.
 
     1. One new token from a state: the backends declared ``decoding``.
-    2. The active table's ranking for the kind of call (``backward``: forward+backward; bias,
-       clip, causality, compute dtype; the head count nearest ``heads``) at ``n`` tokens; never
-       ``decoding`` backends for a sequence, nor float64 variants on ``mps``. Backends the table
-       does not rank only when no ranked one can run the call (registration order, ``decoding``
-       last).
-    3. A symbolic ``n`` (``torch.export``, dynamic length) reads the long-input segment unless its
-       range proves a shorter one, among backends declared ``symbolic_n``. Under ``torch.compile``
-       ``n`` is a guarded int: chosen as for static sizes.
+    2. The table's ranking for the kind of call (mode, bias, clip, causality, compute dtype, the
+       nearest head count) at ``n`` tokens; no ``decoding`` backend for a sequence, no float64 on
+       ``mps``. Unranked backends only when no ranked one can run the call.
+    3. A symbolic ``n`` (``torch.export``) reads the long-input segment unless its range proves a
+       shorter one, among ``symbolic_n`` backends.
 
-    Approximate backends are candidates whatever their error: ``kernelized_attention`` checks the
-    bound."""
+    Approximate backends are candidates whatever their error: ``kernelized_attention`` checks it."""
     global _AUTO_CACHE_FOR
     if type(n) is not int or (heads is not None and type(heads) is not int) or torch.compiler.is_compiling():
         # a symbolic length or head count, or tracing: no cache
