@@ -519,12 +519,11 @@ def write_table_module(table: dict[str, Any], path: Path, command: str) -> Path:
     """The table as ``modeling/auto_table.py``: a dict literal (a checkpoint carries it; the
     modeling folder imports only torch, transformers and the standard library)."""
     text = (
-        '"""The calibration table ``backend="auto"`` ranks backends by (data; its format: ``hf_kernattn.auto_tables``).\n\n'
-        "Measured on the machine and with the settings in ``AUTO_TABLE[\"source\"]`` (entries per kind of call\n"
-        "and the head count they were measured at); re-measure entries with\n"
-        f"``{command} --ship`` (``--kinds``, ``--heads``: only those entries are replaced). Users load a table\n"
-        "measured on their own machine with\n"
-        "``hf_kernattn.load_auto_table(path)`` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable.\n"
+        '"""The calibration table ``backend="auto"`` ranks backends by (data; format: ``hf_kernattn.auto_tables``).\n\n'
+        "Measured as ``AUTO_TABLE[\"source\"]`` says; re-measure entries with\n"
+        f"``{command} --ship`` (``--kinds``,\n"
+        "``--heads``: only those). A table of another machine: ``hf_kernattn.load_auto_table(path)`` or\n"
+        "``HF_KERNATTN_AUTO_TABLE``.\n"
         '"""\n\n'
         f"AUTO_TABLE = {_table_literal(table)}\n"
     )

@@ -1,14 +1,8 @@
 """Checks and normal forms of what :func:`~dispatch.kernelized_attention` is given.
 
-Every check names the parameter and what is allowed (``TypeError`` for a wrong type,
-``ValueError`` for a wrong shape or value). Checks that read tensor values (mask values, the
-constancy of a clipped bias) run in eager mode only: while ``torch.compile`` / ``torch.export``
-trace, they would need a host sync and cannot be traced, so the declaration is trusted.
-
-Relative-position tables: a 1D bias is ``(H, 2N-1)`` (entry ``r + N - 1`` holds ``b_r``). A bias
-declared clipped at ``K`` (``rpe_clip``) may also be given as its table ``(H, 2K+1)`` (entry
-``r + K``; farther offsets take the end entries): a call that continues from a state needs the
-weights up to offset ``-K`` whatever its own length, so it takes that form.
+Each check names the parameter and what is allowed (``TypeError`` for a type, ``ValueError`` for
+a shape or value). Checks that read values (mask values, a clipped bias's constancy) run in eager
+mode only: while tracing they would need a host sync, so the declaration is trusted.
 """
 
 from __future__ import annotations
@@ -22,14 +16,12 @@ from .state import AttentionState, StateKind
 
 
 class SoftmaxWindow(NamedTuple):
-    """What ``kernelized_attention(..., softmax_window=...)`` needs besides the feature-mapped
-    queries and keys to compute the sliding-window hybrid.
+    """The sliding-window hybrid's inputs to ``kernelized_attention(..., softmax_window=...)``.
 
     Attributes:
-        q: ``(B, H, N, Dk)`` raw (projected, not feature-mapped) queries.
-        k: ``(B, H, N, Dk)`` raw keys.
-        window: ``W >= 1``: each query weighs the last ``W`` keys (causal; itself included) or the
-            keys within ``|j - i| < W`` (bidirectional) by ``exp(scale q . k)``.
+        q, k: ``(B, H, N, Dk)`` raw (projected, not feature-mapped) queries and keys.
+        window: ``W >= 1``: each query weighs the last ``W`` keys (causal; itself included) or those
+            with ``|j - i| < W`` (bidirectional) by ``exp(scale q . k)``.
         scale: the softmax scale; None: ``Dk ** -0.5``.
         window_weight: None or ``(H,)`` positive per-head weight ``a_h`` of the window part.
         linear_weight: None or ``(H,)`` positive per-head weight ``b_h`` of the kernelized part.
@@ -44,9 +36,8 @@ class SoftmaxWindow(NamedTuple):
 
 
 def check_tensor(name: str, x: object, ndim: int, shape_doc: Union[str, Callable[[], str]]) -> torch.Tensor:
-    """``x`` must be a floating-point tensor with ``ndim`` dimensions (``shape_doc`` says which:
-    a string, or a function giving it, called only for an error message: formatting a symbolic
-    size, as torch.compile with dynamic shapes traces, would pin it to its traced value)."""
+    """``x`` must be a floating-point tensor with ``ndim`` dimensions. ``shape_doc`` may be a
+    function, called only for a message (formatting a symbolic size would pin it)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {_doc(shape_doc)}, got {type(x).__name__}")
     if x.dim() != ndim:
@@ -61,7 +52,7 @@ def _doc(shape_doc: Union[str, Callable[[], str]]) -> str:
 
 
 def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
-    """``TypeError`` / ``ValueError`` unless ``attention_mask`` is None or a ``(b, n)`` tensor."""
+    """``attention_mask``: None or a ``(b, n)`` tensor."""
     if attention_mask is None:
         return
     if not isinstance(attention_mask, torch.Tensor):
@@ -74,12 +65,9 @@ def check_attention_mask(attention_mask: object, b: int, n: int) -> None:
 
 
 def normalize_mask(attention_mask: object, b: int, n: int, device, inspect: bool = True) -> Optional[torch.Tensor]:
-    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded.
-
-    Reading the values (the 0/1 check, "nothing padded") syncs with the device and cannot be
-    traced: while ``torch.compile`` / ``torch.export`` trace, and when ``inspect`` is False (a
-    one-token decoding step: no host sync per token), the mask is converted unchecked and kept
-    even when it pads nothing (masking with an all-True mask changes no result)."""
+    """``(B, N)`` 1/0 (bool, int or float) -> bool, or None when nothing is padded. While tracing
+    or without ``inspect`` (a one-token decoding step) it is converted unchecked (no host sync) and
+    kept even if it pads nothing."""
     check_attention_mask(attention_mask, b, n)
     if attention_mask is None:
         return None
@@ -98,7 +86,7 @@ def normalize_mask(attention_mask: object, b: int, n: int, device, inspect: bool
 
 
 def check_grid(grid: object, n: int) -> Optional[tuple[int, int]]:
-    """None, or ``(Hg, Wg)`` positive ints with ``Hg * Wg == n``."""
+    """None, or ``(Hg, Wg)`` positive sizes with ``Hg * Wg == n``."""
     if grid is None:
         return None
     if (
@@ -120,10 +108,9 @@ def check_rpe_clip(rpe_clip: object) -> Optional[int]:
 
 
 def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[int]], rpe_clip: Optional[int]) -> str:
-    """The kind of bias (``"1d"`` or ``"2d"``) after checking its shape; with ``rpe_clip = K`` a
-    1D bias may be ``(H, 2N-1)`` or the clipped table ``(H, 2K+1)``."""
-    # the messages are formatted only when raised: formatting a symbolic size (torch.compile with
-    # dynamic shapes) would pin it to its traced value
+    """The kind of bias (``"1d"`` / ``"2d"``) after checking its shape: 1D ``(H, 2N-1)`` or, with
+    ``rpe_clip = K``, ``(H, 2K+1)``; 2D ``(H, 2Hg-1, 2Wg-1)`` or, with ``rpe_clip``, ``(H, K+1)``."""
+    # messages are formatted only when raised: formatting a symbolic size would pin it
     if grid is None:
         def want() -> str:
             doc = f"(heads, 2*seq-1) = ({h}, {2 * n - 1})"
@@ -134,8 +121,7 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
         if isinstance(rpe_bias, torch.Tensor) and rpe_bias.dim() == 3:
             raise ValueError(f"rpe_bias must have shape {want()}; a 3D bias needs grid=(height, width)")
         check_tensor("rpe_bias", rpe_bias, 2, want)
-        # sizes may be symbolic under torch.export: the table's width is compared without adding a guard, and
-        # a table's width is not compared with a symbolic length (a guard would pin the length)
+        # symbolic sizes (torch.export): the table's width is compared without a guard, never with the length
         table = rpe_clip is not None and known_true(rpe_bias.shape[1] == 2 * rpe_clip + 1)
         if rpe_bias.shape[0] != h or not (table or rpe_bias.shape[1] == 2 * n - 1):
             raise ValueError(f"rpe_bias must have shape {want()}, got {tuple(rpe_bias.shape)}")
@@ -158,10 +144,8 @@ def check_rpe(rpe_bias: torch.Tensor, h: int, n: int, grid: Optional[Sequence[in
 
 def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_clip: int,
                        grid: Optional[Sequence[int]] = None) -> None:
-    """``rpe_clip`` needs a bias that really is clipped at K: a full 1D bias ``(H, 2N-1)``
-    constant beyond ``+-K``, or a 2D bias that depends only on ``min(|dy| + |dx|, K)`` (the
-    clipped Manhattan distance). Checked in eager mode only. A clipped table (1D ``(H, 2K+1)``,
-    2D ``(H, K+1)``) is clipped by construction: nothing is read."""
+    """``rpe_clip`` needs a bias really clipped at K: a full 1D bias constant beyond ``+-K``, or a 2D
+    bias of ``min(|dy| + |dx|, K)`` only. Eager mode only; a clipped table is clipped by construction."""
     if rpe is None:
         raise ValueError("rpe_clip needs a 1D rpe_bias (heads, 2*seq-1) or, with grid, a 2D one")
     if torch.compiler.is_compiling() or is_clipped_table(rpe_bias, rpe, rpe_clip):
@@ -188,8 +172,8 @@ def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_c
 
 
 def is_clipped_table(rpe_bias: torch.Tensor, rpe: Optional[str], rpe_clip: Optional[int]) -> bool:
-    """Whether a checked bias declared clipped at ``K`` is given as its table: 1D ``(H, 2K+1)``
-    (when ``2K+1 = 2N-1`` the table and the full bias are the same tensor), 2D ``(H, K+1)``."""
+    """Whether a bias declared clipped at ``K`` is given as its table: 1D ``(H, 2K+1)`` (the full
+    bias itself when ``2K+1 = 2N-1``), 2D ``(H, K+1)``."""
     if rpe_clip is None:
         return False
     if rpe == "2d":
@@ -198,8 +182,8 @@ def is_clipped_table(rpe_bias: torch.Tensor, rpe: Optional[str], rpe_clip: Optio
 
 
 def check_denominator_features(q_den: object, k_den: object, q: torch.Tensor) -> None:
-    """``q_den``, ``k_den``: both None, or two tensors ``(B, H, N, M')`` like ``q`` in batch,
-    heads, length, dtype and device."""
+    """``q_den``, ``k_den``: both None, or ``(B, H, N, M')`` matching ``q`` in batch, heads, length,
+    dtype and device."""
     if (q_den is None) != (k_den is None):
         raise ValueError("pass both q_den and k_den (separate denominator features) or neither")
     if q_den is None:
@@ -217,9 +201,8 @@ def check_denominator_features(q_den: object, k_den: object, q: torch.Tensor) ->
 def check_state(
     initial_state: object, shapes: dict[str, tuple[int, ...]], device
 ) -> Optional[AttentionState]:
-    """None, or an :class:`AttentionState` (or a tuple of its 2, 4 or 6 tensors) whose tensors
-    have the ``shapes`` given (``window_k`` / ``window_v`` only for a bias clipped at K or the
-    sliding-window hybrid, ``window_raw`` / ``window_valid`` (bool) only for the hybrid)."""
+    """None, or an :class:`AttentionState` (or a tuple of its 2, 4 or 6 tensors) with the given
+    ``shapes`` (window tensors only for a clipped bias or the hybrid)."""
     if initial_state is None:
         return None
     if not isinstance(initial_state, tuple) or len(initial_state) not in (2, 4, 6):
@@ -263,12 +246,8 @@ def check_softmax_window(
     softmax_window: object, q: torch.Tensor, causal: bool, rpe: Optional[str], q_den: Optional[torch.Tensor],
     inspect: bool = True,
 ) -> Optional[SoftmaxWindow]:
-    """None, or ``softmax_window`` in normal form (``window`` an int, ``scale`` a float): a
-    :class:`SoftmaxWindow` whose raw queries and keys ``(B, H, N, Dk)`` match ``q`` in batch,
-    heads, length, dtype and device, with ``window >= 1``, ``scale`` None or a finite number
-    > 0 and per-head mixing weights None or ``(H,)`` floating-point tensors on ``q``'s device,
-    positive and finite (values read in eager mode with ``inspect``: one host sync). The hybrid
-    takes no relative-position bias and no separate denominator features."""
+    """None, or ``softmax_window`` checked against ``q`` and in normal form (``window`` an int,
+    ``scale`` a float). Mixing weights are read in eager mode with ``inspect`` (one host sync)."""
     if softmax_window is None:
         return None
     if not isinstance(softmax_window, SoftmaxWindow):
@@ -325,11 +304,8 @@ def check_softmax_window(
 
 
 def check_state_kind(given: Optional[StateKind], kind: StateKind) -> None:
-    """``ValueError`` naming what differs when a state records the :class:`StateKind` ``given``
-    of the call that produced it and that kind differs from this call's ``kind`` (separate
-    denominator features or not, feature and value sizes, the window of a clipped bias; the
-    sizes are checked on the tensors' shapes first, with their own messages). A state without a
-    recorded kind (built by hand: ``given`` None) is trusted."""
+    """``ValueError`` naming what differs when a state's recorded kind ``given`` is not this call's
+    ``kind``; a state without one (built by hand) is trusted."""
     if given is None or given == kind:
         return
     raise ValueError(

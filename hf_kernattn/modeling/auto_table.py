@@ -1,10 +1,9 @@
-"""The calibration table ``backend="auto"`` ranks backends by (data; its format: ``hf_kernattn.auto_tables``).
+"""The calibration table ``backend="auto"`` ranks backends by (data; format: ``hf_kernattn.auto_tables``).
 
-Measured on the machine and with the settings in ``AUTO_TABLE["source"]`` (entries per kind of call
-and the head count they were measured at); re-measure entries with
-``hf-kernattn bench calibrate --threads 1 --heads H --features 64 --head-dim 64 --ship`` (``--kinds``, ``--heads``: only those entries are replaced). Users load a table
-measured on their own machine with
-``hf_kernattn.load_auto_table(path)`` or the ``HF_KERNATTN_AUTO_TABLE`` environment variable.
+Measured as ``AUTO_TABLE["source"]`` says; re-measure entries with
+``hf-kernattn bench calibrate --threads 1 --heads H --features 64 --head-dim 64 --ship`` (``--kinds``,
+``--heads``: only those). A table of another machine: ``hf_kernattn.load_auto_table(path)`` or
+``HF_KERNATTN_AUTO_TABLE``.
 """
 
 AUTO_TABLE = {

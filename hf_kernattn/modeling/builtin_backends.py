@@ -1,8 +1,5 @@
-"""The built-in attention backends every family can run, registered with their declared capabilities
-(``manhattan`` and ``hybrid`` register themselves in their own files, imported by the families
-that run them). The kernels are the ``kernels_*.py`` files (one per algorithm); the registry, the declared
-capabilities and the ``auto`` rule are ``registry.py``; the entry point that checks a call and
-runs a backend is ``dispatch.kernelized_attention``.
+"""The built-in backends every family can run, registered with their declared capabilities
+(``manhattan`` and ``hybrid`` register in their own files, imported by the families that use them).
 """
 
 from __future__ import annotations
@@ -14,14 +11,11 @@ from .kernels_windowed import windowed_attention
 from .registry import register_backend
 
 STATE_ARGUMENTS = ("initial_state", "output_final_state")
-# propagates_non_finite (linear, causal_chunked): a NaN/inf entry of a real key or value makes a
-# row of S = sum_j k_j^T v_j non-finite (k_jm * x and x * v_jd are NaN/inf for every x, 0 * inf
-# = NaN included), every query reads every row of S (q_i S: a sum holding a NaN/inf term is
-# NaN/inf), and a NaN/inf query entry makes its own numerator q_i S non-finite; causal_chunked
-# reads its own key and value exactly (the diagonal of the chunk's block), so the row of the
-# query at that position is non-finite. The quotient by a finite denominator keeps it so, and
-# without separate denominator features an inf numerator meets an inf or NaN denominator (NaN).
-# Not covered: q_den, k_den (an inf there gives finite / inf = 0), which the entry point sums.
+# propagates_non_finite (linear, causal_chunked): a NaN/inf in a real key or value makes a row of
+# S = sum_j k_j^T v_j non-finite (0 * inf = NaN too), and every query reads every row of S
+# (causal_chunked: at least the query at that position, through the chunk's diagonal); a NaN/inf
+# query makes its own q_i S non-finite. Dividing keeps it so (an inf numerator over an inf or NaN
+# denominator is NaN). Not covered: q_den, k_den (finite / inf = 0), which the entry point sums.
 SPLIT_ARGUMENTS = ("q_den", "k_den")
 register_backend(
     "dense", dense_attention, takes=("rpe_bias", "causal", "grid", "eps") + SPLIT_ARGUMENTS, causal=True, noncausal=True,

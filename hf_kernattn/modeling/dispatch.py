@@ -1,52 +1,20 @@
-"""The single entry point :func:`kernelized_attention`: check -> prepare -> choose -> run -> finish.
+"""The entry point :func:`kernelized_attention`: check -> prepare -> choose -> run -> finish.
 
-The registry and the ``auto`` rule live in ``registry.py``, the eight built-in backends are
-registered in ``builtin_backends.py`` (the kernels themselves are the ``kernels_*.py`` files).
+Backends declare what they can do at registration (``registry.py``). A named backend that cannot
+run a call is refused, naming those that can. ``backend="auto"`` runs the first candidate the
+calibration table ranks that is accurate: exact, or approximate (``error_bound``, e.g. ``fft``)
+with a bound for the data within :data:`AUTO_MAX_ERROR`; it skips ``dense`` where that would hold
+a ``(B, H, N, N)`` matrix above ``registry.AUTO_MAX_NN_BYTES``, unless nothing else can run.
 
-Each backend declares what it can do when it is registered (causal / non-causal, 1D or 2D
-relative-position bias, key padding masks, step-wise decoding, devices). A call asks for a
-combination; :func:`kernelized_attention` validates the inputs, then either runs the named
-backend (raising ``ValueError`` with the backends that *can* do it if it cannot) or, with
-``backend="auto"``, the fastest valid one according to the calibration table
-(``registry.auto_candidates``: measured crossovers per mode, bias kind, causality and dtype)
-that is also accurate: a backend declared exact always is; an approximate one (declared
-``error_bound``, e.g. ``fft``) is kept only where its bound for the data, in the dtype it would
-compute in, is at most :data:`AUTO_MAX_ERROR` = 1e-4, otherwise ``auto`` takes the next
-candidate the table ranks (an exact backend, or the FFT computed in float64, whichever was
-measured faster). Where the dense backend would hold a whole ``(B, H, N, N)`` matrix larger than
-``registry.AUTO_MAX_NN_BYTES`` (256 MiB; its unblocked form, which ``torch.export`` traces at any
-N; eager mode, and ``torch.compile`` beyond small calls, dynamic shapes included, work in
-blocks), ``auto`` takes the next candidate too (dense only when
-nothing else can run the call).
+Done here once for every backend: checks (``attention_inputs.py``); the compute dtype (float32
+at least, float64 stays); padded keys and values zeroed; the non-finite guard
+(``kernels_common.guard_non_finite``); the backend called with exactly its declared ``takes``;
+non-finite rows, output dtype and state. A ``propagates_non_finite`` backend runs before the
+guard: one sum of its output tells whether the guard and a second run are needed.
 
-The work common to every backend happens here, once, in stages of one job each: check
-(:func:`_check`, with the checks of ``attention_inputs.py``), prepare (the dtype rule: float32
-at least, float64 stays float64, the bias and a state too; key masking: padded keys and their
-values zeroed), choose (:func:`_choose`), the non-finite guard
-(``kernels_common.guard_non_finite``: in eager mode one sum per tensor and one host sync, and
-only when a sum is not finite the isolation of the non-finite rows; the inputs reach the backend
-uncopied otherwise), run (:func:`_run`: the backend receives exactly the keyword arguments it
-declared at registration, ``takes``, and nothing else) and finish (:func:`_finish`: non-finite
-rows, the output dtype, the state). A backend declared ``propagates_non_finite`` (its output is
-not finite whenever a real input entry is not) runs before the guard instead: one sum of its
-output (and of separate denominator features) answers whether anything was not finite; only
-then does the guard run and, when it isolates rows, the backend run again on the isolated inputs
-(the first result, and its autograd graph, dropped). While compiling or tracing the
-branch-free isolation runs first, as before.
-
-Causal calls carry a state (``initial_state``, ``output_final_state``; see
-``state.AttentionState``): prefill, continuation with many new tokens and one-token
-decoding are one call. ``auto`` then takes a backend declared ``state``: for a single new token
-one declared ``decoding`` (``recurrent``: no per-call set-up), otherwise ``causal_chunked``
-(no bias) or ``windowed`` (a bias clipped at K; a state with an unclipped bias would have to
-keep every key, so it is refused). A named backend that carries no state runs a call that
-starts without one and asks for the final state: the state is folded from the call's keys and
-values. Reading a state (``initial_state``) needs a backend declared ``state``.
-
-The sliding-window hybrid (``softmax_window``: exact softmax weights over a window of raw keys,
-kernelized beyond) is a capability like the others: only a backend declared ``softmax_window``
-(``hybrid``) runs such calls, ``auto`` then picks it, and every other backend refuses them. Its
-raw queries and keys go through the same stages (dtype, key masking, the non-finite guard).
+Causal calls carry a state (``state.AttentionState``): prefill, continuation and one-token
+decoding are one call. A backend without a state serves a call that starts without one: the
+final state is folded from its keys and values.
 """
 
 from __future__ import annotations
@@ -85,21 +53,12 @@ logger = logging.get_logger(__name__)
 
 def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, causal: bool, key_mask, *,
                     table: bool = False, backward: bool = False):
-    """``auto``'s accuracy rule over its ranked candidates (``registry.auto_candidates``): the
-    first exact one, or the first approximate one (declared ``error_bound``) whose bound for these
-    data, in the dtype it would compute in (the input's compute dtype, or float64 where the table
-    ranks its float64 variant), meets :data:`AUTO_MAX_ERROR`. So an exact float32 backend is
-    preferred to an FFT in float64 wherever the table measured it faster. ``full_bias()`` gives
-    the bias in full form for a bound. While compiling, data are not inspected (no host sync):
-    only float64 is assumed to meet the target. When no candidate qualifies, the first
-    approximate one runs in float64 (in its dtype on MPS, which has no float64). Returns the
-    backend's name and the dtype to compute in.
-
-    Memory: the built-in ``dense`` backend is passed over where it would hold a ``(B, H, N, N)``
-    matrix of more than :data:`~registry.AUTO_MAX_NN_BYTES` (:func:`_dense_too_large`: its
-    unblocked form, which runs at any N while ``torch.export`` traces; ``table``: a bias or causal,
-    ``backward``: autograd records); it runs only when no other candidate can run the call (then
-    with a warning, outside TorchDynamo's graphs, which cannot log)."""
+    """``auto``'s accuracy rule: ``(name, compute dtype)`` of the first ranked candidate that is
+    exact, or approximate with a bound (on ``full_bias()``, in the dtype the table ranks it at) within
+    :data:`AUTO_MAX_ERROR`; while compiling only float64 counts as within. Failing all, the first
+    approximate one in float64 (MPS: its own dtype). ``dense`` is skipped where
+    :func:`_dense_too_large` says so (``table``: a bias or causal; ``backward``: autograd records) and
+    runs only when nothing else can (with a warning outside TorchDynamo)."""
     dt = compute_dtype_for(q)
     approximate = None
     too_large = None  # dense passed over for its N x N matrix: run only when nothing else can
@@ -131,9 +90,8 @@ def _auto_precision(candidates, q: torch.Tensor, k: torch.Tensor, full_bias, cau
 
 
 def _dense_too_large(q: torch.Tensor, dt: torch.dtype, table: bool, backward: bool) -> bool:
-    """Whether ``dense`` computing in ``dt`` would hold a ``(B, H, N, N)`` matrix of more than
-    :data:`~registry.AUTO_MAX_NN_BYTES` (``kernels_dense.materialized_scores``); with symbolic
-    sizes, unless their declared ranges prove it smaller (no guard is added)."""
+    """Whether ``dense`` in ``dt`` would hold a ``(B, H, N, N)`` matrix above
+    :data:`~registry.AUTO_MAX_NN_BYTES`; symbolic sizes count unless their ranges prove it smaller."""
     b, h, n = q.shape[:3]
     scores = materialized_scores(b, h, n, table=table, backward=backward)
     if isinstance(scores, int) and scores == 0:
@@ -165,75 +123,46 @@ def kernelized_attention(
     ``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)``, ``c = exp(rpe_bias)``.
 
     Args:
-        q: ``(B, H, N, M)`` query features (after the feature map).
-        k: ``(B, H, N, M)`` key features.
+        q, k: ``(B, H, N, M)`` query and key features (after the feature map).
         v: ``(B, H, N, D)`` values.
-        rpe_bias: None, ``(H, 2N-1)`` (1D, entry ``r + N - 1`` = offset ``r = j - i``) or, with
-            ``grid``, ``(H, 2Hg-1, 2Wg-1)``. With ``rpe_clip = K`` also the clipped table
-            ``(H, 2K+1)`` (entry ``r + K``), the form a call with ``initial_state`` needs when
-            ``N <= K``; with ``grid`` and ``rpe_clip = K`` also the per-distance table ``(H, K+1)``
-            of the clipped Manhattan distance (entry ``d`` holds ``b_d``).
+        rpe_bias: None, ``(H, 2N-1)`` (entry ``r + N - 1`` holds offset ``r = j - i``) or, with
+            ``grid``, ``(H, 2Hg-1, 2Wg-1)``. With ``rpe_clip = K`` also the table ``(H, 2K+1)``
+            (entry ``r + K``; needed to continue from a state when ``N <= K``) or, with ``grid``,
+            the per-distance table ``(H, K+1)``.
         causal: only keys ``j <= i`` (1D only).
-        attention_mask: ``(B, N)``, 1 keep, 0 padding (padded keys contribute nothing).
-        grid: ``(Hg, Wg)`` with ``Hg * Wg == N`` for a 2D bias on a row-major token grid.
-        backend: ``"auto"`` or a registered name (:func:`available_backends`). ``auto`` picks
-            the fastest valid backend whose error meets 1e-4 relative to the values (see
-            :data:`AUTO_MAX_ERROR`); a named ``fft`` runs in the input's dtype with the error
-            stated in ``kernels_fft.fft_attention``.
+        attention_mask: ``(B, N)``, 1 keep, 0 padding.
+        grid: ``(Hg, Wg)``, ``Hg * Wg == N``: a 2D bias on a row-major token grid.
+        backend: ``"auto"`` (the fastest backend within :data:`AUTO_MAX_ERROR`, 1e-4 of the
+            values) or a registered name (:func:`available_backends`; a named ``fft`` computes in
+            the input's dtype, error: ``kernels_fft.fft_error_bound``).
         eps: added to the denominator.
-        rpe_clip: optional ``K``: declares the 1D bias constant for offsets beyond ``+-K`` (a
-            clipped table, as :class:`RelativePositionBias1D` makes). Enables the O(N K)
-            ``windowed`` backend; gradients of the clipped region then land on entries ``+-K``
-            (the gradient of the table is unchanged). With a 2D bias it declares a bias of the
-            clipped Manhattan distance ``min(|dy| + |dx|, K)`` (Horn et al.), which enables the
-            O(N K^2) ``manhattan`` backend. Checked in eager mode: a bias that is
-            not constant there raises ``ValueError`` (while ``torch.compile`` / ``torch.export``
-            trace, the declaration is trusted).
-        q_den, k_den: keyword-only, optional ``(B, H, N, M')`` features for the denominator:
-            ``out_i = sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (no bias).
-            Rotary features rotate ``q`` and ``k`` (signed) and keep the positive ones here.
-        initial_state: keyword-only, causal only: the :class:`AttentionState` an earlier call
-            returned; the new tokens continue after it (a bias needs ``rpe_clip``).
-        output_final_state: keyword-only, causal only: also return the state after these tokens.
-            A backend that does not carry a state (not declared ``state``, e.g. ``dense``, ``fft``)
-            still runs a call without ``initial_state``: the state is then folded from the call's
-            keys and values (O(N M D)); continuing from a state needs a backend declared ``state``.
-        in_place: keyword-only: write the state after these tokens into ``initial_state``'s own
-            tensors and return them (decoding without allocating a state per token; a one-token
-            step of the ``recurrent`` backend without a bias updates them with one fused
-            operation each). Needs ``initial_state`` in the compute dtype, ``output_final_state``
-            and no autograd recording through the state or the inputs.
-        softmax_window: keyword-only, the sliding-window hybrid (``kernels_hybrid.py``): a
-            :class:`~attention_inputs.SoftmaxWindow` ``(q, k, window, scale, window_weight,
-            linear_weight)`` of the raw queries and keys ``(B, H, N, Dk)``, ``W = window >= 1``,
-            the softmax scale (None: ``Dk ** -0.5``) and optional positive per-head mixing weights
-            ``(H,)``. Each query then weighs the keys of its window (the last ``W`` when causal,
-            ``|j - i| < W`` otherwise) by ``a_h exp(scale q_i . k_j)`` and the others by
-            ``b_h phi(q_i) . phi(k_j)``, one numerator and one denominator. Only the ``hybrid``
-            backend runs it (``auto`` picks it); no ``rpe_bias`` or ``q_den``/``k_den``. Its
-            state also keeps the last ``W - 1`` raw keys, features and values: constant size.
+        rpe_clip: ``K``: declares the 1D bias constant beyond offsets ``+-K`` (O(N K) ``windowed``;
+            gradients of the clipped region land on entries ``+-K``), or the 2D bias a function of
+            ``min(|dy| + |dx|, K)`` (Horn et al.; O(N K^2) ``manhattan``). Checked in eager mode.
+        q_den, k_den: optional ``(B, H, N, M')`` denominator features:
+            ``out_i = sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (no bias); rotary
+            features pass their rotated (signed) features as ``q``, ``k`` and the positive ones here.
+        initial_state: causal only: the :class:`AttentionState` an earlier call returned; the new
+            tokens continue after it (a bias needs ``rpe_clip``).
+        output_final_state: causal only: also return the state after these tokens.
+        in_place: write the final state into ``initial_state``'s tensors (decoding without an
+            allocation per token). Needs ``output_final_state``, a state in the compute dtype and
+            no autograd recording through the state or the inputs.
+        softmax_window: the sliding-window hybrid (``kernels_hybrid.py``), a
+            :class:`~attention_inputs.SoftmaxWindow` of the raw queries and keys: keys in the
+            window weigh ``a_h exp(scale q_i . k_j)``, the others ``b_h phi(q_i) . phi(k_j)``, in
+            one numerator and denominator. Excludes ``rpe_bias`` and ``q_den``/``k_den``.
+
     Returns:
-        ``(B, H, N, D)`` in the dtype of ``v``; with ``output_final_state`` ``(out, state)``,
-        the state in the compute dtype (float32, or float64 for float64 inputs). Splitting a
-        sequence, carrying the state and resuming gives what one call over it gives.
+        ``(B, H, N, D)`` in the dtype of ``v``; with ``output_final_state`` ``(out, state)``, the
+        state in the compute dtype. Splitting a sequence and carrying the state gives what one call
+        over it gives.
 
-    Empty inputs: a batch of 0 sequences (or 0 heads) gives an empty ``(0, H, N, D)`` result
-    (after every other check); ``N = 0``, ``M = 0`` or ``D = 0`` raise ``ValueError``, as does
-    an ``eps`` that is negative or not finite.
-
-    Non-finite inputs stay where they are: a NaN/inf in a query, or in the key or value of a
-    real position, makes NaN exactly the rows that see it (its own row; when causal the later
-    ones; otherwise all), and never an earlier row or a row of another sequence or head, in the
-    outputs or their gradients. Through a returned state every row of later calls sees it and is
-    non-finite too (NaN; an inf that a one-token step, which isolates nothing, carried into the
-    state may stay inf). Padded positions may hold anything.
-
-    Host syncs: the mask values and a clipped bias are checked in eager mode, except in a
-    one-token step from a state (decoding), whose mask is used unchecked; the non-finite guard
-    reads one sum per input tensor, together (one sync; not in a one-token step from a state),
-    or, for a backend declared ``propagates_non_finite`` (``linear``, ``causal_chunked``), one sum
-    of its output (and of ``q_den``, ``k_den``) after it ran: only when that is not finite are
-    the inputs checked and, if one is not finite, its rows isolated and the backend run again.
+    Bad arguments raise ``TypeError`` / ``ValueError`` naming them. A NaN/inf in a query, or in a
+    real key or value, makes NaN exactly the rows that see it (its own; later ones when causal,
+    all otherwise), in outputs and gradients, and every row of later calls through a returned
+    state. Host syncs in eager mode: mask values, a clipped bias and one check of the inputs (or
+    output) being finite; a one-token step from a state has none.
     """
     call = _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
                   initial_state, output_final_state, in_place, softmax_window)
@@ -244,14 +173,14 @@ def kernelized_attention(
     if call.initial_state is None or call.n > 1:  # a one-token step's only row sees all it reads: nothing to isolate
         first = None
         if chosen[0].propagates_non_finite and call.b and call.h and not tracing() and q.device.type != "meta":
-            # the output tells whether the inputs were finite (one sum over it instead of one over each input)
+            # one sum over the output instead of one per input
             first = _run(*run, chosen, q, k, v, q_den, k_den, sw)
             if _finite(first[0], q_den, k_den):
                 return _finish(call, *first, None, None, call.out_dtype, in_place)
         q, k, v, q_den, k_den, sw, poisoned, bad_key = _guard(call, q, k, v, q_den, k_den, sw, causal)
         if poisoned is None and first is not None:  # nothing to isolate (a non-finite state, an overflow): as run
             return _finish(call, *first, None, None, call.out_dtype, in_place)
-        first = None  # a first run's graph is dropped here
+        first = None  # drop the first run's graph
         if poisoned is not None and not tracing():  # auto chooses on what the backend will receive
             chosen = _choose(call, backend, q, k, rpe_bias, output_final_state)
     if (call.b == 0 or call.h == 0) and sw is None:
@@ -263,12 +192,11 @@ def kernelized_attention(
 
 
 def _run(call, rpe_bias, causal, eps, output_final_state, chosen, q, k, v, q_den, k_den, sw):
-    """Stage 4, run: the chosen backend (``chosen`` from :func:`_choose`) receives exactly the
-    keyword arguments it declared (``takes``), in the dtype it computes in, autocast off.
-    Returns ``(out, state)`` (state None unless ``output_final_state``; folded from the keys
-    and values for a backend that carries none), before :func:`_finish`."""
+    """Stage 4, run: the chosen backend (:func:`_choose`) with its ``takes`` arguments in its
+    compute dtype, autocast off. Returns ``(out, state or None)``, the state folded for a backend
+    without one."""
     spec, dt, fold, full = chosen
-    with autocast_disabled(q.device.type):  # the core computes in float32 at least, also under autocast
+    with autocast_disabled(q.device.type):
         q, k, v, q_den, k_den, sw, state = _in_dtype(call, dt, q, k, v, q_den, k_den, sw)
         bias = _bias_for(spec, call, rpe_bias, full, dt)
         given = dict(
@@ -276,16 +204,14 @@ def _run(call, rpe_bias, causal, eps, output_final_state, chosen, q, k, v, q_den
             q_den=q_den, k_den=k_den, initial_state=state, output_final_state=output_final_state, softmax_window=sw,
         )
         result = spec.fn(q, k, v, **{arg: given[arg] for arg in spec.takes})
-        if fold:  # a backend without a state: the final state folded from this call's keys and values
+        if fold:
             result = result, fold_into_state(None, k, v, k if k_den is None else k_den, call.window)
     return result if output_final_state else (result, None)
 
 
 def _finite(out: torch.Tensor, q_den: Optional[torch.Tensor], k_den: Optional[torch.Tensor]) -> bool:
-    """Whether the output of a backend declared ``propagates_non_finite`` and the denominator
-    features (which it does not cover) are finite: one sum each (a NaN/inf entry, or finite
-    entries whose sum overflows, gives a sum that is not finite), read on the host together
-    (the call's one sync)."""
+    """Whether a ``propagates_non_finite`` backend's output and the denominator features (which it
+    does not cover) are finite: one sum each, one host sync."""
     with torch.no_grad():
         flags = torch.stack([torch.isfinite(x.sum()) for x in (out, q_den, k_den) if x is not None])
         return all(flags.tolist())
@@ -344,12 +270,12 @@ def _check_tensors(q, k, v, causal, output_final_state, in_place, backend, eps) 
 
 
 def valid_eps(eps: object) -> bool:
-    """``eps`` is a number >= 0, finite (not a bool)."""
+    """``eps`` is a finite number >= 0 (not a bool)."""
     return (type(eps) is float or (isinstance(eps, (int, float)) and not isinstance(eps, bool))) and 0 <= eps < math.inf
 
 
 def _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful, continuing):
-    """Stage 1b: the positions (grid, bias, its clipping): ``(rpe, grid, rpe_clip, clipped table)``."""
+    """Stage 1b: grid, bias and clipping: ``(rpe, grid, rpe_clip, clipped table)``."""
     h, n = q.shape[1], q.shape[2]
     grid_t = check_grid(grid, n)
     if grid_t is not None and causal:
@@ -377,7 +303,7 @@ def _check_bias(q, rpe_bias, causal, grid, rpe_clip, q_den, stateful, continuing
 
 def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_clip, q_den, k_den,
            initial_state, output_final_state, in_place, softmax_window=None) -> _Call:
-    """Stage 1, check: every argument (``TypeError`` / ``ValueError`` naming it), in normal form."""
+    """Stage 1, check: every argument, in normal form."""
     _check_tensors(q, k, v, causal, output_final_state, in_place, backend, eps)
     b, h, n, m = q.shape
     d = v.shape[-1]
@@ -394,10 +320,10 @@ def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_cl
     shapes = _state_shapes(kind, b, h, None if sw is None else sw.k.shape[-1])
     given_kind = getattr(initial_state, "kind", None)
     initial_state = check_state(initial_state, shapes, q.device)
-    check_state_kind(given_kind, kind)  # what the shapes cannot tell apart (the rotary split has M' = M)
+    check_state_kind(given_kind, kind)  # what shapes cannot tell apart (the rotary split has M' = M)
     if in_place:
         _check_in_place(initial_state, output_final_state, compute_dtype_for(q), q, k, v, q_den, k_den, rpe_bias)
-    # a one-token step from a state (decoding) reads no mask values: no host sync per token
+    # a one-token step from a state reads no mask values: no host sync per token
     key_mask = normalize_mask(attention_mask, b, n, q.device, inspect=initial_state is None or n > 1)
     request = dict(
         causal=causal, rpe=rpe, key_mask=key_mask is not None, device=q.device.type, rpe_clip=rpe_clip,
@@ -407,8 +333,7 @@ def _check(q, k, v, rpe_bias, causal, attention_mask, grid, backend, eps, rpe_cl
 
 
 def _state_shapes(kind: StateKind, b: int, h: int, raw: Optional[int]) -> dict[str, tuple[int, ...]]:
-    """The shapes of a state's tensors for a call of this ``kind`` (``raw``: the raw key size of
-    the sliding-window hybrid)."""
+    """The shapes of a state's tensors for ``kind`` (``raw``: the hybrid's raw key size)."""
     m, d = kind.features, kind.values
     shapes = {"kv": (b, h, m, d), "z": (b, h, kind.den_features)}
     if kind.window is not None:
@@ -421,14 +346,13 @@ def _state_shapes(kind: StateKind, b: int, h: int, raw: Optional[int]) -> dict[s
 
 
 def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool):
-    """Stage 3, choose: the backend (``auto``'s choice or the named one, refused with the
-    backends that can when it cannot), the compute dtype, whether the final state is folded
-    (a backend without a state) and the full bias when ``auto``'s FFT check made it."""
+    """Stage 3, choose: ``(spec, compute dtype, fold the final state?, full bias if auto made
+    it)``; a named backend that cannot run the call is refused."""
     request = dict(call.request)
-    dt = compute_dtype_for(q)  # the dtype rule
+    dt = compute_dtype_for(q)
     full = None
     if backend == "auto":
-        # forward+backward when autograd records through the inputs: the table ranks each mode
+        # the table ranks forward and forward+backward separately
         backward = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, rpe_bias))
         candidates = auto_candidates(n=call.n, **request, backward=backward, dtype=dt, heads=call.h)
         made = []
@@ -444,8 +368,7 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     else:
         name = backend
     spec = get_backend(name)
-    # A backend that carries no state still runs a call that starts without one: the final state is then folded
-    # from this call's keys and values (O(N M D)), so a named backend also serves training and prefill with a state.
+    # a backend without a state serves a call that starts without one: its final state is folded (O(N M D))
     fold = output_final_state and call.initial_state is None and not spec.state
     if fold:
         request["state"] = False
@@ -455,7 +378,7 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
     if backend != "auto" and spec.error_bound is not None and rpe_bias is not None and name not in _WARNED \
             and not tracing() and q.device.type != "meta":
-        with torch.no_grad():  # (nothing recorded: a recomputation in the backward need not repeat it)
+        with torch.no_grad():
             bias = _full_bias(rpe_bias.detach(), call.rpe, call.n, call.grid, call.rpe_clip)
             bound = spec.error_bound(q, k, rpe_bias=bias, causal=request["causal"], key_mask=call.key_mask, dtype=dt)
         if bound > NAMED_WARN_ERROR:
@@ -468,17 +391,14 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     return spec, dt, fold, full
 
 
-# a named approximate backend (``fft``) whose error bound for a call's data exceeds this (relative to the values)
-# is reported once: ``auto`` keeps to AUTO_MAX_ERROR, a named one runs as asked
+# a named approximate backend whose error bound (relative to the values) exceeds this warns once
 NAMED_WARN_ERROR = 1e-2
 _WARNED: set = set()
 
 
 def _prepare(call: _Call, dt, q, k, v, q_den, k_den):
-    """Stage 2, prepare: the dtype rule (the inputs in the compute dtype ``dt``) and key masking
-    (padded keys and their values zeroed, so whatever a padded slot holds reaches nothing, and
-    the non-finite guard that follows does not look at it), the raw queries and keys of a
-    softmax window alike. No copy when nothing is to do."""
+    """Stage 2, prepare: inputs (the softmax window's raw ones too) in ``dt``, padded keys and their
+    values zeroed, so the guard never looks at padding; no copy when nothing changes."""
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     k, v = mask_keys(k, v, call.key_mask)
     if q_den is not None:
@@ -491,9 +411,8 @@ def _prepare(call: _Call, dt, q, k, v, q_den, k_den):
 
 
 def _guard(call: _Call, q, k, v, q_den, k_den, sw, causal):
-    """The non-finite guard (``kernels_common.guard_non_finite``) over the inputs, the raw
-    queries and keys of a softmax window included (on the query and key sides, as separate
-    denominator features are: a call has one or the other)."""
+    """The non-finite guard over the inputs; the hybrid's raw queries and keys take the place of
+    separate denominator features (a call has one or the other)."""
     if sw is None:
         q, k, v, q_den, k_den, poisoned, bad_key = guard_non_finite(q, k, v, call.key_mask, causal, q_den, k_den)
         return q, k, v, q_den, k_den, None, poisoned, bad_key
@@ -502,9 +421,8 @@ def _guard(call: _Call, q, k, v, q_den, k_den, sw, causal):
 
 
 def _in_dtype(call: _Call, dt, q, k, v, q_den, k_den, sw):
-    """The inputs (prepared, guarded) and a state in the dtype ``dt`` the chosen backend computes
-    in (float64 when ``auto`` runs the FFT in float64; otherwise they already are; a state's
-    validity flags stay bool)."""
+    """Inputs and state in the backend's dtype ``dt`` (float64 when ``auto`` runs the FFT in
+    float64); validity flags stay bool."""
     q, k, v = q.to(dt), k.to(dt), v.to(dt)
     if q_den is not None:
         q_den, k_den = q_den.to(dt), k_den.to(dt)
@@ -518,7 +436,7 @@ def _in_dtype(call: _Call, dt, q, k, v, q_den, k_den, sw):
 
 
 def _empty(call: _Call, q, k, v, k_den, rpe_bias, state, output_final_state, dt):
-    """Nothing to attend over (0 sequences or heads): an empty result, attached to every input."""
+    """0 sequences or heads: an empty result, attached to every input."""
     attached = q.sum() + k.sum() + (rpe_bias.sum().to(dt) if rpe_bias is not None else 0)
     out = (v * 0 + attached * 0).to(call.out_dtype)
     if not output_final_state:
@@ -527,8 +445,8 @@ def _empty(call: _Call, q, k, v, k_den, rpe_bias, state, output_final_state, dt)
 
 
 def _bias_for(spec, call: _Call, rpe_bias, full, dt):
-    """The bias in the form the backend takes, in ``dt``: a clipped table for a backend that
-    takes ``rpe_clip``, the full bias otherwise."""
+    """The bias in the backend's form, in ``dt``: the clipped table if it takes ``rpe_clip``, else
+    the full bias."""
     if rpe_bias is None:
         return None
     if call.clipped is not None and "rpe_clip" in spec.takes:
@@ -539,9 +457,9 @@ def _bias_for(spec, call: _Call, rpe_bias, full, dt):
 
 
 def _finish(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place):
-    """Stage 5, finish: rows that saw a non-finite input made NaN, the output in the dtype of
-    ``v``, a state that saw a non-finite key made NaN, written into the given tensors when
-    ``in_place``, and recorded with the call's kind (autocast off, as for the backend)."""
+    """Stage 5, finish: rows that saw a non-finite input to NaN, the output in ``out_dtype``, a
+    state that saw a non-finite key to NaN (written into the given tensors when ``in_place``),
+    recorded with the call's kind."""
     with autocast_disabled(out.device.type):
         return _finish_rows(call, out, state, poisoned, bad_key, out_dtype, in_place)
 
@@ -558,7 +476,7 @@ def _finish_rows(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place
         seen = bad_key[..., None, None]
         state = AttentionState(torch.where(seen, nan, state.kv), torch.where(seen[..., 0], nan, state.z), *state[2:],
                                window_start=state.window_start)
-    start = getattr(state, "window_start", 0)  # the hybrid's ring: where its window starts after this call
+    start = getattr(state, "window_start", 0)  # the hybrid's ring position after this call
     if in_place:
         for mine, new in zip(call.initial_state, state):
             if mine is not None and mine is not new:
@@ -568,9 +486,7 @@ def _finish_rows(call: _Call, out, state, poisoned, bad_key, out_dtype, in_place
 
 
 def _clipped_table(rpe_bias, rpe, n, grid, rpe_clip, continuing):
-    """A bias declared clipped at ``K`` as its table (what a backend taking ``rpe_clip`` gets):
-    1D ``(H, 2K+1)``, 2D the per-distance table ``(H, K+1)`` of the clipped Manhattan distance;
-    None without ``rpe_clip``."""
+    """A bias clipped at ``K`` as its table (1D ``(H, 2K+1)``, 2D ``(H, K+1)``); None unclipped."""
     if rpe_clip is None or rpe is None:
         return None
     if rpe == "1d":
@@ -579,15 +495,14 @@ def _clipped_table(rpe_bias, rpe, n, grid, rpe_clip, continuing):
 
 
 def _full_bias(rpe_bias, rpe, n, grid, rpe_clip):
-    """The bias as ``(H, 2N-1)`` / ``(H, 2Hg-1, 2Wg-1)`` (from a clipped table when given one)."""
+    """The bias as ``(H, 2N-1)`` / ``(H, 2Hg-1, 2Wg-1)``, expanded from a clipped table."""
     if rpe == "2d":
         return manhattan_table(rpe_bias, grid[0], grid[1]) if rpe_bias.dim() == 2 else rpe_bias
     return full_bias(rpe_bias, n, rpe_clip)
 
 
 def _shares_memory(x: torch.Tensor) -> bool:
-    """Whether several elements of ``x`` lie at one memory location (a dimension of size > 1
-    with stride 0, as ``expand`` makes): such a tensor cannot be written in place."""
+    """Whether ``x`` has a dimension of size > 1 and stride 0 (``expand``): not writable in place."""
     return any(st == 0 and sz > 1 for st, sz in zip(x.stride(), x.shape))
 
 

@@ -1,32 +1,13 @@
 """Helpers shared by the attention kernels (the ``kernels_*.py`` files).
 
-Every kernel computes, for feature-mapped queries ``q (B, H, N, M)``, keys ``k (B, H, N, M)``
-and values ``v (B, H, N, D)``::
+Every kernel computes, for feature-mapped ``q, k (B, H, N, M)`` and values ``v (B, H, N, D)``::
 
-    out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps),   r = j - i
+    out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)
 
-over the allowed ``j`` (``j <= i`` when causal), where ``c_r = exp(b_r)`` comes from the
-relative-position bias (all ones without one). A 1D bias has shape ``(H, 2N-1)`` (entry
-``r + N - 1`` holds ``b_r``); a 2D bias for a row-major ``(Hg, Wg)`` grid has shape
-``(H, 2Hg-1, 2Wg-1)``.
-
-What happens once, before a kernel runs (``dispatch.kernelized_attention``): inputs are
-validated, q, k, v and the bias cast to the compute dtype (:func:`compute_dtype_for`: float32
-at least, float64 stays float64), padded keys zeroed with their values (:func:`mask_keys`) and
-non-finite entries isolated (:func:`guard_non_finite`, which costs one sum per tensor when all
-are finite; for a backend declared ``propagates_non_finite`` the entry point sums its output
-instead and runs the guard only when that is not finite). A kernel therefore receives inputs of
-one dtype in which a padded key contributes nothing, and takes no key mask.
-
-Mixed precision: inside ``torch.autocast`` the attention core (feature maps, every kernel, the
-hand-written autograd ops' forward and backward) runs with autocast switched off
-(:func:`autocast_disabled`, :func:`full_precision`), so its products stay in float32 and the
-custom backwards see the dtypes their forwards saved; layers around it still autocast.
-
-Costs of the helpers here: elementwise, O(N (M + D)) time and memory (:func:`guard_non_finite`:
-O(N (M + D)) time, no memory, when all is finite), except
-:func:`relative_offsets` / :func:`dense_bias_matrix`, O(N^2) (the dense reference only). The
-state of causal attention (``AttentionState``, ``fold_into_state``) lives in ``state.py``.
+over the allowed ``j`` (``j <= i`` when causal), ``c_r = exp(b_r)`` (ones without a bias); a 1D
+bias is ``(H, 2N-1)`` (entry ``r + N - 1``), a 2D one on a row-major grid ``(H, 2Hg-1, 2Wg-1)``.
+Kernels get inputs of one compute dtype with padded keys zero, and run with autocast off
+(:func:`full_precision`) so custom backwards see the dtypes their forwards saved.
 """
 
 from __future__ import annotations
@@ -41,17 +22,16 @@ from .state import AttentionState, StateKind, fold_into_state  # noqa: F401  (th
 
 
 def autocast_disabled(device_type: str):
-    """A context that switches ``torch.autocast`` off for ``device_type`` while it is on (a null
-    context otherwise, and for device types without autocast)."""
+    """A context switching ``torch.autocast`` off for ``device_type`` while it is on (else a null
+    context)."""
     if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type=device_type, enabled=False)
     return contextlib.nullcontext()
 
 
 def full_precision(fn):
-    """Run ``fn`` with autocast off for the device of its first tensor argument: the kernels
-    compute in the dtype they are given and must not be cast back down op by op (autocast
-    would run their matmuls in bf16/fp16 and hand custom backwards gradients of another dtype)."""
+    """Run ``fn`` with autocast off for its first tensor argument's device: autocast would run the
+    kernels' matmuls in bf16/fp16 and hand custom backwards gradients of another dtype."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -68,11 +48,9 @@ _STEP_CONSTANTS: dict = {}  # (value, dtype, device) -> 0-dim tensor (step_const
 
 
 def step_constant(value: float, like: torch.Tensor) -> torch.Tensor:
-    """``value`` as a 0-dim tensor of ``like``'s dtype and device, made once and kept: a decoding
-    step adds such constants in every layer, and a tensor operand costs less than a Python
-    number there (same result: the number is converted to the tensor's dtype either way). Not
-    kept while tracing (compile, export) or when torch made a tensor subclass (a fake tensor),
-    which belongs to that trace."""
+    """``value`` as a cached 0-dim tensor of ``like``'s dtype and device: a tensor operand costs less
+    than a Python number in a decoding step (same result). Not cached while tracing or for a tensor
+    subclass (a fake tensor)."""
     key = (value, like.dtype, like.device)
     made = _STEP_CONSTANTS.get(key)
     if made is None:
@@ -85,18 +63,15 @@ def step_constant(value: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
-    """The dtype rule: float64 stays float64; everything else is computed in float32."""
+    """The dtype rule: float64 stays float64, everything else computes in float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def mask_keys(
     k: torch.Tensor, v: torch.Tensor, key_mask: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero padded keys (after the feature map) and their values.
-
-    Args:
-        k: ``(B, H, N, M)``; v: ``(B, H, N, D)``; key_mask: ``(B, N)`` bool, True = keep.
-    """
+    """Zero padded keys (after the feature map) and their values: ``k (B, H, N, M)``,
+    ``v (B, H, N, D)``, ``key_mask (B, N)`` bool, True = keep."""
     if key_mask is None:
         return k, v
     keep = key_mask[:, None, :, None]
@@ -118,24 +93,15 @@ def isolate_non_finite(
     queries: bool = True,
     keys: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """Keep a non-finite input from reaching any row that does not see it.
+    """Keep a non-finite input from reaching any row that does not see it, without a host sync.
 
-    A position whose key or value (or denominator key) holds NaN/inf (per batch row and head) is
-    replaced by zeros, as padding is, and a non-finite query by zeros; then no algorithm (FFT,
-    chunk sums, running states, matrix products with masked weights) can spread it, in the
-    forward or backward pass (``where`` passes no gradient to the replaced entries). The rows
-    that do see such an input (the query itself, or an allowed key: at or before it when causal,
-    any real key otherwise) are *poisoned*: the caller sets them to NaN. Costs a few elementwise
-    passes and copies of the tensors it checks, no host sync: the form used while compiling or
-    tracing, and in eager mode behind :func:`guard_non_finite` once a non-finite value is known
-    to be present.
+    Non-finite keys, values, denominator keys and queries are replaced by zeros, as padding is, so
+    no algorithm spreads them, forward or backward. The rows that see one (the query's own; rows
+    allowed to see the key) are *poisoned*: the caller sets them to NaN. ``queries`` / ``keys``
+    False: that side is known finite and passed through uncopied.
 
-    ``queries`` / ``keys`` False: the queries (``q``, ``q_den``) / the keys and values (``k``,
-    ``v``, ``k_den``) are known to be finite; they are passed through unchecked and uncopied.
-
-    Returns ``(q, k, v, q_den, k_den, poisoned, bad_key)``: ``poisoned (B, H, N)`` bool, and
-    ``bad_key (B, H)``, whether a real key of that row and head was replaced (a state carried
-    on from this call has seen it).
+    Returns ``(q, k, v, q_den, k_den, poisoned (B, H, N), bad_key (B, H))``, ``bad_key``: a real key
+    of that row and head was replaced (a carried state has seen it).
     """
     b, h, n = q.shape[:3]
     zero = torch.zeros((), dtype=k.dtype, device=k.device)
@@ -165,8 +131,7 @@ def isolate_non_finite(
 
 
 def tracing() -> bool:
-    """Whether ``torch.compile`` / ``torch.export`` (or ``torch.jit.trace``) is tracing: data
-    cannot be read then, and nothing may branch on it."""
+    """Whether ``torch.compile`` / ``torch.export`` / ``torch.jit.trace`` is tracing (no data reads)."""
     return torch.compiler.is_compiling() or torch.jit.is_tracing()
 
 
@@ -180,21 +145,10 @@ def guard_non_finite(
     k_den: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
            Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """:func:`isolate_non_finite` at almost no cost when every input is finite.
-
-    In eager mode each tensor is first summed (one pass at memory speed, no copy): a tensor
-    holding NaN or inf has a sum that is NaN or inf. Only when a sum is not finite (a
-    non-finite entry, or finite entries so large that their sum overflows) are the queries or
-    the keys and values checked entry by entry and isolated as :func:`isolate_non_finite`
-    does; when every sum is finite the tensors are returned as they are, with ``poisoned`` and
-    ``bad_key`` None (nothing to isolate, nothing copied). Reading the sums is one host sync
-    per call. While compiling or tracing nothing may depend on the data: the branch-free
-    :func:`isolate_non_finite` runs.
-
-    Takes keys and values already masked (:func:`mask_keys`): a padded slot holding NaN then
-    costs nothing either. Sums of float16 tensors overflow early (above 65504): pass tensors in
-    the compute dtype (:func:`compute_dtype_for`).
-    """
+    """:func:`isolate_non_finite` at almost no cost when every input is finite: in eager mode one
+    sum per tensor (one host sync), and only a side whose sum is not finite is checked and isolated;
+    all finite, the inputs come back as they are with ``poisoned``, ``bad_key`` None. Takes masked
+    keys and values in the compute dtype (float16 sums overflow early)."""
     if tracing() or q.device.type == "meta":  # no data to read
         return isolate_non_finite(q, k, v, key_mask, causal, q_den, k_den)
     query_side = (q,) if q_den is None else (q, q_den)
@@ -210,10 +164,8 @@ def guard_non_finite(
 
 
 def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[torch.Tensor, ...]:
-    """Index tensors into the bias for every (query i, key j) pair.
-
-    Returns ``(idx,)`` of shape ``(N, N)`` for 1D (``j - i + N - 1``) or ``(iy, ix)`` for 2D.
-    """
+    """Index tensors into the bias per (query i, key j): ``(idx,)`` ``(N, N)`` in 1D
+    (``j - i + N - 1``), ``(iy, ix)`` in 2D."""
     if grid is None:
         pos = torch.arange(n, device=device)
         return (pos[None, :] - pos[:, None] + n - 1,)
@@ -226,8 +178,7 @@ def relative_offsets(n: int, grid: Optional[Sequence[int]], device) -> tuple[tor
 
 
 def dense_bias_matrix(rpe_bias: torch.Tensor, n: int, grid: Optional[Sequence[int]]) -> torch.Tensor:
-    """Materialise ``B[h, i, j] = b_{j-i}``: ``(H, N, N)`` (any per-offset table: a bias or its
-    coefficients)."""
+    """``B[h, i, j] = b_{j-i}``: ``(H, N, N)`` from any per-offset table."""
     idx = relative_offsets(n, grid, rpe_bias.device)
     # one flat index into the table and index_select: several times faster, forward and backward
     # (index_add), than advanced indexing with two index tensors (index_put with accumulation)
@@ -237,13 +188,11 @@ def dense_bias_matrix(rpe_bias: torch.Tensor, n: int, grid: Optional[Sequence[in
 
 
 def bias_shift(rpe_bias: torch.Tensor, n: int, causal: bool) -> torch.Tensor:
-    """Per-head maximum of the bias over the offsets a call uses (``r <= 0`` when causal):
-    ``(H,)``, detached, 0 where it is not finite.
+    """Per-head maximum of the bias over the offsets in use (``r <= 0`` when causal): ``(H,)``,
+    detached, 0 where not finite.
 
-    Kernels exponentiate ``b - shift`` (every coefficient <= 1, so ``exp`` cannot overflow: a
-    constant bias of 90 is fine) and divide by ``den + eps * exp(-shift)``: the shift cancels
-    between numerator and denominator and the result is the formula with ``c = exp(b)``
-    exactly (so the gradient needs no term for the shift).
+    Kernels exponentiate ``b - shift`` (every coefficient <= 1: no overflow) and divide by
+    ``den + eps * exp(-shift)``: the shift cancels exactly, so the gradient needs no term for it.
     """
     b = rpe_bias.detach()
     used = b[:, :n] if causal else b.reshape(b.shape[0], -1)
@@ -252,8 +201,8 @@ def bias_shift(rpe_bias: torch.Tensor, n: int, causal: bool) -> torch.Tensor:
 
 
 def shifted_eps(eps: float, shift: torch.Tensor) -> torch.Tensor:
-    """``eps * exp(-shift)`` per head, kept inside the normal range of the dtype (a positive
-    eps never becomes 0, so a row without keys still gives 0, not 0 / 0)."""
+    """``eps * exp(-shift)`` per head, clamped to the dtype's normal range (a positive eps never
+    becomes 0, so a row without keys gives 0, not 0 / 0)."""
     if eps == 0:
         return torch.zeros_like(shift)
     info = torch.finfo(shift.dtype)
@@ -261,17 +210,16 @@ def shifted_eps(eps: float, shift: torch.Tensor) -> torch.Tensor:
 
 
 def shifted_bias(rpe_bias: torch.Tensor, n: int, causal: bool, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(b - shift, eps * exp(-shift))`` with the per-head :func:`bias_shift`: the shifted bias
-    (same shape as ``rpe_bias``) and the matching per-head ``(H,)`` eps."""
+    """``(b - shift, eps * exp(-shift))`` with the per-head :func:`bias_shift`: same shape as
+    ``rpe_bias``, and ``(H,)``."""
     shift = bias_shift(rpe_bias, n, causal)
     return rpe_bias - per_head(shift, rpe_bias.dim()), shifted_eps(eps, shift)
 
 
 def clipped_table(rpe_bias: torch.Tensor, n: int, clip: int, continuing: bool = False) -> torch.Tensor:
-    """A bias clipped at ``clip``, as ``(H, 2N-1)`` or ``(H, 2K+1)``, -> its table ``(H, 2K+1)``
-    (offsets beyond ``+-(N-1)`` of a full bias of a short call take its end entries, which no
-    key of that call uses). ``continuing``: the call reads a state, whose keys lie up to ``K``
-    positions back: a full bias of ``N <= K`` tokens does not reach them (``ValueError``)."""
+    """A bias clipped at ``clip`` (``(H, 2N-1)`` or ``(H, 2K+1)``) as its table ``(H, 2K+1)``.
+    ``continuing``: the call reads a state, whose keys lie up to ``K`` back, which a full bias of
+    ``N <= K`` tokens does not reach (``ValueError``)."""
     # sizes may be symbolic (torch.export with a dynamic length): the general form below holds for every n
     if known_true(rpe_bias.shape[-1] == 2 * clip + 1):
         return rpe_bias
@@ -287,7 +235,7 @@ def clipped_table(rpe_bias: torch.Tensor, n: int, clip: int, continuing: bool = 
 
 
 def full_bias(rpe_bias: torch.Tensor, n: int, clip: Optional[int]) -> torch.Tensor:
-    """A 1D bias as ``(H, 2N-1)`` (from a clipped table ``(H, 2K+1)`` when given one)."""
+    """A 1D bias as ``(H, 2N-1)``, expanded from a clipped table ``(H, 2K+1)``."""
     if clip is None or known_true(rpe_bias.shape[-1] == 2 * n - 1):
         return rpe_bias
     r = torch.arange(-(n - 1), n, device=rpe_bias.device)
@@ -295,7 +243,7 @@ def full_bias(rpe_bias: torch.Tensor, n: int, clip: Optional[int]) -> torch.Tens
 
 
 def per_head(x: torch.Tensor, ndim: int) -> torch.Tensor:
-    """``(H,)`` -> ``(H, 1, ...)`` with ``ndim`` dimensions in all."""
+    """``(H,)`` -> ``(H, 1, ...)`` with ``ndim`` dimensions."""
     return x.reshape((x.shape[0],) + (1,) * (ndim - 1))
 
 
@@ -309,22 +257,19 @@ def chunk_tokens(x: torch.Tensor, c: int) -> torch.Tensor:
 
 
 def with_ones_column(v: torch.Tensor) -> torch.Tensor:
-    """``[v, 1]``: ``(B, H, N, D) -> (B, H, N, D + 1)``. Summing it with the attention weights
-    gives numerator and denominator in one pass (a masked key has k = 0, so it adds nothing)."""
+    """``[v, 1]``: ``(B, H, N, D) -> (B, H, N, D + 1)``: numerator and denominator in one product."""
     return torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
 
 
 def is_size(value: object) -> bool:
-    """A length or grid side: a Python ``int`` (not a ``bool``), or a ``torch.SymInt``, the
-    symbolic size ``torch.export`` passes for a dynamic dimension (its positivity is then a
-    property of the traced shapes, checked by the exported program's own range guards)."""
+    """A length or grid side: an ``int`` (not ``bool``) or a ``torch.SymInt`` (a dynamic size under
+    ``torch.export``, whose range the program's own guards check)."""
     return isinstance(value, torch.SymInt) or (isinstance(value, int) and not isinstance(value, bool))
 
 
 def known_true(condition: object) -> bool:
-    """``condition`` as a ``bool``; a symbolic one (a comparison of sizes that ``torch.export``
-    keeps dynamic) is True only when the traced range of sizes proves it, and adds no guard
-    (a guard would pin the dynamic size to one side of the comparison)."""
+    """``condition`` as a ``bool``; a symbolic one is True only when the traced range proves it, and
+    adds no guard (which would pin the dynamic size)."""
     if isinstance(condition, torch.SymBool):
         from torch.fx.experimental.symbolic_shapes import statically_known_true
 
@@ -336,23 +281,22 @@ def known_true(condition: object) -> bool:
 
 
 def manhattan_index(grid_h: int, grid_w: int, clip: int, device=None) -> torch.Tensor:
-    """``(2Hg-1, 2Wg-1)`` long tensor: ``min(|dy| + |dx|, K)`` for every 2D offset."""
+    """``(2Hg-1, 2Wg-1)`` long: ``min(|dy| + |dx|, K)`` per 2D offset."""
     dy = torch.arange(-(grid_h - 1), grid_h, device=device).abs()
     dx = torch.arange(-(grid_w - 1), grid_w, device=device).abs()
     return (dy[:, None] + dx[None, :]).clamp(max=clip)
 
 
 def manhattan_table(distance_bias: torch.Tensor, grid_h: int, grid_w: int) -> torch.Tensor:
-    """Per-distance bias ``(H, K+1)`` (entry d holds ``b_d``, the last one every distance >= K)
-    -> the 2D bias ``(H, 2Hg-1, 2Wg-1)`` of the clipped Manhattan distance."""
+    """Per-distance bias ``(H, K+1)`` (entry d holds ``b_d``, the last every distance >= K) -> the
+    2D bias ``(H, 2Hg-1, 2Wg-1)`` of the clipped Manhattan distance."""
     clip = distance_bias.shape[-1] - 1
     return distance_bias[:, manhattan_index(grid_h, grid_w, clip, distance_bias.device)]
 
 
 def manhattan_distances(rpe_bias: torch.Tensor, grid_h: int, grid_w: int, clip: int) -> torch.Tensor:
-    """The per-distance values ``(H, K+1)`` of a 2D bias of the clipped Manhattan distance, each
-    read at one offset of that distance (``dy = min(d, Hg-1)``, ``dx = d - dy``); distances no
-    pair of the grid reaches get the farthest reachable one's (no key uses them)."""
+    """The per-distance values ``(H, K+1)`` of a clipped-Manhattan 2D bias, each read at one offset
+    (``dy = min(d, Hg-1)``, ``dx = d - dy``); unreachable distances get the farthest reachable one's."""
     reach = (grid_h - 1) + (grid_w - 1)
     d = torch.arange(clip + 1, device=rpe_bias.device).clamp(max=reach)
     dy = d.clamp(max=grid_h - 1)

@@ -1,50 +1,22 @@
 """Kernelized attention with a Toeplitz relative-position bias, by FFT (1D and 2D).
 
-Formula (``r = j - i``, ``c_r = exp(b_r)``; a 2D bias on a row-major ``(Hg, Wg)`` grid uses the
-offsets ``(dy, dx)``)::
+With ``r = j - i`` (2D: ``(dy, dx)`` on a row-major grid) and ``c_r = exp(b_r)`` (zero for
+``r > 0`` when causal)::
 
     out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)
 
-over the allowed ``j`` (``j <= i`` when causal: the coefficients of ``r > 0`` are zeroed).
-Numerator and denominator are one Toeplitz (or Toeplitz-block-Toeplitz) product over ``[v, 1]``
-(:class:`ToeplitzKernelProduct`, below), after shifting the bias by its maximum so that no
-coefficient exceeds 1; :class:`FFTAttention` runs that product and the division as one op, so
-that neither ``[v, 1]`` nor the numerator with its denominator is ever a whole ``(B, H, N, D+1)``
-tensor (the ones column lives in each pass's feature-major copy of ``v``; the backward keeps the
-output and one denominator per row).
-
-Cost: time O(N M D log N), memory O(N (M + D)) plus one block of FFT buffers. Accuracy: see
-:func:`fft_attention` and :func:`fft_error_bound`.
-
-Under ``torch.compile`` (TorchDynamo, also ``torch.export(strict=True)``) the eager form's writes
-into preallocated buffers through strided ``out=`` views do not trace; :func:`fft_attention` then
-calls the same forward and backward as two custom operators (:func:`_compiled_attention`), so a
-compiled graph holds the attention as one node at any size (``fullgraph=True`` included) with
-eager mode's results, and with dynamic shapes one graph serves every N: the FFT lengths, head
-passes and blocks, which depend on N, are chosen when the operator runs. ``torch.export`` without
-TorchDynamo (``strict=False``, the default) traces the eager form itself, with static sizes only:
-its loops and FFT lengths would fix a symbolic N (the backend is not declared ``symbolic_n``; the
-custom operator would serve such a program, but ONNX cannot translate it, nor the FFT ops).
-
-The product behind it, in the same file: For every query i it computes (``r = j - i``; 1D, or 2D on a row-major ``(Sy, Sx)`` grid)::
+Numerator and denominator are one (block-)Toeplitz product over ``[v, 1]``::
 
     Y_i = sum_j c_{j-i} (q_i . k_j) v_j = sum_m q_im sum_j c_{j-i} k_jm v_j
 
-i.e. the numerator of ``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)``
-(and, with a ones column appended to ``v``, its denominator). For each feature m the inner sum
-is the Toeplitz matrix ``C[i, j] = c_{j-i}`` applied to the signals ``k_m v``; ``C`` is embedded in
-a circulant of a fast FFT length ``L >= 2S - 1`` and applied by ``rfftn`` (Luo et al. 2021,
-Algorithm 1).
+for each feature m, ``C[i, j] = c_{j-i}`` applied to ``k_m v`` as a circulant of a fast length
+``L >= 2S - 1`` by ``rfftn`` (Luo et al. 2021, Alg. 1). The bias is shifted by its maximum so no
+coefficient exceeds 1.
 
-Cost: time O(M D1 L log L) (``M * D1`` forward and inverse FFTs; ``D1`` value columns), memory
-O(N (M + D1)) for inputs and outputs plus one block of padded signals
-(:data:`FFT_BLOCK_BYTES`): the backward recomputes the transforms instead of storing the
-``N x M x D1`` outer products. Large calls run in passes over groups of heads
-(:data:`FFT_HEAD_CHUNK_BYTES`), so the feature-major copies the transforms read are one pass's.
-
-:class:`ToeplitzKernelProduct` is the op with its hand-written backward;
-:func:`toeplitz_kernel_product_reference` is the same product written plainly with the
-``N x N`` matrix and ordinary autograd (O(N^2)), the reference its tests compare with.
+Cost: time O(N M D log N) (``M (D+1)`` forward and inverse FFTs), memory O(N (M + D)) plus one
+block of FFT buffers; the backward recomputes the transforms. Accuracy: :func:`fft_error_bound`.
+Under ``torch.compile`` forward and backward run as custom operators (one graph node at any N,
+symbolic too); ``torch.export(strict=False)`` traces the eager form with static sizes.
 """
 
 from __future__ import annotations
@@ -56,34 +28,23 @@ import torch
 
 from .kernels_common import autocast_disabled, compute_dtype_for, dense_bias_matrix, full_precision, shifted_bias
 
-# Cost model (CPU). The product needs M * (D + 1) real FFTs and as many inverse FFTs of the
-# padded length; nothing cheaper exists for an arbitrary Toeplitz C. What is left to optimise
-# is everything around them: large temporaries are freshly mmap-ed (and page-faulted) on every
-# allocation, so the blocks below reuse three preallocated buffers (zero-padded input, spectrum,
-# output), write the outer products straight into the padded buffer, multiply the spectrum in
-# place and contract with q by in-place ``addcmul_``. Blocks are sized by bytes
-# (:data:`FFT_BLOCK_BYTES`) so one block's buffers stay cache-friendly. Measured on a 2-core
-# CPU (M = 32, D = 64, one head), forward: N = 16384 0.42 s -> 0.16 s, N = 32768 1.03 s -> 0.38 s
-# (the same run: 8 / 16 / 20 / 32 MiB blocks gave 0.22 / 0.17 / 0.16 / 0.20 s at N = 16384 and
-# 0.50 / 0.43 / 0.38 / 0.40 s at N = 32768).
+# The M (D + 1) FFTs are unavoidable; around them, blocks reuse three preallocated buffers (padded
+# input, spectrum, output: fresh large temporaries are page-faulted on every allocation), write the
+# outer products straight into the padded buffer and work in place. Block size: measured fastest here.
 
 FFT_BLOCK_BYTES = 20 << 20  # padded real input per block
-# heads per pass of :class:`ToeplitzKernelProduct`: as many as keep one (B, heads, N, max(M, D1))
-# tensor within this. A pass holds its feature-major copies of q, k, [v, 1] (and dY, the
-# gradients in the backward) and its FFT buffers, so the memory beyond the inputs, outputs
-# and gradients stays bounded as heads x N grows (one pass for every call up to e.g. 12 heads
-# x 21k tokens in float32, 10k in float64; before, a fwd+bwd held about 19 tensors of the
-# size of q at its peak).
+# heads per pass: as many as keep one (B, heads, N, max(M, D1)) tensor within this, so a pass's
+# feature-major copies and buffers stay bounded as heads x N grows
 FFT_HEAD_CHUNK_BYTES = 64 << 20
 
 
 def spatial_shape(n: int, grid: Optional[Sequence[int]]) -> tuple[int, ...]:
-    """``(N,)`` for a sequence, ``(Hg, Wg)`` for a grid (symbolic sides stay symbolic)."""
+    """``(N,)`` for a sequence, ``(Hg, Wg)`` for a grid."""
     return (n,) if grid is None else tuple(s if isinstance(s, torch.SymInt) else int(s) for s in grid[:2])
 
 
 def _fast_length(n: int) -> int:
-    """Smallest ``2^a 3^b 5^c >= n``: an FFT size the CPU/GPU FFT libraries handle fastest."""
+    """Smallest ``2^a 3^b 5^c >= n`` (the sizes FFT libraries run fastest)."""
     best = 1
     while best < n:
         best *= 2
@@ -101,23 +62,17 @@ def _fast_length(n: int) -> int:
 
 
 def _fft_lengths(spatial: Sequence[int]) -> tuple[int, ...]:
-    """Padded FFT length per spatial axis: a fast size ``>= 2S - 1`` (no wrap-around for any offset)."""
+    """Padded FFT length per axis: a fast size ``>= 2S - 1`` (no wrap-around)."""
     return tuple(_fast_length(2 * int(s) - 1) for s in spatial)
 
 
 def toeplitz_kernel_spectrum(
     c: torch.Tensor, spatial: tuple[int, ...], lengths: Optional[tuple[int, ...]] = None
 ) -> torch.Tensor:
-    """Spectrum of the circulant embedding of the (block-)Toeplitz matrix ``C[i, j] = c_{j-i}``.
-
-    Args:
-        c: ``(H, 2S-1)`` or ``(H, 2Sy-1, 2Sx-1)`` coefficients, offset ``r`` at index ``r + S - 1``.
-        spatial: ``(S,)`` or ``(Sy, Sx)``.
-        lengths: padded FFT lengths, each ``>= 2S - 1`` (default :func:`_fft_lengths`).
-    Returns:
-        ``rfftn`` of ``h`` with ``h[(-r) mod L] = c_r``, shape ``(H, L // 2 + 1)`` (1D) or
-        ``(H, Ly, Lx // 2 + 1)`` (2D). Then ``C X = irfftn(spectrum * rfftn(X, s=L))`` cropped to ``S``.
-    """
+    """Spectrum of the circulant embedding of ``C[i, j] = c_{j-i}``: ``c (H, 2S-1)`` or
+    ``(H, 2Sy-1, 2Sx-1)`` (offset ``r`` at ``r + S - 1``), ``spatial`` ``(S,)`` or ``(Sy, Sx)``,
+    ``lengths`` each ``>= 2S - 1``. Returns ``rfftn(h)``, ``h[(-r) mod L] = c_r``; then
+    ``C X = irfftn(spectrum * rfftn(X, s=L))`` cropped to ``S``."""
     lengths = _fft_lengths(spatial) if lengths is None else tuple(lengths)
     h = c.new_zeros((c.shape[0],) + lengths)
     idx = [((-torch.arange(-(s - 1), s, device=c.device)) % L) for s, L in zip(spatial, lengths)]
@@ -130,8 +85,7 @@ def toeplitz_kernel_spectrum(
 
 
 def _backward_spectra(c: torch.Tensor, spatial: tuple[int, ...]):
-    """What a backward pass over a table ``c`` needs: the padded lengths, the spectrum of ``C``
-    and that of ``C^T`` (its conjugate, resolved)."""
+    """``(lengths, spectrum of C, spectrum of C^T)`` (the conjugate, resolved)."""
     lengths = _fft_lengths(spatial)
     spec = toeplitz_kernel_spectrum(c, spatial, lengths)
     return lengths, spec, spec.conj().resolve_conj()
@@ -140,12 +94,9 @@ def _backward_spectra(c: torch.Tensor, spatial: tuple[int, ...]):
 def _block_size(
     b: int, h: int, m: int, d1: int, spatial: tuple[int, ...], itemsize: int = 4, target_bytes: Optional[int] = None
 ) -> tuple[int, int]:
-    """Block shape ``(features, value columns)`` pushed through the FFT at once.
-
-    A block holds ``b * h * features * columns`` padded signals; it is sized so that its padded
-    real input is about ``target_bytes``: several whole features when a feature's ``d1``
-    columns are small, otherwise one feature and an even split of its columns.
-    """
+    """Block ``(features, value columns)`` transformed at once: padded real input about
+    ``target_bytes``; several whole features when ``d1`` is small, else one feature's columns split
+    evenly."""
     target_bytes = FFT_BLOCK_BYTES if target_bytes is None else target_bytes
     padded = 1
     for L in _fft_lengths(spatial):
@@ -158,12 +109,9 @@ def _block_size(
 
 
 class _ToeplitzWorkspace:
-    """Reusable buffers that apply ``C`` (or ``C^T``) to blocks of products ``a_m (x) b_d``.
-
-    ``a``: ``(B, H, M, *S)``, ``b``: ``(B, H, D1, *S)``, both contiguous in spatial form. A block
-    is ``mb`` features times ``dc`` columns; the padded input buffer's tail is zero once and only
-    its leading ``*S`` corner is ever written, so no padding copy is made per block.
-    """
+    """Reusable buffers applying ``C`` (or ``C^T``) to blocks of products ``a_m (x) b_d``
+    (``a (B, H, M, *S)``, ``b (B, H, D1, *S)``). The padded input's tail is zeroed once and only its
+    ``*S`` corner is written: no padding copy per block."""
 
     def __init__(self, b: int, h: int, mb: int, dc: int, spatial: tuple[int, ...], lengths: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -178,10 +126,8 @@ class _ToeplitzWorkspace:
         self.crop = (...,) + tuple(slice(0, s) for s in spatial)
 
     def transform(self, a: torch.Tensor, bv: torch.Tensor) -> torch.Tensor:
-        """Spectrum of ``a[:, :, i] * bv[:, :, d]`` for the block: ``(B, H, w, dw, *freq)``.
-
-        Args: ``a (B, H, w, *S)``, ``bv (B, H, dw, *S)``.
-        """
+        """Spectrum of ``a[:, :, i] * bv[:, :, d]``: ``(B, H, w, dw, *freq)``; ``a (B, H, w, *S)``,
+        ``bv (B, H, dw, *S)``."""
         w, dw = a.shape[2], bv.shape[2]
         pad = self.padded[:, :, :w, :dw]
         torch.mul(a[:, :, :, None], bv[:, :, None], out=pad[self.crop])
@@ -204,8 +150,8 @@ def _blocks(m: int, d1: int, mb: int, dc: int):
 
 
 def _feature_major(x: torch.Tensor, spatial: tuple[int, ...], ones: bool = False) -> torch.Tensor:
-    """``(B, H, N, F)`` -> contiguous ``(B, H, F, *spatial)``; ``ones``: with a row of ones after
-    the F features, ``(B, H, F + 1, *spatial)`` (``[v, 1]`` without a copy of ``v`` in its own layout)."""
+    """``(B, H, N, F)`` -> contiguous ``(B, H, F, *spatial)``; ``ones``: a row of ones appended,
+    ``(B, H, F + 1, *spatial)``."""
     if not ones:
         return x.transpose(-1, -2).contiguous().reshape(x.shape[:2] + (x.shape[-1],) + spatial)
     b, h, n, f = x.shape
@@ -216,21 +162,21 @@ def _feature_major(x: torch.Tensor, spatial: tuple[int, ...], ones: bool = False
 
 
 def head_chunks(b: int, h: int, n: int, width: int, itemsize: int, budget: Optional[int] = None):
-    """``(h0, h1)`` ranges of heads: as many heads per pass as keep ``b * heads * n * width``
-    values within ``budget`` bytes (:data:`FFT_HEAD_CHUNK_BYTES`), at least one."""
+    """``(h0, h1)`` head ranges: as many heads per pass as keep ``b * heads * n * width`` values
+    within ``budget`` bytes (:data:`FFT_HEAD_CHUNK_BYTES`), at least one."""
     budget = FFT_HEAD_CHUNK_BYTES if budget is None else budget
     per = max(1, min(h, budget // max(b * n * width * itemsize, 1)))
     return [(h0, min(h, h0 + per)) for h0 in range(0, h, per)]
 
 
 def _heads(spec: torch.Tensor, h0: int, h1: int) -> torch.Tensor:
-    """The rows of a spectrum (or table) for heads ``[h0, h1)``: all of it when one row serves every head."""
+    """A spectrum's (or table's) rows for heads ``[h0, h1)``; a single shared row as is."""
     return spec if spec.shape[0] == 1 else spec[h0:h1]
 
 
 def _product_pass(q, k, v, spec, spatial, lengths, ones: bool = False) -> torch.Tensor:
-    """The forward of :class:`ToeplitzKernelProduct` for some heads: ``(B, h, D1, *S)`` feature-major;
-    ``ones``: of ``[v, 1]`` (``D1 = D + 1``)."""
+    """:class:`ToeplitzKernelProduct`'s forward for some heads: ``(B, h, D1, *S)``; ``ones``: of
+    ``[v, 1]``."""
     b, h, _, m = q.shape
     qs, ks, vs = _feature_major(q, spatial), _feature_major(k, spatial), _feature_major(v, spatial, ones)
     d1 = vs.shape[2]
@@ -246,10 +192,10 @@ def _product_pass(q, k, v, spec, spatial, lengths, ones: bool = False) -> torch.
 
 
 def _backward_pass(q, k, v, dy, spec, spec_t, spatial, lengths, needs, ones: bool = False):
-    """The backward of :class:`ToeplitzKernelProduct` for some heads: ``dq, dk, dv`` feature-major
-    ``(B, h, F, *S)`` (None where not needed) and the spectrum of the table's gradient per head
-    ``(h, *freq)`` (None). ``ones``: the product of ``[v, 1]`` (``dv`` then has ``D + 1`` rows, the
-    last one unused) and ``dy`` given feature-major ``(B, h, D + 1, *S)``."""
+    """:class:`ToeplitzKernelProduct`'s backward for some heads: ``dq, dk, dv`` feature-major
+    ``(B, h, F, *S)`` and the spectrum of the table's gradient ``(h, *freq)`` (None where not
+    needed). ``ones``: the product of ``[v, 1]`` (``dv`` has an unused last row), ``dy`` given
+    feature-major ``(B, h, D + 1, *S)``."""
     b, h, _, m = q.shape
     need_q, need_k, need_v, need_c = needs
     qs, ks, vs = _feature_major(q, spatial), _feature_major(k, spatial), _feature_major(v, spatial, ones)
@@ -283,16 +229,14 @@ def _backward_pass(q, k, v, dy, spec, spec_t, spatial, lengths, needs, ones: boo
 
 
 class ToeplitzKernelProduct(torch.autograd.Function):
-    """``Y_i = sum_m q_im sum_j c_{j-i} k_jm v_j`` for all i, by FFT, with a recomputing backward.
+    """``Y_i = sum_m q_im sum_j c_{j-i} k_jm v_j`` by FFT, with a recomputing backward.
 
-    Shapes: q, k ``(B, H, N, M)``; v ``(B, H, N, D1)``; c ``(H, 2S-1[, 2Sx-1])`` (or one row for
-    every head); Y ``(B, H, N, D1)``.
-    Backward (C^T is the same Toeplitz product with ``c_{-r}``, i.e. the conjugate spectrum):
+    Shapes: q, k ``(B, H, N, M)``; v ``(B, H, N, D1)``; c ``(H or 1, 2S-1[, 2Sx-1])``; Y ``(B, H, N, D1)``.
+    Backward (``C^T``: the conjugate spectrum)::
+
         dq_im = dY_i . (C [k_m v])_i
         P_m   = C^T [q_m dY]           dk_jm = P_mj . v_j       dv_j = sum_m k_jm P_mj
         dc_r  = sum_m sum_i (q_im dY_i) . (k_m v)_{i+r}  (a cross-correlation, also by FFT)
-    Memory: O(N (M + D1)) for inputs and outputs plus, per pass over some heads
-    (:func:`head_chunks`), their feature-major copies and the block buffers (:data:`FFT_BLOCK_BYTES`).
     """
 
     @staticmethod
@@ -339,9 +283,8 @@ class ToeplitzKernelProduct(torch.autograd.Function):
 
 
 def _add_table_rows(total: Optional[torch.Tensor], part: torch.Tensor, rows: int, h0: int, h1: int) -> torch.Tensor:
-    """Add the heads ``h0:h1``'s part ``(h1 - h0, *freq)`` of the table's gradient spectrum to
-    ``total`` ``(rows, *freq)`` (made on the first pass): row per head, or summed into one row
-    when the table is shared (``rows == 1``)."""
+    """Add heads ``h0:h1``'s part of the table's gradient spectrum to ``total (rows, *freq)``
+    (made on the first pass); summed into one row when the table is shared."""
     part = part if rows > 1 else part.sum(0, keepdim=True)
     if total is None:
         total = part.new_zeros((rows,) + part.shape[1:])
@@ -350,7 +293,7 @@ def _add_table_rows(total: Optional[torch.Tensor], part: torch.Tensor, rows: int
 
 
 def _table_gradient(total: torch.Tensor, c: torch.Tensor, spatial: tuple[int, ...], lengths: tuple[int, ...]) -> torch.Tensor:
-    """The gradient of the coefficients ``c`` from the spectrum of their cross-correlation ``(rows of c, *freq)``."""
+    """The gradient of ``c`` from the spectrum of the cross-correlation."""
     nd = len(spatial)
     r_time = torch.fft.irfftn(total, s=lengths, dim=tuple(range(1, 1 + nd)))
     idx = [(torch.arange(-(x - 1), x, device=c.device) % L) for x, L in zip(spatial, lengths)]
@@ -359,8 +302,8 @@ def _table_gradient(total: torch.Tensor, c: torch.Tensor, spatial: tuple[int, ..
 
 
 def _attention_forward(q, k, v, c, eps, dead, spatial):
-    """The forward of :class:`FFTAttention`: ``(out (B, H, N, D), den (B, H, N))`` (``den`` the
-    denominators, ``+inf`` on the rows in ``dead``)."""
+    """:class:`FFTAttention`'s forward: ``(out (B, H, N, D), den (B, H, N))``, ``den = +inf`` on
+    ``dead`` rows."""
     b, h, n, m = q.shape
     d = v.shape[-1]
     lengths = _fft_lengths(spatial)
@@ -383,8 +326,7 @@ def _attention_forward(q, k, v, c, eps, dead, spatial):
 
 
 def _attention_backward(g, q, k, v, c, out, den, spatial, needs):
-    """The backward of :class:`FFTAttention`: ``[dq, dk, dv, dc]`` for the inputs flagged in
-    ``needs`` (four bools), None for the others."""
+    """:class:`FFTAttention`'s backward: ``[dq, dk, dv, dc]``, None where ``needs`` is False."""
     b, h, n, m = q.shape
     d = v.shape[-1]
     lengths, spec, spec_t = _backward_spectra(c, spatial)
@@ -417,19 +359,10 @@ def _attention_backward(g, q, k, v, c, out, den, spatial, needs):
 
 
 class FFTAttention(torch.autograd.Function):
-    """``out_i = Y_i[:D] / (Y_i[D] + eps)`` with ``Y`` the :class:`ToeplitzKernelProduct` of
-    ``[v, 1]``, 0 on the rows in ``dead``, in one op: the ones column lives only in each pass's
-    feature-major copy of ``v``, the division reads the passes' results directly, and the backward
-    keeps its inputs, the output and the denominators ``(B, H, N)`` (``+inf`` on dead rows, whose
-    output and gradients are then 0), from which it forms the gradient of ``Y`` pass by pass.
-
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c`` as for :class:`ToeplitzKernelProduct`,
-    ``eps`` a float or ``(H,)`` (no gradient), ``dead (B, H, N)`` bool or None. Returns ``(B, H, N, D)``.
-
-    The eager form: it writes into preallocated buffers and views (``out=``, in place), which
-    TorchDynamo does not trace; under ``torch.compile`` :func:`fft_attention` calls the same two
-    functions through a custom operator instead (:func:`_compiled_attention`).
-    """
+    """``out_i = Y_i[:D] / (Y_i[D] + eps)``, ``Y`` the :class:`ToeplitzKernelProduct` of ``[v, 1]``,
+    0 on ``dead`` rows, in one op: ``[v, 1]`` exists only in each pass's feature-major copy, and
+    the backward keeps inputs, output and denominators ``(B, H, N)`` (``+inf`` on dead rows).
+    ``eps``: a float or ``(H,)``; ``dead (B, H, N)`` bool or None."""
 
     @staticmethod
     @full_precision
@@ -450,20 +383,16 @@ class FFTAttention(torch.autograd.Function):
 
 # ----------------------------------------------------------------------------- under torch.compile
 
-# The same forward and backward as one custom operator each, for TorchDynamo (torch.compile, and
-# torch.export with strict=True): the graph calls them as single nodes and they run the eager code
-# above at run time, with its loops over heads and blocks sized for the actual N. So a compiled
-# graph traces at any size (fullgraph=True), also with a symbolic N (dynamic=True, or automatic
-# dynamic shapes after a recompile): one graph serves every length, and its results are those of
-# eager mode. A namespace per module: a model's copy of this folder (loaded from a checkpoint
-# under another module name) registers its own operators beside the installed package's.
+# The eager forward and backward as one custom operator each for TorchDynamo: single graph nodes
+# whose loops are sized for the actual N at run time (any N, symbolic too). A namespace per module:
+# a checkpoint's copy of this folder registers its own operators beside the installed package's.
 _OP_NAMESPACE = "".join(ch if ch.isalnum() else "_" for ch in __name__)
 
 
 @torch.library.custom_op(f"{_OP_NAMESPACE}::fft_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, eps_heads: Optional[torch.Tensor],
                   eps: float, dead: Optional[torch.Tensor], spatial: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_attention_forward` (``eps_heads`` the per-head eps, else the float ``eps``)."""
+    """:func:`_attention_forward` (``eps_heads``: the per-head eps, else the float ``eps``)."""
     with autocast_disabled(q.device.type):
         return _attention_forward(q, k, v, c, eps if eps_heads is None else eps_heads, dead, tuple(spatial))
 
@@ -478,8 +407,7 @@ def _(q, k, v, c, eps_heads, eps, dead, spatial):
 def _attention_backward_op(g: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor,
                            out: torch.Tensor, den: torch.Tensor, spatial: list[int],
                            needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_attention_backward`; an input's gradient that ``needs`` does not ask for is an
-    empty tensor."""
+    """:func:`_attention_backward`; an unneeded gradient is an empty tensor."""
     with autocast_disabled(q.device.type):
         grads = _attention_backward(g, q, k, v, c, out, den, tuple(spatial), tuple(needs))
     return tuple(x.new_empty(0) if grad is None else grad for x, grad in zip((q, k, v, c), grads))
@@ -515,8 +443,8 @@ def _compiled_attention(q, k, v, c, eps, dead, spatial) -> torch.Tensor:
 def toeplitz_kernel_product_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor, spatial: Sequence[int]
 ) -> torch.Tensor:
-    """What :class:`ToeplitzKernelProduct` computes, plainly: ``Y = (C * (q k^T)) v`` with the
-    matrix ``C[h, i, j] = c_{j-i}`` materialised; ordinary autograd, O(N^2). Same arguments."""
+    """:class:`ToeplitzKernelProduct` plainly: ``Y = (C * (q k^T)) v`` with ``C`` materialised;
+    O(N^2), ordinary autograd."""
     n = q.shape[2]
     cmat = dense_bias_matrix(c, n, None if len(spatial) == 1 else tuple(spatial))  # (H, N, N)
     return ((q @ k.transpose(-1, -2)) * cmat) @ v
@@ -533,8 +461,8 @@ def toeplitz_coefficients(
     dtype: torch.dtype,
     device,
 ) -> torch.Tensor:
-    """``c = exp(b)`` (ones without a bias), zeroed for future offsets ``r > 0`` when causal.
-    Pass a shifted bias (``kernels_common.bias_shift``) so that no coefficient exceeds 1."""
+    """``c = exp(b)`` (ones without a bias), zero for ``r > 0`` when causal. Pass a shifted bias
+    (``kernels_common.bias_shift``) so no coefficient exceeds 1."""
     spatial = spatial_shape(n, grid)
     if rpe_bias is None:
         c = torch.ones((heads,) + tuple(2 * s - 1 for s in spatial), dtype=dtype, device=device)
@@ -546,22 +474,17 @@ def toeplitz_coefficients(
     return c
 
 
-FFT_ERROR_KAPPA = 1.0  # the constant of :func:`fft_error_bound`; measured: at most 0.12
+FFT_ERROR_KAPPA = 1.0  # the constant of :func:`fft_error_bound`; measured errors stayed below 0.12 of it
 
 
-# values (float64) of the reductions :func:`fft_error_bound` makes at a time (8 MB): it reads q and
-# k in slices of rows instead of whole float64 copies
+# float64 values :func:`fft_error_bound` reduces at a time (8 MB)
 FFT_BOUND_CHUNK = 1 << 20
 
 
 def _worst_mass_ratio(q: torch.Tensor, k: torch.Tensor, key_mask: Optional[torch.Tensor]) -> float:
-    """``R = max_i (q_i . K) / (q_i . P_i)`` over the rows with ``q_i . P_i > 0`` (1.0 when there
-    is none), ``P_i = sum_{j <= i} k_j`` the prefix sum of the (unpadded) keys and ``K = P_{N-1}``,
-    in float64 as whole float64 copies of q and k would give it, read in slices of rows: at most
-    about :data:`FFT_BOUND_CHUNK` float64 values of ``(B, H, rows, M)`` at a time instead of five
-    ``(B, H, N, M)`` float64 tensors. Two passes: ``K``, then each slice's prefix sums, carried on
-    from the previous slice (float64 sums of the same terms in another grouping: the values agree
-    to float64 rounding, ~1e-16 relative, far inside the bound's constant)."""
+    """``R = max_i (q_i . K) / (q_i . P_i)`` over rows with ``q_i . P_i > 0`` (else 1.0),
+    ``P_i = sum_{j <= i} k_j`` over unpadded keys, ``K = P_{N-1}``; in float64, read in slices of
+    about :data:`FFT_BOUND_CHUNK` values (prefix sums carried across slices)."""
     b, h, n, m = q.shape
     rows = max(1, FFT_BOUND_CHUNK // max(1, b * h * m))
     keep = None if key_mask is None else key_mask[:, None, :, None]
@@ -596,39 +519,24 @@ def fft_error_bound(
     key_mask: Optional[torch.Tensor] = None,
     dtype: Optional[torch.dtype] = None,
 ) -> float:
-    """A bound on the error of :func:`fft_attention` computed in ``dtype`` (default: the dtype
-    it would use for these inputs), relative to the values: ``max_i |out_i - exact_i|_inf / max |v|``.
+    """Bound on :func:`fft_attention`'s error in ``dtype`` (default: its compute dtype), relative to
+    the values: ``max_i |out_i - exact_i|_inf / max |v|``.
 
-    ``bound = kappa * eps_dtype * exp(S) * R``, where
+    ``bound = FFT_ERROR_KAPPA * eps_dtype * exp(S) * R``, ``S = max b - min b`` over the offsets in
+    use (``r <= 0`` when causal), ``R = max_i (q_i . K) / (q_i . P_i)``: the whole sequence's key
+    mass ``K`` against what row ``i`` sees, ``P_i`` (1 non-causal; about ``N / (i + 1)`` causal).
 
-    * ``S = max b - min b`` is the span of the bias over the offsets in use (``r <= 0`` when
-      causal; 0 without a bias);
-    * ``R = max_i (q_i . K) / (q_i . P_i)`` compares the key mass of the whole sequence ``K``
-      with the mass row ``i`` sees, ``P_i`` (``R = 1`` without causality; about ``N / (i + 1)``
-      for keys of similar size when causal: the first rows are the hardest);
-    * ``kappa = FFT_ERROR_KAPPA = 1``.
-
-    Why: the transform computes every ``T_m(l) = sum_j c_{j-l} k_jm v_j`` with an absolute error of
-    about ``eps`` times the largest ``|T_m|``, at most ``exp(max b) K_m max|v|``, while row ``i``'s
-    denominator is at least ``exp(min b) q_i . P_i``. It holds for non-negative features (elu,
-    relu, prf); with features of both signs (trf) denominators can cancel and no bound exists
-    (``inf`` is returned). Measured against a float64 evaluation (float32, positive features,
-    N = 1k..131k, spans 0..20, uniform / decaying / spiked / constant biases, causal and not)
-    the error stayed below 0.12 of this bound. Examples in float32: non-causal without a bias
-    ~1e-9 (bound 1.2e-7); causal without a bias 1.2e-5 at N = 1k, 9e-4 at 32k, 3e-3 at 131k
-    (first rows; bound ~N eps); a bias spanning 20 (+-10) costs up to ``e^20``.
-
-    While ``torch.compile`` / ``torch.export`` trace, the data cannot be read: ``inf``.
-
-    Memory: the signs are read in the inputs' dtype (two reductions) and ``R`` in float64 slices
-    of rows (:func:`_worst_mass_ratio`, about 8 MB at a time): no whole copy of ``q`` or ``k``.
+    Why: the transform computes ``T_m(l) = sum_j c_{j-l} k_jm v_j`` with absolute error about
+    ``eps`` times the largest ``|T_m| <= exp(max b) K_m max|v|``, while row ``i``'s denominator is
+    at least ``exp(min b) q_i . P_i``. Signed features (trf) can cancel: ``inf``; also ``inf``
+    while tracing.
     """
     dt = dtype if dtype is not None else compute_dtype_for(q)
-    if torch.compiler.is_compiling():  # the bound reads the data, which a trace cannot: none known
+    if torch.compiler.is_compiling():  # no data to read
         return math.inf
     with torch.no_grad():
         q, k = q.detach(), k.detach()
-        # signs read in the input dtype (exact; a reduction, no copy): a NaN is not negative, as before
+        # signs read in the input dtype (exact, no copy); a NaN is not negative
         if any(x.numel() and bool(x.amin() < 0) for x in (q, k)):
             return math.inf
         span = 0.0
@@ -652,28 +560,10 @@ def fft_attention(
 ) -> torch.Tensor:
     """Kernelized attention with a Toeplitz RPE by FFT, O(N M D log N). Returns ``(B, H, N, D)``.
 
-    Accuracy. The transform mixes all positions, so its rounding error is set by the largest
-    entries of the sequence, not by each row's own: in float32 the error relative to the values
-    is bounded by :func:`fft_error_bound`, ``eps * exp(S) * R`` (S the span of the bias, R the
-    ratio of the whole sequence's key mass to the mass a row sees; about N for the first rows of
-    a causal call). Non-causal float32 calls with a moderate bias stay near 1e-7; causal ones grow
-    like ``N eps`` (1.2e-5 at N = 1k, 3e-3 at 131k) and a bias span of S multiplies by up to
-    ``e^S``. The coefficients are shifted by their maximum (``kernels_common.bias_shift``), so a large
-    bias never overflows. Inputs in float64 run the whole product in float64 (error ~1e-16 of
-    the same factors); ``backend="auto"`` computes in float64, or picks an exact backend, where
-    float32 cannot meet ``1e-4``. Rows without any allowed key return exactly 0.
-
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` and ``rpe_bias`` (``(H, 2N-1)``, or with
-    ``grid = (Hg, Wg)`` ``(H, 2Hg-1, 2Wg-1)``) in the dtype to compute in, padded keys and
-    values already zero.
-
-    Empty inputs (0 sequences, heads, tokens, features or value columns) give the formula's
-    result without a transform: an empty ``(B, H, N, D)`` tensor, or zeros when only ``M = 0``
-    (no product ``q_i . k_j`` is nonzero), attached to every input.
-
-    Under ``torch.compile`` the product runs as one custom operator (forward and backward), with
-    eager mode's kernel: it traces with ``fullgraph=True`` and, with dynamic shapes, with a
-    symbolic N or grid (one graph for every size).
+    ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``rpe_bias`` ``(H, 2N-1)`` or, with
+    ``grid = (Hg, Wg)``, ``(H, 2Hg-1, 2Wg-1)``, in the compute dtype, padded keys and values zero.
+    The transform mixes all positions, so its rounding error follows the sequence's largest entries
+    (:func:`fft_error_bound`); rows without any allowed key return exactly 0.
     """
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         attached = q.sum() + k.sum() + (0 if rpe_bias is None else rpe_bias.sum().to(v.dtype))
@@ -682,20 +572,16 @@ def fft_attention(
     if rpe_bias is not None:
         rpe_bias, eps = shifted_bias(rpe_bias, n, causal, eps)
     c = toeplitz_coefficients(rpe_bias, n, q.shape[1], causal, grid, q.dtype, q.device)
-    # The transform mixes every position: a row for which every product q_im k_jm over its
-    # allowed keys is zero (all of them padding, or features with disjoint support) has exact
-    # numerator and denominator 0, but would read rounding noise of the other rows divided by
-    # eps. It gets exactly 0, as the formula (and every other backend) gives.
+    # a row with no nonzero product q_im k_jm has numerator and denominator exactly 0 but would read the
+    # other rows' rounding noise over eps: it gets 0, as the formula gives
     args = (q, k, v, c, eps, _dead_rows(q.detach(), k.detach(), causal), spatial_shape(n, grid))
-    if torch.compiler.is_dynamo_compiling():  # the eager form's buffer writes do not trace: one operator instead
+    if torch.compiler.is_dynamo_compiling():
         return _compiled_attention(*args)
     return FFTAttention.apply(*args)
 
 
 def _dead_rows(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``(B, H, N)`` bool: the rows for which every product ``q_im k_jm`` over their allowed keys
-    is zero (``q_i . P_i`` of :func:`_worst_mass_ratio` with ``|q|`` and ``|k|``, with one
-    ``(B, H, N, M)`` temporary)."""
+    """``(B, H, N)`` bool: rows whose every product ``q_im k_jm`` over allowed keys is zero."""
     if causal:
         seen = k.abs().cumsum_(dim=2).mul_(q).abs_().sum(-1)  # |q_im| P_im = |q_im P_im| (P >= 0)
     else:

@@ -1,7 +1,6 @@
 """Attention with a 2D bias of the clipped Manhattan distance (Horn et al. 2021), in O(N K^2).
 
-Formula, on a row-major ``(Hg, Wg)`` token grid with ``d_ij = min(|dy| + |dx|, K)`` for the
-offsets ``dy = y_j - y_i``, ``dx = x_j - x_i`` and ``c_d = exp(b_d)``::
+On a row-major ``(Hg, Wg)`` grid, ``d_ij = min(|dy| + |dx|, K)``, ``c_d = exp(b_d)``::
 
     out_i = sum_j c_{d_ij} (q_i . k_j) v_j / (sum_j c_{d_ij} (q_i . k_j) + eps)
 
@@ -12,32 +11,14 @@ and a near sum over the ``2K^2 - 2K + 1`` offsets closer than K::
 
 with ``[S, z] = sum_j k_j^T [v_j, 1]``; ``out_i = Y_i[:D] / (Y_i[D] + eps)``.
 
-Both are computed from matrix products (:class:`ManhattanAttention`). The grid is cut into
-tiles of ``Ty x Tx`` tokens (8 x 4) and the inputs stored strip by strip: strips of ``Tx``
-columns, each strip row-major, so that a tile is ``Ty Tx`` consecutive tokens and, in the strip
-``s`` strips to its side, the rows its diamond reaches (``Ty + 2 h_s``, ``h_s = K - 1 - min
-|dx|``, fewer at the top and bottom of the grid) are one consecutive run of tokens. For one
-row of tiles and one strip offset, one batched product over the tiles of every strip, batch
-row and head gives the ``(Ty Tx, run)`` score blocks; they are weighed by the ``c_d - c_K`` of
-each (query, key) pair (0 beyond the diamond: a fixed block per head and offset, one pass) and
-one more product adds the runs' ``[v, 1]``, stored feature-major, times them into the tiles'
-numerator and denominator, ``(D+1, Ty Tx)`` per tile (at ``D+1`` columns this orientation runs
-well faster than its transpose), which a first product per row of tiles starts with the far
-term ``c_K q_i [S, z]``; the division writes the output from these tiles. The blocks cover
-about 1.5-1.8x the keys of the diamond (the tiles' corners), against ``N`` for the dense form.
-Tiles whose strip ``s`` lies off the grid skip that product; runs stop at the grid's top and
-bottom rows. A small grid is one tile (the dense form). Calls run in chunks of (batch row,
-head) pairs whose buffers stay about 1 MB (:func:`_chunks`).
+:class:`ManhattanAttention` computes both with matrix products: tiles of ``Ty x Tx`` queries
+(8 x 4) against runs of keys, the inputs stored in strips of ``Tx`` columns so that the keys a
+tile reaches in a neighbouring strip are consecutive tokens (:class:`TilePlan`). Score blocks are
+weighed by ``c_d - c_K`` (0 beyond the diamond) and cover about 1.5-1.8x the diamond's keys.
 
-Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): for the backward it keeps only its
-inputs q, k, v, the coefficients, the output and its denominator (it rebuilds the strips
-and recomputes each score block); score blocks exist for one row of tiles of a group of
-strips (a few thousand tokens) at a time. ``kernels_common.manhattan_table`` turns a per-distance table into the 2D
-bias ``(H, 2Hg-1, 2Wg-1)`` the other backends take; ``manhattan_distances`` reads the
-per-distance values back from such a bias (the backend's input). The plain reference is the
-dense form (``kernels_dense``) on ``manhattan_table``'s bias; :func:`manhattan_offsets_near`
-is the same near sum written offset by offset (the form traced by ``torch.export`` with a
-dynamic grid, whose sizes are symbolic).
+Cost: time O(N K^2 (M + D) + N M D); memory O(N (M + D)): the backward keeps inputs, output and
+denominator and recomputes each score block. :func:`manhattan_offsets_near` is the near sum
+offset by offset (what ``torch.export`` traces with a dynamic grid).
 """
 
 from __future__ import annotations
@@ -57,18 +38,16 @@ GROUP_TOKENS = 4096
 
 
 class TilePlan:
-    """The geometry of :class:`ManhattanAttention` for one call: tiles of ``ty x tx`` tokens on
-    a ``(hg, wg)`` grid (padded to ``(hq, wq)``), the strip offsets ``s`` with the half-height
-    ``h_s`` of their runs, the distance index of every (run position, tile position) pair, the
-    rows of each tile row's runs that lie on the grid, and the groups of columns walked at once.
+    """The geometry of :class:`ManhattanAttention` for one call: ``ty x tx`` tiles on a ``(hg, wg)``
+    grid (padded to ``(hq, wq)``), the strip offsets ``s`` with their runs' half-height
+    ``h_s = K - 1 - min |dx|``, the distance index of every (run position, tile position) pair, and
+    the groups of columns walked at once.
 
-    The strip layout of a ``(B, H, N, F)`` tensor is a flat ``(L, F)`` buffer, ``L = ntx B H hq
-    tx`` tokens ordered (strip, batch row, head, row, column in strip): ``ntx B H`` columns of
-    ``hq tx`` tokens, zero outside the grid. Tile row ``r`` of column ``c`` is tokens
-    ``[c hq tx + r ty tx, ...)``, ``ty tx`` of them; its run of offset ``s`` is the rows
-    ``[r ty - h_s, (r + 1) ty + h_s)`` of column ``c + s B H`` (strip ``s`` to the side) that lie
-    on the grid: for one tile row and offset, the tiles and runs of consecutive columns are
-    strided views (one batched product)."""
+    Strip layout of ``(B, H, N, F)``: a flat ``(L, F)`` buffer, ``L = ntx B H hq tx``, ordered
+    (strip, batch row, head, row, column in strip), zero off the grid. Tile row ``r`` of column
+    ``c`` is the ``ty tx`` tokens from ``c hq tx + r ty tx``; its run of offset ``s`` is rows
+    ``[r ty - h_s, (r + 1) ty + h_s)`` of column ``c + s B H``: for one tile row and offset, the
+    tiles and runs of consecutive columns are strided views (one batched product)."""
 
     def __init__(self, b: int, h: int, grid: tuple[int, int], clip: int, tile: tuple[int, int], device,
                  group_tokens: int | None = None) -> None:
@@ -116,12 +95,8 @@ class TilePlan:
 
     @functools.cached_property
     def steps(self) -> list:
-        """The products of a walk over the tiles, as plain numbers (the loop then makes only the
-        views it multiplies): per group and tile row ``r``, ``(a, z, r, first tile token,
-        items)`` for the columns ``[a, z)``, ``items`` one ``(i, c0, c1, first run token, keys,
-        h0, heads, first weight row, block)`` per strip offset ``i`` with columns ``[c0, c1)`` on
-        the grid, ``block`` the index of its weights ``(i, h0, heads, first, keys)`` in
-        ``self.blocks`` (set here)."""
+        """The walk's products as plain numbers: per group and tile row ``(a, z, r, first tile token,
+        items)``, one item per on-grid strip offset; sets ``self.blocks``, the distinct weight blocks."""
         out, blocks = [], {}
         for group in self.groups:
             for r in range(self.nty):
@@ -140,21 +115,20 @@ class TilePlan:
         return out
 
     def weights(self, c: torch.Tensor) -> torch.Tensor:
-        """Per-distance coefficients ``c (H, K+1)`` -> the near weights ``c_d - c_K`` (0 from
-        distance K on) of every (run position, tile position) pair: ``(H, offsets, max keys, ty tx)``."""
+        """``c (H, K+1)`` -> near weights ``c_d - c_K`` (0 from K on) per pair:
+        ``(H, offsets, max keys, ty tx)``."""
         near = torch.cat([c[:, : self.clip] - c[:, self.clip :], torch.zeros_like(c[:, :1])], dim=1)
         return near.index_select(1, self.index.flatten()).view(c.shape[0], *self.index.shape)
 
     def weights_backward(self, dw: torch.Tensor) -> torch.Tensor:
-        """The gradient of :meth:`weights`: ``dw (H, offsets, max keys, ty tx)`` -> ``dc (H, K+1)``."""
+        """Gradient of :meth:`weights`: ``dw (H, offsets, max keys, ty tx)`` -> ``dc (H, K+1)``."""
         dnear = dw.new_zeros(dw.shape[0], self.clip + 1).index_add_(1, self.index.flatten(), dw.flatten(1))
         dc = dnear.clone()
         dc[:, self.clip] = -dnear[:, : self.clip].sum(1)
         return dc
 
     def to_strips(self, x: torch.Tensor, ones: bool = False) -> torch.Tensor:
-        """``(B, H, N, F)`` -> the strip buffer ``(L, F)`` (zero off the grid); ``ones``: with a
-        column of ones after the F features, ``(L, F + 1)``."""
+        """``(B, H, N, F)`` -> the strip buffer ``(L, F)``; ``ones``: with a ones column, ``(L, F + 1)``."""
         f = x.shape[-1]
         buf = x.new_empty(self.length, f + ones)
         region = buf.view(self.ntx, self.b, self.h, self.hq, self.tx, f + ones)
@@ -174,9 +148,8 @@ class TilePlan:
         return buf
 
     def to_strips_t(self, x: torch.Tensor, ones: bool = False) -> torch.Tensor:
-        """``(B, H, N, F)`` -> the feature-major strip buffer: flat, ``ntx B H`` columns of ``(F,
-        hq tx)`` values (one row of ``hq tx`` tokens per feature, zero off the grid); ``ones``: a
-        row of ones after the F features (``F + 1`` rows)."""
+        """``(B, H, N, F)`` -> the feature-major strip buffer: ``ntx B H`` columns of ``(F, hq tx)``;
+        ``ones``: a row of ones appended."""
         f = x.shape[-1]
         rows = f + ones
         buf = x.new_empty(self.ntx * self.bh * rows * self.column)
@@ -197,10 +170,9 @@ class TilePlan:
         return buf
 
     def to_tiles_t(self, x: torch.Tensor) -> torch.Tensor:
-        """``(B, H, N, F)`` -> the feature-major tiles ``(ntx B H, nty, F, ty tx)`` (column, tile
-        row; zero off the grid): each tile a contiguous ``(F, ty tx)`` matrix."""
+        """``(B, H, N, F)`` -> feature-major tiles ``(ntx B H, nty, F, ty tx)``, zero off the grid."""
         f = x.shape[-1]
-        if (self.hq, self.wq) != (self.hg, self.wg):  # tiles past the grid's edge: through the zero-padded strips
+        if (self.hq, self.wq) != (self.hg, self.wg):  # tiles past the grid's edge: via the zero-padded strips
             return self.to_strips(x).view(-1, self.t2, f).transpose(1, 2).contiguous().view(self.ntx * self.bh, self.nty, f, self.t2)
         buf = x.new_empty(self.ntx * self.bh, self.nty, f, self.t2)
         buf.view(self.ntx, self.b, self.h, self.nty, f, self.ty, self.tx).copy_(
@@ -208,21 +180,20 @@ class TilePlan:
         return buf
 
     def far_t(self, kb: torch.Tensor, vt: torch.Tensor, rows: int) -> torch.Tensor:
-        """``[v, 1]^T k`` per (batch row, head) from the strip buffers of k (token-major) and of
-        ``[v, 1]`` (feature-major, ``rows`` features): ``(B H, rows, M)``."""
+        """``[v, 1]^T k`` per (batch row, head) from strip buffers of k and of feature-major ``[v, 1]``
+        (``rows`` features): ``(B H, rows, M)``."""
         m = kb.shape[-1]
         cols = self.ntx * self.bh
         parts = torch.bmm(vt.view(cols, rows, self.column), kb.view(cols, self.column, m))
         return parts.view(self.ntx, self.bh, rows, m).sum(0)
 
     def new_tiles_t(self, like: torch.Tensor, f: int) -> torch.Tensor:
-        """A feature-major tile buffer ``(nty, ntx B H, F, ty tx)`` (uninitialized)."""
+        """An uninitialized feature-major tile buffer ``(nty, ntx B H, F, ty tx)``."""
         return like.new_empty(self.nty, self.ntx * self.bh, f, self.t2)
 
     def divide(self, yt: torch.Tensor, eps: torch.Tensor, out: torch.Tensor, den: torch.Tensor) -> None:
-        """A feature-major tile buffer of numerators and denominators ``(nty, ntx B H, D+1, ty tx)``
-        -> ``den (B, H, N) =`` its denominators plus ``eps (H,)`` and ``out (B, H, N, D) =`` the
-        numerators over them (both written in place)."""
+        """Tiles of numerators and denominators ``(nty, ntx B H, D+1, ty tx)`` -> ``den (B, H, N)``
+        (plus ``eps (H,)``) and ``out (B, H, N, D)``, written in place."""
         f = yt.shape[2]
         d = f - 1
         y = yt.view(self.nty, self.ntx, self.b, self.h, f, self.ty, self.tx).permute(2, 3, 0, 5, 1, 6, 4)
@@ -237,7 +208,7 @@ class TilePlan:
         torch.div(y[..., :d], dv[..., None], out=ov)
 
     def from_strips(self, buf: torch.Tensor, out: torch.Tensor) -> None:
-        """A strip buffer ``(L, F)`` -> ``out (B, H, N, F)`` (its tokens on the grid, written in place)."""
+        """A strip buffer ``(L, F)`` -> ``out (B, H, N, F)``, written in place."""
         f = buf.shape[-1]
         region = buf.view(self.ntx, self.b, self.h, self.hq, self.tx, f)
         og = out.view(self.b, self.h, self.hg, self.wg, f)
@@ -249,14 +220,13 @@ class TilePlan:
             og[:, :, :, full * self.tx :].copy_(region[full, :, :, : self.hg, : self.wg - full * self.tx])
 
     def new_tiles(self, like: torch.Tensor, f: int) -> torch.Tensor:
-        """A tile buffer ``(nty, ntx B H, ty tx, F)``: tile row, then column (the tiles of one
-        row of consecutive columns are one contiguous block); uninitialized (offset 0, first,
-        writes every tile), zero when there is no offset."""
+        """A tile buffer ``(nty, ntx B H, ty tx, F)``; uninitialized (offset 0 writes every tile
+        first), zeroed when there is no offset."""
         shape = (self.nty, self.ntx * self.bh, self.t2, f)
         return like.new_empty(shape) if self.offsets else like.new_zeros(shape)
 
     def from_tiles(self, y: torch.Tensor, out: torch.Tensor) -> None:
-        """A tile buffer ``(nty, ntx B H, ty tx, F)`` -> ``out (B, H, N, F)`` (written in place)."""
+        """A tile buffer ``(nty, ntx B H, ty tx, F)`` -> ``out (B, H, N, F)``, written in place."""
         f = y.shape[-1]
         y = y.view(self.nty, self.ntx, self.b, self.h, self.ty, self.tx, f).permute(2, 3, 0, 4, 1, 5, 6)
         if (self.hq, self.wq) == (self.hg, self.wg):
@@ -265,8 +235,8 @@ class TilePlan:
             out.view(self.b, self.h, self.hg, self.wg, f).copy_(y.reshape(self.b, self.h, self.hq, self.wq, f)[:, :, : self.hg, : self.wg])
 
     def columns(self, i: int | None, group: tuple[int, int, int, int]) -> tuple[int, int]:
-        """The columns ``[c0, c1)`` of a group (strips ``[x0, x1)``, rows ``[r0, r1)`` of ``B H``)
-        whose strip at offset ``i`` lies on the grid (``c0 >= c1``: none); ``i`` None: all of them."""
+        """The columns ``[c0, c1)`` of ``group`` whose strip at offset ``i`` lies on the grid (empty if
+        ``c0 >= c1``); ``i`` None: all."""
         s = 0 if i is None else self.offsets[i][0]
         x0, x1, r0, r1 = group
         a, z = max(x0, -s), min(x1, self.ntx - s)
@@ -275,31 +245,21 @@ class TilePlan:
         return (a * self.bh + r0, a * self.bh + r1) if a < z else (0, 0)
 
     def per_column(self, x: torch.Tensor) -> torch.Tensor:
-        """A tensor ``(B H, ...)`` per (batch row, head) -> ``(ntx B H, ...)``, one per column."""
+        """``(B H, ...)`` -> ``(ntx B H, ...)``, repeated per strip."""
         return x.repeat(self.ntx, *([1] * (x.dim() - 1)))
 
 
 @functools.lru_cache(maxsize=32)
 def _plan(b: int, h: int, grid: tuple[int, int], clip: int, tile: tuple[int, int], device: torch.device,
           group_tokens: int) -> TilePlan:
-    """The :class:`TilePlan` of a call, kept for the calls of the same shapes (a model's layers
-    and steps): its index tensors are built once."""
+    """The cached :class:`TilePlan` for these shapes: its index tensors are built once per shape."""
     return TilePlan(b, h, grid, clip, tile, device, group_tokens)
 
 
 class ManhattanAttention(torch.autograd.Function):
-    """:func:`manhattan_attention` on the tiles of :class:`TilePlan` s (see the module
-    docstring): per tile, one product for the far term, then one pair of products per strip
-    offset for the near sum; the division after; with a hand-written backward. Runs in chunks
-    of (batch row, head) pairs (:func:`_chunks`), so that its buffers stay small.
-
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)``, ``c (H, K+1)`` the per-distance coefficients
-    ``exp(b_d)``, ``eps (H,)`` per head; ``grid``, ``clip`` and ``tile`` as for :class:`TilePlan`.
-    Returns ``(B, H, N, D)``. Saves its inputs, the output and the denominator ``(B, H, N)``;
-    the backward rebuilds the strips and recomputes the products, each key's tile against its
-    queries' runs (the weights are symmetric in the two, so the blocks and their weights are
-    those of the forward): the gradients of k, v and the weights into the tile, that of q added
-    into the queries' runs."""
+    """:func:`manhattan_attention` on :class:`TilePlan` tiles, in chunks of (batch row, head) pairs,
+    with a hand-written backward. ``c (H, K+1)``: ``exp(b_d)``; ``eps (H,)``. The backward takes
+    each key's tile against its queries' runs (the weights are symmetric: the forward's blocks)."""
 
     @staticmethod
     @full_precision
@@ -335,19 +295,13 @@ class ManhattanAttention(torch.autograd.Function):
         return dq, dk, dv, dc, None, None, None, None
 
 
-# Floats of the largest buffer of one chunk (see :func:`_chunks`): 1 MB, one head at 64 x 64.
+# Floats of a chunk's largest buffer (:func:`_chunks`): 1 MB, one head at 64 x 64.
 CHUNK_FLOATS = 1 << 18
 
 
 def _chunks(q: torch.Tensor, d: int, grid: tuple[int, int], clip: int, tile: tuple[int, int]):
-    """``((b0, b1, h0, h1), plan)`` for the chunks of (batch row, head) pairs of a call: all of
-    them, whole batch rows or some heads of one, each a :class:`TilePlan`, so that a buffer of
-    the chunk (the tiles of the numerator, ``(D+1)`` per token) holds at most
-    :data:`CHUNK_FLOATS` floats: larger fresh buffers cost the system more per byte than the
-    copies into them (they are mapped page by page), smaller ones are reused, and the runs of
-    keys and values one row of tiles reads (every strip of the chunk, for every offset) stay in
-    the core's cache (one head at 64 x 64: 0.8-0.85x the time of 7 heads, forward and backward;
-    three at 32 x 32: 0.85-0.9x of all 12; fewer columns per product than that run slower)."""
+    """``((b0, b1, h0, h1), plan)`` per chunk of (batch row, head) pairs whose numerator tiles hold at
+    most :data:`CHUNK_FLOATS` floats (fresh large buffers are page-faulted; the runs stay in cache)."""
     b, h, n, _ = q.shape
     per_row = -(-grid[0] // tile[0]) * tile[0] * -(-grid[1] // tile[1]) * tile[1] * (max(d, q.shape[-1]) + 1)
     rows = max(1, CHUNK_FLOATS // per_row)
@@ -363,10 +317,8 @@ def _chunks(q: torch.Tensor, d: int, grid: tuple[int, int], clip: int, tile: tup
 
 
 def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
-    """``out (B, H, N, D)`` and ``den (B, H, N)`` of the chunk ``q, k, v, c, eps``: the numerator
-    (far term and near sum) over the denominator plus ``eps``, written in place. The value
-    products run feature-major (``[v, 1]^T`` runs times the score blocks, into ``(D+1, ty tx)``
-    tiles): at 65 columns this orientation runs well faster than its transpose."""
+    """A chunk's ``out`` and ``den``, in place: far term plus near sum, over the denominator plus
+    ``eps``. Products run feature-major (``(D+1, ty tx)`` tiles, measured faster)."""
     d = v.shape[-1]
     w = plan.weights(c)
     qt, kb, vt = plan.to_tiles_t(q), plan.to_strips(k), plan.to_strips_t(v, ones=True)
@@ -375,9 +327,9 @@ def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
     m, f, col, t2 = q.shape[-1], d + 1, plan.column, plan.t2
     ok, ov = kb.storage_offset(), vt.storage_offset()
     steps = plan.steps  # (sets plan.blocks)
-    weights = [None] * len(plan.blocks)  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    weights = [None] * len(plan.blocks)  # per distinct block: (heads, keys, ty tx)
     for a, z, r, start, items in steps:
-        tiles, ytr = qt[a:z, r], yt[r]  # the queries' tiles, feature-major (M, ty tx); the row's numerators
+        tiles, ytr = qt[a:z, r], yt[r]  # query tiles (M, ty tx); the row's numerators
         torch.bmm(far[a:z], tiles, out=ytr[a:z])  # far: every key with c_K
         for i, c0, c1, run, keys, h0, heads, first, block in items:
             n = c1 - c0
@@ -392,11 +344,8 @@ def _near_forward(plan: TilePlan, q, k, v, c, eps, out, den) -> None:
 
 
 def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
-    """The gradients of a chunk: ``g (B, H, N, D+1)`` the gradient of the numerator and
-    denominator -> ``dq, dk, dv`` written in place (those not None), and ``dc (H, K+1)`` if
-    ``need_c`` (else None). Each key's tile against the runs of its queries: one score block
-    and one block of ``g . [v, 1]`` per pair, whose weighted form gives the gradients of k
-    (into the tile) and of q (added into the queries' runs of a strip buffer)."""
+    """A chunk's ``dq, dk, dv`` (in place, those not None) and ``dc (H, K+1)`` if ``need_c``, from
+    ``g (B, H, N, D+1)``, the gradient of numerator and denominator."""
     b, h, n, m = q.shape
     d = v.shape[-1]
     need_q, need_k, need_v = dq is not None, dk is not None, dv is not None
@@ -423,7 +372,7 @@ def _near_backward(plan: TilePlan, q, k, v, c, g, dq, dk, dv, need_c: bool):
         return buf.as_strided((n, t2, ld), (col * ld, ld, 1), buf.storage_offset() + start * ld)
 
     steps = plan.steps  # (sets plan.blocks)
-    weights = [None] * len(plan.blocks)  # the weights of a block: (heads, keys, ty tx), one view per distinct block
+    weights = [None] * len(plan.blocks)  # per distinct block: (heads, keys, ty tx)
     for a, z, r, start, items in steps:
         ktiles, vtiles = tile_view(kb, start, z - a), tile_view(vb, start, z - a)
         if need_k:
@@ -474,11 +423,8 @@ def _far_sums(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def tile_shape(grid: tuple[int, int], clip: int) -> tuple[int, int]:
-    """Tile ``(ty, tx)`` for a grid and clip: the whole grid when it is small (one block per
-    head: the dense form, whose product beats many small ones), else 8 rows of 4 columns (32
-    queries a product: smaller products run well below the machine's matrix rate, larger
-    tiles' corners add more keys beyond the diamond than they gain; 4 x 4 and 4 x 8 measured
-    5-15% slower at K = 16)."""
+    """``(ty, tx)``: the whole grid when small (one dense block per head), else 8 x 4 (32 queries
+    per product; measured fastest here)."""
     hg, wg = grid
     if hg * wg <= WHOLE_GRID_MAX_N:
         return hg, wg
@@ -486,9 +432,9 @@ def tile_shape(grid: tuple[int, int], clip: int) -> tuple[int, int]:
 
 
 def manhattan_offsets_near(q, k, v1, c, grid, clip):
-    """The near sum ``sum_{d < K} (c_d - c_K) (q_i . k_{i+delta}) [v_{i+delta}, 1]``, offset by
-    offset: ``2K^2 - 2K + 1`` shifted views of zero-padded k and v1 (elementwise; no loop over
-    the grid's sizes, so ``torch.export`` keeps them symbolic). ``(B, H, N, E)``."""
+    """The near sum ``sum_{d < K} (c_d - c_K) (q_i . k_{i+delta}) [v_{i+delta}, 1]`` over
+    ``2K^2 - 2K + 1`` shifted views (no loop over grid sizes: ``torch.export`` keeps them symbolic).
+    ``(B, H, N, E)``."""
     b, h, _, m = q.shape
     e = v1.shape[-1]
     hg, wg = grid
@@ -506,8 +452,7 @@ def manhattan_offsets_near(q, k, v1, c, grid, clip):
 
 
 def _symbolic(*sizes) -> bool:
-    """Sizes that ``torch.export`` / ``torch.compile`` trace symbolically: the tile plan's Python
-    loops would fix them, so the offset-by-offset form runs instead."""
+    """Sizes traced symbolically (or compiling): the tile plan's loops would fix them."""
     return any(isinstance(x, torch.SymInt) for x in sizes) or torch.compiler.is_compiling()
 
 
@@ -522,20 +467,18 @@ def manhattan_attention(
     rpe_clip: int,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """Non-causal attention on a ``grid = (Hg, Wg)`` with a 2D bias ``(H, 2Hg-1, 2Wg-1)`` that
-    depends only on ``min(|dy| + |dx|, K)``, ``K = rpe_clip`` (see the module docstring), or
-    with that bias as its per-distance table ``(H, K+1)`` (entry d holds ``b_d``).
+    """Non-causal attention on ``grid = (Hg, Wg)`` with a 2D bias ``(H, 2Hg-1, 2Wg-1)`` depending
+    only on ``min(|dy| + |dx|, K)``, ``K = rpe_clip``, or its per-distance table ``(H, K+1)``.
 
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype (``N = Hg Wg``), padded keys and values
-    already zero. Returns ``(B, H, N, D)``. Gradients of the bias land on the entries
-    :func:`manhattan_distances` reads (one per distance: the gradient of a per-distance table
-    the bias was built from is the same as with the dense form).
+    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` of one dtype, padded keys and values zero. Returns
+    ``(B, H, N, D)``. Bias gradients land on the entries :func:`manhattan_distances` reads (a
+    per-distance table gets the dense form's gradient).
     """
     b, h, n, m = q.shape
     d = v.shape[-1]
     hg, wg = grid
     clip = int(rpe_clip)
-    if rpe_bias.dim() == 2:  # the per-distance table; distances no pair reaches take the farthest reachable one's
+    if rpe_bias.dim() == 2:  # per-distance table; unreachable distances take the farthest reachable one's
         dist = rpe_bias[:, torch.arange(clip + 1, device=rpe_bias.device).clamp(max=hg - 1 + wg - 1)]
     else:
         dist = manhattan_distances(rpe_bias, hg, wg, clip)  # (H, K+1)

@@ -1,20 +1,17 @@
 """Windowed attention: exact for a 1D relative-position bias clipped at ``K``, in O(N K).
 
-Formula (``r = j - i``, ``c_r = exp(b_r)``, with ``b_r = b_{-K}`` for ``r < -K`` and ``b_r = b_K``
-for ``r > K``)::
+With ``r = j - i``, ``c_r = exp(b_r)`` and ``b_r = b_{-K}`` for ``r < -K``, ``b_K`` for ``r > K``::
 
     out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)
 
-over the allowed ``j`` (``j <= i`` when causal). Keys within the band ``|r| <= K`` (rounded up
-to whole chunks) get their exact weights; all keys beyond it share ``c_{-K}`` (left) or ``c_K``
-(right) and enter through prefix / suffix sums of chunk states ``sum_j k_j^T [v_j, 1]``.
+over the allowed ``j`` (``j <= i`` when causal). With chunks of ``C`` tokens and ``s C >= K``
+(:func:`window_geometry`), a query in chunk a weighs the keys of chunks ``a-s .. a+s`` exactly
+(one ``C x (2s+1)C`` block); all keys of chunks ``<= a-s-1`` share ``c_{-K}`` and those of
+chunks ``>= a+s+1`` share ``c_K``, entering through prefix / suffix sums of chunk states
+``sum_j k_j^T [v_j, 1]`` (:func:`_far_states`). Gradients of the far region land on entries
+``+-K``.
 
-Cost: time O(N (2K + C) (M + D) + N M D), memory O(N (M + D) + (N / C) M D) for chunks of
-``C`` tokens: linear in N.
-
-:class:`BandedKernelProduct` is the op with its hand-written backward;
-:func:`banded_kernel_product_reference` is the same product written plainly with ordinary
-autograd, the reference its tests compare with.
+Cost: time O(N (2K + C) (M + D) + N M D), memory O(N (M + D) + (N / C) M D): linear in N.
 """
 
 from __future__ import annotations
@@ -29,12 +26,9 @@ from .state import AttentionState, fold_into_state
 
 
 def band_blocks(n: int, c: int, s: int, causal: bool, start: int = 0):
-    """The blocks of the band over ``n`` keys: for each chunk of ``c`` queries at key positions
-    ``[a0, a1)`` (from ``start``, a multiple of ``c``: the keys before it are earlier context
-    without queries), its rows ``[r0, r1) = [a0 - start, a1 - start)`` of the query tensor, its
-    keys ``[lo, hi)`` (chunks ``a-s .. a+s``, or ``a-s .. a`` when causal, cut to ``[0, n)``),
-    the columns ``[c0, c1)`` of the ``(C, W)`` weight block that those keys use, and the index
-    ``f`` of its far state."""
+    """Per chunk of ``c`` queries at key positions ``[a0, a1)`` (from ``start``; earlier keys are
+    context): query rows ``[r0, r1)``, keys ``[lo, hi)`` (chunks ``a-s .. a+s``, causal ``.. a``),
+    their columns ``[c0, c1)`` of the weight block, and the far state's index."""
     for a0 in range(start, n, c):
         a1 = min(a0 + c, n)
         first = a0 - s * c
@@ -43,23 +37,15 @@ def band_blocks(n: int, c: int, s: int, causal: bool, start: int = 0):
 
 
 class BandedKernelProduct(torch.autograd.Function):
-    """The work of :func:`windowed_attention`: ``Y_i = sum_j w[i, j] (q_i . k_j) [v_j, 1]`` over
-    the keys of the band around query i's chunk a, plus ``q_i F_a`` for the far keys summarised
-    in the chunk's matrix ``F_a``; the output is ``Y_i[:D] / (Y_i[D] + eps)``. Hand-written
-    backward.
+    """``Y_i = sum_j w[i, j] (q_i . k_j) [v_j, 1] + q_i F_a`` over the band of query i's chunk a
+    (``F_a`` its far sums); returns ``Y_i[:D] / (Y_i[D] + eps)``, with a hand-written backward.
 
-    Shapes: ``q (B, H, N, M)``, ``k (B, H, P + N, M)``, ``v (B, H, P + N, D+1)`` (values with a
-    ones column): query i sits at key position ``P + i`` (``P = start``, a multiple of C: keys
-    of earlier context); ``weight (H, C, W)`` with ``W = (2s+1) C`` (``(s+1) C`` causal): row t,
-    column u weighs the query at key position ``aC + t`` against key ``aC - sC + u``;
-    ``far (B, H, ceil(N / C), M, D+1)`` or None; ``eps`` a float or a per-head ``(H,)`` tensor
-    (see ``kernels_common.shifted_eps``). Returns ``(B, H, N, D)``, stored heads-last (a
-    ``(B, N, H, D)`` tensor seen through a permutation) so the caller's head merge needs no copy.
-
-    The band is walked one chunk of queries at a time, so the ``(C, W)`` score block stays in
-    cache and no ``N x W`` tensor (nor shifted copies of k and v) ever exists. Only the inputs,
-    the output and the denominators are saved; the backward recomputes each score block once and
-    produces every gradient from it.
+    ``q (B, H, N, M)``, ``k (B, H, P + N, M)``, ``v (B, H, P + N, D+1)``: query i at key position
+    ``P + i`` (``P = start``, a multiple of C); ``weight (H, C, W)``, ``W = (2s+1) C`` (causal
+    ``(s+1) C``), row t, column u: key position ``aC + t`` against key ``aC - sC + u``; ``far (B, H,
+    ceil(N / C), M, D+1)`` or None; ``eps`` a float or ``(H,)``. Returns ``(B, H, N, D)`` stored
+    heads-last (merging heads needs no copy). One chunk at a time: no ``N x W`` tensor; the backward
+    recomputes each block once.
     """
 
     @staticmethod
@@ -133,9 +119,9 @@ class BandedKernelProduct(torch.autograd.Function):
 
 
 def banded_kernel_product_reference(q, k, v, weight, far, c, s, causal, eps, start=0):
-    """What :class:`BandedKernelProduct` computes, plainly, with ordinary autograd: for each
-    chunk of queries, ``Y = (w * (q k_band^T)) v_band + q F_a``, then ``Y[:D] / (Y[D] + eps)``.
-    Same arguments; returns a contiguous ``(B, H, N, D)``."""
+    """:class:`BandedKernelProduct` plainly, with ordinary autograd: per chunk
+    ``Y = (w * (q k_band^T)) v_band + q F_a``, then ``Y[:D] / (Y[D] + eps)``. Same arguments;
+    contiguous ``(B, H, N, D)``."""
     if isinstance(eps, torch.Tensor):
         eps = eps[None, :, None, None]
     rows = []
@@ -152,9 +138,9 @@ def banded_kernel_product_reference(q, k, v, weight, far, c, s, causal, eps, sta
 def _far_states(
     k: torch.Tensor, v1: torch.Tensor, c_left: torch.Tensor, c_right: Optional[torch.Tensor], c: int, s: int
 ) -> torch.Tensor:
-    """``F_a = c_left sum_{chunks <= a-s-1} k^T v1 + c_right sum_{chunks >= a+s+1} k^T v1`` for
-    every chunk a of ``c`` tokens: ``k (B, H, N, M)``, ``v1 (B, H, N, E)``, ``c_left``/``c_right``
-    ``(H,)`` (``c_right`` None when causal) -> ``(B, H, ceil(N / c), M, E)``."""
+    """``F_a = c_left sum_{chunks <= a-s-1} k^T v1 + c_right sum_{chunks >= a+s+1} k^T v1`` per
+    chunk of ``c`` tokens: ``k (B, H, N, M)``, ``v1 (B, H, N, E)``, ``c_left``, ``c_right (H,)``
+    (``c_right`` None when causal) -> ``(B, H, ceil(N / c), M, E)``."""
     states = chunk_tokens(k, c).transpose(-1, -2) @ chunk_tokens(v1, c)  # (B, H, nc, M, E)
     nc = states.shape[2]
     zero = torch.zeros_like(states[:, :, : s + 1])
@@ -167,11 +153,9 @@ def _far_states(
 
 
 def window_geometry(clip: int, chunk_size: int, min_chunk: int = 32) -> tuple[int, int]:
-    """Chunk length C and band half-width s (in chunks) for a bias clipped at ``clip``: the
-    smallest ``s`` with ``C = ceil(clip / s) <= chunk_size`` (so ``s C >= clip``: the band covers
-    every offset up to the clip, and its width ``(2s+1) C`` is about ``2 clip + C``). A short clip
-    still gets chunks of ``min(min_chunk, chunk_size)`` tokens: the band is walked one chunk per
-    Python step, so chunks of a few tokens would cost more in overhead than the wider band."""
+    """``(C, s)`` for a bias clipped at ``clip``: the smallest ``s`` with ``C = ceil(clip / s) <=
+    chunk_size``, so ``s C >= clip`` and the band is about ``2 clip + C`` wide. A short clip still
+    gets ``min(min_chunk, chunk_size)`` tokens: each chunk is one Python step."""
     if clip <= chunk_size:
         return max(clip, min(min_chunk, chunk_size), 1), 1
     s = -(-clip // chunk_size)
@@ -192,29 +176,15 @@ def windowed_attention(
     initial_state: Optional[AttentionState] = None,
     output_final_state: bool = False,
 ):
-    """Exact attention for a 1D bias that is constant beyond ``|r| > K = rpe_clip``.
+    """Exact attention for a 1D bias constant beyond ``|r| > K = rpe_clip`` (see the module docstring).
 
-    ``rpe_bias`` is the clipped table ``(H, 2K+1)`` (entry ``r + K`` holds ``b_r``; farther
-    offsets take the end entries) or the full ``(H, 2N-1)`` one. Every key further than K positions to the left of query i
-    carries the same weight ``c_{-K}`` (to the right ``c_K``). Cut the sequence into chunks of
-    ``C`` tokens with ``s C >= K`` (:func:`window_geometry`). For a query in chunk a, keys in
-    chunks ``a-s .. a+s`` get their exact weights from the bias (one ``C x (2s+1)C`` block per
-    chunk), every key in chunks ``<= a-s-1`` (all at offsets ``< -K``) enters through the prefix
-    sum of chunk states ``sum k^T [v, 1]`` times ``c_{-K}``, every key in chunks ``>= a+s+1``
-    through the suffix sum times ``c_K`` (:func:`_far_states`); :class:`BandedKernelProduct`
-    does both. Time O(N (2K + C) (M + D) + N M D), memory O(N (M + D) + (N / C) M D).
+    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` and ``rpe_bias`` of one dtype, padded keys and values
+    zero; ``rpe_bias`` the clipped table ``(H, 2K+1)`` (entry ``r + K``) or the full ``(H, 2N-1)``.
+    Returns ``(B, H, N, D)``; with ``output_final_state`` ``(out, AttentionState)``.
 
-    Causal calls continue from a state (``initial_state``: the window of the last ``K - 1`` keys
-    goes before the new tokens, rounded up to whole chunks with zero keys, and its ``(S, z)``
-    joins every chunk's far sum) and return one (``output_final_state``): many new tokens at
-    once in the same O((N + K) K) as a stateless call.
-
-    Gradients of the far region land on the bias entries ``+-K`` (what clipping a table does:
-    the table's own gradient is then identical to the dense one).
-
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` and ``rpe_bias`` of one dtype, padded keys and
-    values already zero. Returns ``(B, H, N, D)``; with ``output_final_state``
-    ``(out, AttentionState)``.
+    Causal calls continue from ``initial_state``: its window of the last ``K - 1`` keys goes
+    before the new tokens (padded to whole chunks) and its ``(S, z)`` joins every chunk's far sum,
+    so many new tokens cost O((N + K) K), as a stateless call does.
     """
     if not causal and (initial_state is not None or output_final_state):
         raise ValueError("initial_state / output_final_state need causal=True: only causal attention has a state to carry")

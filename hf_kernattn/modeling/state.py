@@ -1,21 +1,12 @@
 """The state of causal attention: what one call carries to the next.
 
-:class:`AttentionState`: after keys ``0..t`` the sums
-``S = sum_j k_j^T v_j (M x D)`` and ``z = sum_j k_j (M)`` (of the denominator's keys when
-separate ones are given), plus, for a 1D bias clipped at ``K``, the window of the last ``K - 1``
-keys and values, which still carry their own weights ``c_{-1} .. c_{-(K-1)}``; every key older
-than that carries ``c_{-K}`` and lives in ``S`` and ``z``. The sliding-window hybrid
-(``kernels_hybrid.py``: exact softmax weights over the last ``W`` keys) keeps the same window of
-the last ``W - 1`` key features and values, plus their raw keys and a validity flag (a ring:
-``AttentionState.window_start`` is the slot of the oldest key, so that a decoding step writes one
-slot instead of shifting the window). The sums are unweighted, so a state
-does not depend on the bias: a call weighs it when it reads it. An all-zero state is the empty
-one (a zero key adds nothing), so the window has a fixed size from the first token on.
-
-:class:`StateKind` records the kind of call that produced a state (separate denominator
-features or not, the sizes, the window), so that a state only continues a call of the same kind;
-:func:`fold_into_state` adds keys and values to a state (what a backend without a state of its
-own returns, and what every stateful backend computes at the end of a call). Cost O(N M D).
+After keys ``0..t``: ``S = sum_j k_j^T v_j (M x D)`` and ``z = sum_j k_j (M)`` (of the
+denominator's keys when separate), plus, for a 1D bias clipped at ``K``, the last ``K - 1`` keys
+and values, which still carry their own weights ``c_{-1} .. c_{-(K-1)}`` (older keys carry
+``c_{-K}`` and live in ``S``, ``z``). The sliding-window hybrid keeps the last ``W - 1`` key
+features and values, their raw keys and validity flags, as a ring (a decoding step writes one
+slot instead of shifting). The sums are unweighted, so a state does not depend on the bias; an
+all-zero state is the empty one, so the window has a fixed size from the first token on.
 """
 
 from __future__ import annotations
@@ -29,26 +20,16 @@ import torch
 
 @dataclasses.dataclass
 class StateKind:
-    """What kind of call produced a state: a state only continues a call of the same kind.
-
-    The tensors' shapes tell the sizes apart, but not whether ``z`` sums separate denominator
-    features (rotary features keep ``M' = M``): a state of one kind read by a call of the other
-    gives wrong results without any error, so states record their kind and
-    ``kernelized_attention`` compares it.
+    """The kind of call that produced a state: a state only continues a call of the same kind
+    (shapes cannot tell whether ``z`` sums separate denominator features: rotary keeps ``M' = M``).
 
     Attributes:
         split: ``z`` sums separate denominator features (``q_den``, ``k_den``).
-        features: M, the feature size of ``q`` and ``k``.
-        den_features: M', the feature size of ``z`` (``M`` unless ``split``).
-        values: D, the value size.
-        window: ``K - 1`` for a 1D bias clipped at ``K`` (the window of keys the state keeps);
-            None without a bias.
-        softmax_window: ``W`` for the sliding-window hybrid (a window of ``W - 1`` keys with
-            their raw keys); None without it.
+        features, den_features, values: M, M' (``M`` unless ``split``) and D.
+        window: ``K - 1`` for a 1D bias clipped at ``K``; else None.
+        softmax_window: ``W`` for the sliding-window hybrid; else None.
 
-    A plain record (a dataclass with an instance ``__dict__``), not a tuple and not frozen:
-    transformers' exporters walk a cache's attributes, rebuild the tuples they find from their
-    items and set attributes back, which a NamedTuple or a frozen or slotted class would not survive.
+    A mutable dataclass: transformers' exporters rebuild the tuples in a cache and set attributes back.
     """
 
     split: bool
@@ -59,7 +40,7 @@ class StateKind:
     softmax_window: Optional[int] = None
 
     def describe(self) -> str:
-        """The kind in words, e.g. for error messages."""
+        """The kind in words, for error messages."""
         den = ("separate denominator features (q_den, k_den) of size M'=" + str(self.den_features)
                if self.split else "no separate denominator features")
         bias = (f"a 1D bias clipped at K={self.window + 1} (a window of {self.window} keys)"
@@ -100,31 +81,20 @@ class _StateTensors(NamedTuple):
 
 
 class AttentionState(_StateTensors):
-    """What causal attention carries from one call to the next (see the module docstring).
-
-    A tuple of its four tensors (``kv, z, window_k, window_v``), or, for the sliding-window
-    hybrid, of six (``..., window_raw, window_valid``): unpacking, indexing and ``_asdict()``
-    see only these. Plus the :class:`StateKind` of the call that produced it (``kind``;
-    keyword-only, None for a state built by hand, which is then trusted).
+    """What causal attention carries from one call to the next: a tuple ``(kv, z, window_k,
+    window_v)``, or for the hybrid ``(..., window_raw, window_valid)``, plus keyword-only ``kind``
+    and ``window_start``.
 
     Attributes:
-        kv: ``S (B, H, M, D)``, the sum of ``k_j^T v_j`` over the keys folded in.
-        z: ``(B, H, M')``, the sum of the denominator's key features over the same keys
-            (``M' = M`` unless separate denominator features are used).
-        window_k: ``(B, H, K - 1, M)``, the most recent keys (oldest first; zeros before the
-            first token), for a bias clipped at ``K``; ``(B, H, W - 1, M)`` for the
-            sliding-window hybrid; None otherwise.
-        window_v: ``(B, H, K - 1, D)`` / ``(B, H, W - 1, D)``, their values; None otherwise.
-        window_raw: ``(B, H, W - 1, Dk)``, the sliding-window hybrid's raw keys of the window
-            (for the exact softmax weights); None otherwise (a tuple of four).
-        window_valid: ``(B, 1, W - 1)`` bool, the hybrid's flag of real keys in the window
-            (False for padding and for slots before the first token); None otherwise.
-        kind: the :class:`StateKind` of the call that produced the state, or None.
-        window_start: the sliding-window hybrid's window as a ring: slot ``window_start`` (along
-            dim 2 of the four window tensors) holds the oldest key and the others follow
-            cyclically, so that a one-token step writes the new key over the one that leaves
-            instead of shifting the window. 0 (the default, and always for other states): oldest
-            first. Keyword-only; :meth:`ordered` gives the same state oldest first.
+        kv: ``S (B, H, M, D)``, the sum of ``k_j^T v_j``.
+        z: ``(B, H, M')``, the sum of the denominator's key features.
+        window_k, window_v: the latest keys ``(B, H, K - 1, M)`` and values ``(B, H, K - 1, D)`` for
+            a bias clipped at ``K`` (oldest first); ``W - 1`` of them for the hybrid; else None.
+        window_raw: ``(B, H, W - 1, Dk)``, the hybrid's raw keys; else None.
+        window_valid: ``(B, 1, W - 1)`` bool, the hybrid's real keys; else None.
+        kind: the :class:`StateKind` of the producing call, or None (built by hand: trusted).
+        window_start: the hybrid's ring: the slot of the oldest key (0 for every other state);
+            :meth:`ordered` rolls it to 0.
     """
 
     kind: Optional[StateKind] = None
@@ -153,15 +123,14 @@ class AttentionState(_StateTensors):
         return self
 
     def replaced(self, *tensors, window_start: Optional[int] = None) -> "AttentionState":
-        """The state with other tensors (same order; None keeps this state's), the same kind and
-        window start (or ``window_start``)."""
+        """The state with other tensors (None keeps this one's), same kind and window start (or
+        ``window_start``)."""
         tensors = [mine if new is None else new for mine, new in itertools.zip_longest(self, tensors)]
         return AttentionState(*tensors, kind=self.kind,
                               window_start=self.window_start if window_start is None else window_start)
 
     def ordered(self) -> "AttentionState":
-        """The same state with its window oldest first (``window_start`` 0): this state itself
-        when it already is, else new window tensors rolled into order."""
+        """The same state with its window oldest first (itself when already so)."""
         start = self.window_start
         if not start:
             return self
@@ -188,10 +157,10 @@ class AttentionState(_StateTensors):
 def fold_into_state(
     state: Optional[AttentionState], k: torch.Tensor, v: torch.Tensor, k_den: torch.Tensor, window: Optional[int] = None
 ) -> AttentionState:
-    """The state after keys ``k (B, H, N, M)`` (denominator keys ``k_den``), values ``v`` follow
-    ``state`` (None: the empty state). With ``window`` (``K - 1`` for a bias clipped at ``K``;
-    ``k_den`` is then ``k``), the last ``window`` keys of ``[window_k, k]`` form the new window
-    and the older ones enter ``S`` and ``z``. Time O((N + window) M D)."""
+    """The state after keys ``k (B, H, N, M)`` (denominator keys ``k_den``) and values ``v`` follow
+    ``state`` (None: empty). With ``window`` (``K - 1``; ``k_den`` is then ``k``) the last
+    ``window`` keys of ``[window_k, k]`` form the new window and older ones enter ``S`` and ``z``.
+    Time O((N + window) M D)."""
     b, h, _, m = k.shape
     if window is not None:
         if state is None:
