@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 
-from .kernels_common import is_size, known_true, manhattan_distances, manhattan_table
+from .kernels_common import is_size, known_true, manhattan_distances, manhattan_table, tracing
 from .state import AttentionState, StateKind
 
 
@@ -72,7 +72,7 @@ def normalize_mask(attention_mask: object, b: int, n: int, device, inspect: bool
     if attention_mask is None:
         return None
     mask = attention_mask.to(device=device, dtype=torch.bool)
-    if torch.compiler.is_compiling() or not inspect:
+    if tracing() or not inspect:
         return mask
     everything_kept = mask.all()
     if attention_mask.dtype == torch.bool:
@@ -148,7 +148,7 @@ def check_clipped_bias(rpe_bias: torch.Tensor, rpe: Optional[str], n: int, rpe_c
     bias of ``min(|dy| + |dx|, K)`` only. Eager mode only; a clipped table is clipped by construction."""
     if rpe is None:
         raise ValueError("rpe_clip needs a 1D rpe_bias (heads, 2*seq-1) or, with grid, a 2D one")
-    if torch.compiler.is_compiling() or is_clipped_table(rpe_bias, rpe, rpe_clip):
+    if tracing() or is_clipped_table(rpe_bias, rpe, rpe_clip):
         return  # traced: the declaration is trusted; a table is clipped by construction
     if rpe == "2d":
 
@@ -290,7 +290,7 @@ def check_softmax_window(
         if tuple(w.shape) != (h,) or w.device != q.device:
             raise ValueError(f"softmax_window.{name} must be None or a tensor of shape (heads,) = ({h},) on "
                              f"{q.device} (positive per-head mixing weights), got shape {tuple(w.shape)} on {w.device}")
-        if inspect and not torch.compiler.is_compiling() and w.device.type != "meta":
+        if inspect and not tracing() and w.device.type != "meta":
             with torch.no_grad():
                 if not bool(((w > 0) & torch.isfinite(w)).all()):
                     raise ValueError(f"softmax_window.{name} must hold positive finite per-head mixing weights, got "

@@ -376,7 +376,8 @@ def _choose(call: _Call, backend: str, q, k, rpe_bias, output_final_state: bool)
     if lacks:
         able = [s.name for s in _REGISTRY.values() if not s.missing(**request)]
         raise ValueError(f"backend {name!r} cannot do {', '.join(lacks)}; backends that can: {able}")
-    if backend != "auto" and spec.error_bound is not None and rpe_bias is not None and name not in _WARNED \
+    if backend != "auto" and spec.error_bound is not None and rpe_bias is not None and call.b and call.h \
+            and name not in _WARNED \
             and not tracing() and q.device.type != "meta":
         with torch.no_grad():
             bias = _full_bias(rpe_bias.detach(), call.rpe, call.n, call.grid, call.rpe_clip)

@@ -18,7 +18,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from .state import AttentionState, StateKind, fold_into_state  # noqa: F401  (their earlier import path)
 
 
 def autocast_disabled(device_type: str):

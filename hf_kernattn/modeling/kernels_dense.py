@@ -121,10 +121,6 @@ class DensePlan:
         return s if self.grid is None else (s // self.grid[1]) * (2 * self.grid[1] - 1)
 
 
-def _pairs(x: torch.Tensor, plan: DensePlan, b0: int, b1: int, h0: int, h1: int) -> torch.Tensor:
-    return x[b0 * plan.h + h0 : (b1 - 1) * plan.h + h1]
-
-
 def _coefficients(c: torch.Tensor, plan: DensePlan, h0: int, h1: int, rows: int, s: int, kend: int) -> torch.Tensor:
     return plan.coefficients(c if c.shape[0] == 1 else c[h0:h1], rows, s, kend)
 

@@ -247,7 +247,6 @@ def get_backend(name: str) -> BackendSpec:
 
 # ``auto`` runs an approximate backend only where its error bound, relative to the values, is at most this.
 AUTO_MAX_ERROR = 1e-4
-AUTO_FFT_MAX_ERROR = AUTO_MAX_ERROR  # the former name
 # ``auto`` skips dense where its unblocked form (traced, or small fwd+bwd calls) would hold a (B, H, N, N)
 # matrix above this many bytes. 256 MiB: about what eager softmax attention keeps per layer for ViT-Base
 # (12 heads) at 48 x 48 tokens.
