@@ -67,9 +67,8 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
     ``(B, H, W - 1, Dk)``, ``5`` = their validity ``(B, 1, W - 1)``, a ring along dim 2 whose
     oldest slot is ``window_start`` (a step overwrites the key that leaves).
 
-    Counts the positions folded in (``get_seq_length()``, padding included), so transformers'
-    ``Cache`` answers ``get_seq_length()`` / ``get_mask_sizes()`` as for a key/value layer. No
-    ``update`` (no keys and values), no ``crop`` (a recurrent state cannot forget tokens).
+    Counts the positions folded in, padding included (``get_seq_length()``, as a key/value
+    layer); no ``update`` or ``crop`` (a recurrent state cannot forget tokens).
 
     Args:
         window: ``K - 1``; None without a bias; unset: the first state stored decides.

@@ -79,8 +79,8 @@ ATTENTION_SCHEMA = AttentionSchema(
 
 
 def check_combinations(values: dict) -> None:
-    """Checks across fields: the padding id is a token id; the hybrid takes no bias and runs
-    only on a backend declared for it."""
+    """Checks across fields: the padding id is a token id; the hybrid takes no bias, and only a
+    backend declared for it runs it (and nothing else)."""
     pad, vocab_size = values["pad_token_id"], values["vocab_size"]
     if pad is not None and pad >= vocab_size:
         raise ValueError(f"pad_token_id must be None or an int in [0, vocab_size={vocab_size}), got {pad!r}")

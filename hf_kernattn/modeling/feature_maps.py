@@ -5,14 +5,15 @@
   positive, ``E[phi(q) . phi(k)] = exp(q . k)``. M = m.
 * ``trf``: ``phi(x) = exp(|x|^2 / 2) / sqrt(m) [cos(W x), sin(W x)]``: unbiased, signed. M = 2m.
 * ``hedgehog`` (Zhang et al. 2024): ``[softmax(z), softmax(-z)]``, ``z = x W_h``, ``W_h (d, m)``
-  learned per head for queries and for keys, initialised to ``I_{d x m}`` (as LoLCATs);
-  ``hedgehog_exp``: ``[exp(z - c), exp(-z - c)]``, ``c`` a query's ``max_m |z_m|`` (constant for
-  the gradient), 0 for keys. M = 2m, m = ``num_learned_features`` (default d).
+  learned per head (``query_weight (H, d, m)``, ``key_weight (H_kv, d, m)``), initialised to
+  ``I_{d x m}`` (as LoLCATs). M = 2m, m = ``num_learned_features`` (default d).
+* ``hedgehog_exp``: ``[exp(z - c), exp(-z - c)]``, ``c`` a query's ``max_m |z_m|`` (a constant
+  for the gradient), 0 for keys.
 
 Rows of ``W``: ``gaussian`` N(0, 1), ``orthogonal`` (orthogonal blocks with chi(d) norms:
 unbiased, lower variance) or ``sphere`` (radius sqrt(d)). ``normalize_qk`` (NPRF, Luo et al.
-2021) l2-normalises the inputs; otherwise the random maps scale them by ``d ** -0.25``
-(``u = x d^-1/4``) to approximate softmax's ``exp(q . k / sqrt(d))``.
+2021) l2-normalises the inputs (approximating ``exp(q_hat . k_hat)``); otherwise the random
+maps scale them by ``d ** -0.25`` (``u = x d^-1/4``) to approximate ``exp(q . k / sqrt(d))``.
 
 Range. A per-query factor cancels in attention (``prf`` subtracts the query's max logit, ``trf``
 caps its amplitude at ``exp(TRF_QUERY_MAX_LOG_AMPLITUDE)``); a per-key one does not, and a max

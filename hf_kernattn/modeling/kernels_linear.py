@@ -13,9 +13,9 @@ factors through ``S = sum_j k_j^T v_j (M x D)`` and ``z = sum_j k_j (M)``:
   one O(t (M + D)) at step t, no state.
 
 Causal forms continue from and return an :class:`~state.AttentionState`: split, carry, resume
-equals one call. ``q_den``, ``k_den`` give the denominator its own features (rotary: signed
-numerator, positive denominator). Inputs as in ``kernels_common``: one dtype, padded keys and
-values zero.
+equals one call. ``q_den``, ``k_den`` give the denominator its own features,
+``sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (rotary: signed numerator,
+positive denominator). Inputs as in ``kernels_common``: one dtype, padded keys and values zero.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Relative positions: the kernels' log-coefficients ``rpe_bias`` (``c_r = exp(b_r)``, ``r = j - i``)
 and position features.
 
-* :class:`RelativePositionBias1D`: a learnable ``b_r`` per head for ``|r| <= K``; further offsets
-  are clipped to ``+-K`` (Shaw et al. 2018), which defines the bias at any length. One table per
-  model (Luo et al. 2021) or per layer. :class:`RelativePositionBias2D`: the same per grid axis.
+* :class:`RelativePositionBias1D`: a learnable ``b_r`` per head for ``|r| <= K``
+  (``max_relative_position``); further offsets are clipped to ``+-K`` (Shaw et al. 2018), which
+  defines the bias at any length. One table per model (Luo et al. 2021) or per layer.
+  :class:`RelativePositionBias2D`: the same per grid axis.
 * :class:`ManhattanDistanceBias`: ``b_{min(|dy| + |dx|, K)}`` on some heads (Horn et al. 2021,
   strategy 2).
 * :class:`RotaryPositionFeatures`: their strategy 1, position features whose dot product depends
