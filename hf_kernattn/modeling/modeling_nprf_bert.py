@@ -110,14 +110,9 @@ class NPRFBertLayer(GradientCheckpointingLayer):
         rpe_bias: Optional[torch.Tensor] = None,
         projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Args:
-            hidden_states: ``(B, N, C)``.
-            attention_mask: ``(B, N)`` 1 keep / 0 padding, or None.
-            rpe_bias: the shared table ``(H, 2K+1)`` or ``(H, 2N-1)``, K = ``max_relative_position``
-                (ignored when the layer has its own).
-            projection: the random projection, read by the caller so a checkpointed layer
-                recomputes with its forward's (None: the current one).
-        """
+        """``hidden_states (B, N, C)``, ``attention_mask (B, N)`` or None; ``rpe_bias``: the shared
+        table ``(H, 2K+1)`` or ``(H, 2N-1)`` (ignored when the layer has its own); ``projection``:
+        read by the caller, so a checkpointed layer recomputes with its forward's."""
         if self.rpe is not None:
             rpe_bias = self.rpe.weight
         # a table clipped at K: long inputs may use the O(N K) windowed backend
@@ -313,7 +308,7 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         """Args:
             input_ids: ``(B, N)`` token ids (or ``inputs_embeds (B, N, C)``).
             attention_mask: ``(B, N)`` 1 keep / 0 padding, or BERT's extended padding mask
-                ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` (bool True keep, or additive float 0 keep).
+                ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` (bool True or additive 0: keep).
             token_type_ids: ``(B, N)`` segment ids.
             position_ids: ``(B, N)`` or ``(1, N)`` absolute positions (default ``0..N-1``).
             output_hidden_states: also return the ``L + 1`` hidden states ``(B, N, C)``.

@@ -180,9 +180,9 @@ class RelativePerformerViTLayer(GradientCheckpointingLayer):
 
 
 class RelativePerformerViTPreTrainedModel(KernelizedPreTrainedModel):
-    """Weight init and loading for every relative-performer ViT class (ViT's truncated normal
-    init; bias tables at zero unless ``rpe_init_std > 0``; rotary length scales log-spaced with
-    identity rotations; random-feature projections are draw 0 of ``feature_seed``)."""
+    """Weight init for every relative-performer ViT class: ViT's truncated normal; bias tables at
+    zero (normal with ``rpe_init_std > 0``); rotary scales log-spaced, rotations the identity;
+    projections draw 0 of ``feature_seed``."""
 
     config_class = RelativePerformerViTConfig
     config: RelativePerformerViTConfig
@@ -335,10 +335,8 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
 
 class RelativePerformerViTForImageClassification(RelativePerformerViTPreTrainedModel):
     """The encoder and a linear classifier on the pooled output: ``logits (B, num_labels)``.
-
-    ``labels``: ``(B,)`` class ids (single-label), ``(B, num_labels)`` 0/1 floats (multi-label)
-    or ``(B,)`` floats (regression, ``num_labels == 1``), following ``problem_type`` (inferred as
-    ViT does when unset); the loss goes through ``self.loss_function``.
+    ``labels`` follow ``problem_type`` (inferred as ViT does when unset): ``(B,)`` class ids,
+    ``(B, num_labels)`` 0/1 floats (multi-label) or ``(B,)`` floats (regression, ``num_labels == 1``).
     """
 
     def __init__(self, config: RelativePerformerViTConfig) -> None:
@@ -360,7 +358,7 @@ class RelativePerformerViTForImageClassification(RelativePerformerViTPreTrainedM
         **kwargs,
     ) -> Union[ImageClassifierOutput, tuple]:
         """Args as :meth:`RelativePerformerViTModel.forward`, plus ``labels`` (see the class) and
-        loss keyword arguments (``num_items_in_batch``) for ``self.loss_function``."""
+        loss keywords (``num_items_in_batch``)."""
         return_dict = self.config.return_dict if return_dict is None else return_dict
         out = self.vit(pixel_values, patch_mask=patch_mask, output_hidden_states=output_hidden_states,
                        interpolate_pos_encoding=interpolate_pos_encoding, return_dict=True,
