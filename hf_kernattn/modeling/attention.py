@@ -1,23 +1,13 @@
-"""The one kernelized self-attention module shared by every model family.
+"""The kernelized self-attention module every family uses.
 
-``hidden (B, N, C) -> q, k, v projections -> split heads -> feature map phi on q and k ->
-kernelized_attention (backend registry) -> merge heads -> output projection``.
-
-Families differ only in what they pass in: NPRF-BERT a 1D bias and a padding mask, Linear GPT
-``causal=True`` (and its decoding state, built from :meth:`KernelizedSelfAttention.project`),
-the ViT a 2D bias on the patch grid. The module reads the shared attention fields of the config
-(``feature_map``, ``num_random_features``, ``feature_projection``, ``normalize_qk``,
-``feature_redraw_interval``, ``feature_seed``, ``num_learned_features``, ``softmax_window``, ``attn_backend``,
-``attention_eps``, ``attention_bias``, ``recompute_attention``), documented and checked once in
-``attention_config.py``, and ``num_key_value_heads`` where the family has it (grouped-query
-attention: ``G = H / H_kv`` query heads share one key/value head; the key features and values
-are computed once per key/value head and repeated to the ``G`` query heads of its group, as
-Llama's ``repeat_kv``).
-
-With ``softmax_window = W`` the module computes the sliding-window hybrid (``kernels_hybrid.py``):
-the raw projected queries and keys go to the core beside their features (a
-:class:`~attention_inputs.SoftmaxWindow`), with the layer's learned per-head mixing weights
-``exp(window_log_weight)``, ``exp(linear_log_weight)``.
+``hidden (B, N, C) -> q, k, v projections -> heads -> feature map phi on q and k ->
+kernelized_attention -> merged heads -> o_proj``. Families differ only in what they pass:
+NPRF-BERT a 1D bias and a padding mask, Linear GPT ``causal=True`` and a cache layer, the ViT a
+2D bias on the patch grid. Grouped-query attention (``num_key_value_heads``): ``G = H / H_kv``
+query heads share a key/value head, whose features and values are computed once and repeated
+(Llama's ``repeat_kv``). With ``softmax_window = W`` (the sliding-window hybrid,
+``kernels_hybrid.py``) the raw projected queries and keys go to the core too, with the per-head
+mixing weights ``exp(window_log_weight)``, ``exp(linear_log_weight)``.
 """
 
 from __future__ import annotations
@@ -42,18 +32,15 @@ WINDOW_WEIGHTS = ("window_log_weight", "linear_log_weight")
 
 
 class KernelizedSelfAttention(nn.Module):
-    """Multi-head kernelized self-attention.
+    """Multi-head kernelized self-attention, configured by the shared fields of ``attention_config.py``.
 
     Args:
-        config: a family config (it carries every shared attention field of
-            ``attention_config.py``), or any object with ``hidden_size``, ``num_attention_heads``
-            and some of those fields: the missing ones take the schema's base defaults.
-        layer_idx: index of the layer (also offsets the feature seed so layers draw different
-            projections).
+        config: a family config, or any object with ``hidden_size`` and ``num_attention_heads``
+            (missing shared fields take the base defaults).
+        layer_idx: the layer's index; its feature seed is ``feature_seed + 1000 * layer_idx``.
         causal: mask future keys.
-        extra_features: width of position features concatenated to every head's queries and
-            keys before the feature map (``project(..., extra=...)``), e.g. the ViT's rotary
-            position features; 0: none.
+        extra_features: width of position features concatenated to every head's queries and keys
+            before the feature map (the ViT's rotary features); 0: none.
     """
 
     def __init__(self, config, layer_idx: int = 0, causal: bool = False, extra_features: int = 0) -> None:
@@ -94,15 +81,13 @@ class KernelizedSelfAttention(nn.Module):
             num_heads=heads,
             num_key_value_heads=kv_heads,
         )
-        # what a family configures: Llama's rotary positions before the feature map (``rope``) or
-        # rotations of the features (``rotary``), a bias table of its own (``rpe``, a module with
-        # ``weight`` (H, 2K+1) and ``max_relative_position`` K) and dropout on the attention output
+        # set by a family: ``rope`` (rotate q, k before phi), ``rotary`` (rotate the features), ``rpe``
+        # (a table with ``weight (H, 2K+1)`` and ``max_relative_position`` K), dropout
         self.rope = False
         self.rotary = False
         self.rpe: Optional[nn.Module] = None
         self.dropout = nn.Dropout(0.0)
-        # the sliding-window hybrid: W and the per-head mixing weights a = exp(window_log_weight),
-        # b = exp(linear_log_weight) (0 at initialisation: a = b = 1)
+        # the hybrid's per-head weights a = exp(window_log_weight), b = exp(linear_log_weight); 1 at init
         self.softmax_window: Optional[int] = config.softmax_window
         if self.softmax_window is not None:
             self.window_log_weight = nn.Parameter(torch.zeros(heads))
@@ -126,15 +111,10 @@ class KernelizedSelfAttention(nn.Module):
         extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(B, N, C)`` -> query features ``(B, H, N, M)``, key features ``(B, H, N, M)``,
-        values ``(B, H, N, D)``. Features are float32 at least (float64 stays float64).
-        ``projection``: the random-feature projection to use (None: the feature map's current one).
-        ``attention_mask``: ``(B, N)``, 1 real / 0 padding: only real keys must lie in the
-        feature map's valid range (see ``feature_maps.py``). ``extra``: ``(query_extra,
-        key_extra)``, each broadcastable to ``(B, H, N, extra_features)``, concatenated to the
-        projected queries and keys before the feature map. ``rope``: ``(cos, sin)``, each
-        ``(B, 1, N, D/2)``, rotating the projected queries and keys before the feature map
-        (Llama's rotary position embedding; see ``positional.apply_rotary``)."""
+        """``(B, N, C)`` -> query and key features ``(B, H, N, M)`` (float32 at least) and values
+        ``(B, H, N, D)``. ``extra``: ``(query_extra, key_extra)``, broadcastable to
+        ``(B, H, N, extra_features)``; ``rope``: ``(cos, sin)``, each ``(B, 1, N, D/2)``; the rest
+        as in :meth:`forward`."""
         return self.features(*self.projections(hidden_states, extra, rope), projection, attention_mask)
 
     def projections(
@@ -143,9 +123,8 @@ class KernelizedSelfAttention(nn.Module):
         extra: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first half of :meth:`project`: the linear projections split into heads (queries
-        ``(B, H, N, D + extra)``, keys and values per key/value head), rotated by ``rope`` and
-        with ``extra`` concatenated; no feature map yet."""
+        """:meth:`project` before the feature map: queries ``(B, H, N, D + extra)``, keys and
+        values per key/value head."""
         q, k = self._split(self.q_proj(hidden_states)), self._split(self.k_proj(hidden_states))
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
@@ -165,19 +144,16 @@ class KernelizedSelfAttention(nn.Module):
         attention_mask: Optional[torch.Tensor] = None,
         sync_free: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The second half of :meth:`project`: feature maps of the projected queries and keys,
-        keys and values repeated to the query heads of their group. ``sync_free`` (decoding
-        steps): keys outside the feature map's range give NaN instead of a ``ValueError``, so
-        nothing is read on the host (see ``FeatureMap.forward``)."""
+        """:meth:`project`'s feature maps; keys and values repeated to their query heads.
+        ``sync_free`` (decoding): an out-of-range key gives NaN, not ``ValueError`` (no host read)."""
         q = self.feature_map(q, is_query=True, projection=projection)
         k = self._repeat_kv(self.feature_map(k, is_query=False, projection=projection, key_mask=attention_mask,
                                              sync_free=sync_free))
         return q, k, self._repeat_kv(v.to(q.dtype))
 
     def window_input(self, q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype) -> Optional[SoftmaxWindow]:
-        """The raw queries ``(B, H, N, D)`` and keys (per key/value head, repeated here to the
-        query heads) in ``dtype``, bundled with W, the scale ``D ** -0.5`` and the mixing weights
-        for the core; None without ``softmax_window``."""
+        """The raw queries ``(B, H, N, D)`` and keys (repeated to the query heads) in ``dtype``,
+        with W, the scale ``D ** -0.5`` and the mixing weights; None without ``softmax_window``."""
         if self.softmax_window is None:
             return None
         return SoftmaxWindow(q.to(dtype), self._repeat_kv(k).to(dtype), self.softmax_window, self.head_dim ** -0.5,
@@ -192,8 +168,7 @@ class KernelizedSelfAttention(nn.Module):
         return self.o_proj(merged)
 
     def call_backend(self, continuing: bool) -> str:
-        """The backend of a call: the configured ``attn_backend`` (a family may check it against
-        its options, or pick another for a call that continues from a state)."""
+        """The call's backend: ``attn_backend`` (a family may check it or pick another)."""
         return self.backend
 
     def forward(
@@ -212,36 +187,20 @@ class KernelizedSelfAttention(nn.Module):
         """Args:
             hidden_states: ``(B, N, C)``.
             attention_mask: ``(B, N)``, 1 keep, 0 padding.
-            rpe_bias: ``(H, 2N-1)`` or with ``grid`` ``(H, 2Hg-1, 2Wg-1)``; a bias clipped at
-                ``rpe_clip`` may be its table (see :func:`kernelized_attention`). None: the
-                module's own table (``self.rpe``, clipped at its ``max_relative_position``) if it
-                has one.
+            rpe_bias: ``(H, 2N-1)``, its table ``(H, 2K+1)`` when clipped at ``rpe_clip`` K, or
+                with ``grid`` ``(H, 2Hg-1, 2Wg-1)``; None: ``self.rpe``, if any.
             grid: ``(Hg, Wg)`` for a 2D bias.
-            rpe_clip: ``K`` when the 1D bias comes from a table clipped at ``K`` (enables the
-                O(N K) ``windowed`` backend; see :func:`kernelized_attention`).
-            recompute: for calls without an earlier state, recompute the feature maps and the
-                kernel in the backward pass instead of storing their intermediates (see
-                ``recompute_attention``; the linear projections are kept, not recomputed). None:
-                the module's configured ``recompute_attention``, skipped where the backend the call
-                runs keeps only its inputs for the backward (declared ``keeps_inputs``: ``dense``,
-                ``manhattan``), so that recomputing would save no memory; configured as
-                ``"projections"``, the whole block (projections included) is recomputed from
-                ``hidden_states``; False: never (e.g. when an enclosing layer is already
-                gradient-checkpointed, so the work is not done three times); True: the feature maps
-                and the kernel, always. Calls that continue from a state never recompute.
-            projection: the random-feature projection to use; None: the feature map's current
-                buffer, read once here. The recomputation receives that tensor explicitly, and a
-                redraw installs a new tensor, so a redraw before the backward changes nothing
-                (an enclosing checkpointed layer can read the buffer outside its checkpoint and
-                pass it here for the same guarantee).
-            extra: position features concatenated before the feature map (see :meth:`project`).
-            rotary: ``(cos, sin)`` of the positions: with ``self.rope`` each ``(B, 1, N, D/2)``,
-                rotating the projected queries and keys (Llama's RoPE); with ``self.rotary`` each
-                ``(B, 1, N, M/2)``, rotating the feature-mapped ones in the numerator while the
-                positive ones serve the denominator (``q_den``, ``k_den``); else ignored.
-            past_key_values: causal modules: a cache layer with ``get_state()`` / ``set_state()``
-                (Linear GPT's :class:`~cache.LinearGPTCacheLayer`): the new tokens continue from
-                its state, which is then replaced by the state after them; or None.
+            rpe_clip: K of a clipped 1D bias (enables the O(N K) ``windowed`` backend).
+            recompute: recompute the feature maps and kernel in the backward pass (False: e.g.
+                inside a checkpointed layer); None: as ``recompute_attention`` says. Never for
+                calls from a state.
+            projection: the random projection (None: the current one), reused by the
+                recomputation, so a redraw before the backward changes nothing.
+            extra: position features concatenated before phi (see :meth:`project`).
+            rotary: ``(cos, sin)``: ``(B, 1, N, D/2)`` rotating q and k (``self.rope``), or
+                ``(B, 1, N, M/2)`` rotating the numerator's features (``self.rotary``).
+            past_key_values: a cache layer (``get_state()`` / ``set_state()``) to continue from
+                and update, or None.
         Returns:
             ``(B, N, C)``.
         """
@@ -256,8 +215,7 @@ class KernelizedSelfAttention(nn.Module):
         if projection is None:
             projection = self.feature_map.projection
         if rpe_bias is None and self.rpe is not None:
-            # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed
-            # backend; a state reaches K positions back, so the calls take the table itself
+            # the table clipped at K, unexpanded: long inputs may use the O(N K) windowed backend
             rpe_bias, rpe_clip = self.rpe.weight, self.rpe.max_relative_position
         rpe_clip = rpe_clip if rpe_bias is not None else None
         args = (hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, extra, rotary, initial_state,
@@ -273,11 +231,9 @@ class KernelizedSelfAttention(nn.Module):
 
     def _block(self, hidden_states, attention_mask, rpe_bias, grid, rpe_clip, projection, extra, rotary, initial_state,
                output_final_state, recompute: bool, only_if_saving: bool) -> tuple[torch.Tensor, object]:
-        """The attention block of a call that is not a decoding step: projections, feature maps
-        and kernel (through :meth:`_attend`, recomputed in the backward pass when ``recompute``,
-        with ``only_if_saving`` only where that keeps less, see :meth:`_recomputing_saves_memory`),
-        dropout, output projection. Returns ``(B, N, C)`` and the state
-        after these tokens (None unless ``output_final_state``)."""
+        """Projections, :meth:`_attend` (checkpointed when ``recompute``; with ``only_if_saving``
+        only where that keeps less), dropout, ``o_proj``: ``(B, N, C)`` and the state (None
+        unless ``output_final_state``)."""
         q, k, v = self.projections(hidden_states, extra, rope=rotary if self.rope else None)
         args = (q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary if self.rotary else None,
                 initial_state, output_final_state)
@@ -291,10 +247,8 @@ class KernelizedSelfAttention(nn.Module):
 
     def _recomputing_saves_memory(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, projection, rotary,
                                   initial_state, output_final_state) -> bool:
-        """Whether running the feature maps and kernel again in the backward pass keeps less than
-        running them once: not when the backend the call runs (``auto``'s first choice for it)
-        declares ``keeps_inputs`` (its backward needs only its inputs; ``dense``, ``manhattan``).
-        A wrong guess costs memory or time, never a different result."""
+        """Whether recomputing keeps less: not when the call's backend (``auto``'s choice) is
+        declared ``keeps_inputs``. A wrong guess costs memory or time, never a different result."""
         name = self.call_backend(continuing=False)
         if name == "auto":
             name = choose_backend(
@@ -318,11 +272,9 @@ class KernelizedSelfAttention(nn.Module):
         initial_state=None,
         output_final_state: bool = False,
     ) -> tuple[torch.Tensor, object]:
-        """Projected queries, keys, values -> feature maps, positions, kernel (what ``recompute``
-        runs again in the backward pass): ``(B, H, N, d)`` before ``o_proj`` and the state after
-        these tokens (None unless ``output_final_state``)."""
-        # padded keys are masked by the core: only real ones must lie in the feature map's valid range;
-        # a decoding step reads nothing on the host: an unrepresentable key gives NaN, not an error
+        """Projected q, k, v -> feature maps and kernel (what ``recompute`` reruns):
+        ``(B, H, N, D)`` and the state (None unless ``output_final_state``)."""
+        # only real keys are range-checked; a decoding step gives NaN for a bad key (no host sync)
         raw = (q, k) if self.softmax_window is not None else None
         q, k, v = self.features(q, k, v, projection, attention_mask,
                                 sync_free=initial_state is not None and q.shape[2] == 1)
@@ -331,9 +283,8 @@ class KernelizedSelfAttention(nn.Module):
 
     def _kernel(self, q, k, v, attention_mask, rpe_bias, grid, rpe_clip, rotary, initial_state, output_final_state,
                 raw=None):
-        """Feature-mapped queries and keys, values -> the rotations of ``rotary`` (positive
-        features kept for the denominator), the kernel: the output and the state (see :meth:`_attend`).
-        ``raw``: the raw queries and keys of the sliding-window hybrid (``softmax_window``), or None."""
+        """Feature-mapped q, k and v -> ``rotary``'s rotations (the positive features serve the
+        denominator), then the kernel. ``raw``: the hybrid's raw q, k, or None."""
         den = {}
         if rotary is not None:
             den = dict(q_den=q, k_den=k)
@@ -344,8 +295,7 @@ class KernelizedSelfAttention(nn.Module):
             q, k, v, rpe_bias=rpe_bias, causal=self.causal, attention_mask=attention_mask,
             grid=grid, backend=self.call_backend(continuing=initial_state is not None), eps=self.eps, rpe_clip=rpe_clip,
             initial_state=initial_state, output_final_state=output_final_state,
-            # decoding (nothing recorded for autograd): the state is updated in the cache's own tensors
-            # (a state of another dtype, e.g. the model cast between steps, continues out of place)
+            # decoding: update the cache's tensors in place (out of place if the model was cast since)
             in_place=(initial_state is not None and not torch.is_grad_enabled()
                       and initial_state[0].dtype == compute_dtype_for(q)),
             softmax_window=None if raw is None else self.window_input(*raw, q.dtype), **den,

@@ -1,22 +1,12 @@
-"""The one schema of the config fields: the attention fields every hf-kernattn family shares,
-and the table each family declares its own fields in.
+"""One schema for the config fields: the attention fields every family shares
+(:data:`SHARED_ATTENTION_FIELDS`) and the table each family declares its own fields in.
 
-Every family config (NPRF-BERT, Linear GPT, the relative-performer ViT) carries the fields of
-:data:`SHARED_ATTENTION_FIELDS` under the same names, with the same meaning, documentation and
-checks, and declares its own fields the same way: a :class:`ConfigField` row each (name,
-default, documentation, check), grouped under headings, in its :class:`AttentionSchema`. The
-schema may override a shared default explicitly (with the reason), narrow a shared choice and
-accept earlier values of a field. The config calls :meth:`AttentionSchema.take` in ``__init__``:
-every field is taken from the keyword arguments, missing ones get the family's default, and a
-bad value fails when the config is built, with a ``TypeError`` (wrong type:
-:class:`FieldTypeError`, also a ``ValueError``) or ``ValueError`` (bad value) naming the field
-and what it allows (the checks: :class:`Allowed` and its makers below). Checks that involve
-several fields stay with the family. :meth:`AttentionSchema.declare` writes the config's
-docstring from the same rows, so the documentation exists once.
-
-:class:`~hf_kernattn.KernelizedSelfAttention` reads the shared fields from the config directly.
-:func:`complete_attention_fields` gives a bare namespace (a standalone module, a config of a
-model that is not an hf-kernattn family) the schema's base defaults for the fields it lacks.
+A field is a :class:`ConfigField` row (name, default, documentation, check). A family's
+:class:`AttentionSchema` lists its own rows under headings and may override a shared default
+(with the reason), narrow a shared choice or accept earlier values. A bad value fails when the
+config is built, with ``TypeError`` (:class:`FieldTypeError`) or ``ValueError`` naming the field
+and what it allows; checks across fields stay with the family. :meth:`AttentionSchema.declare`
+writes the config's docstring from the same rows, so each field is documented once.
 """
 
 from __future__ import annotations
@@ -40,9 +30,8 @@ from .positional import RPE_KINDS
 
 
 class FieldTypeError(TypeError, ValueError):
-    """A config field given a value of the wrong type. A ``TypeError``, and a ``ValueError`` too:
-    the configs refused some wrong types (``normalize_qk="yes"``) with ``ValueError`` before
-    the schema existed, and code catching that keeps working."""
+    """A config field of the wrong type; also a ``ValueError``, which the configs raised for
+    some wrong types before (code catching it keeps working)."""
 
 
 def _is_int(value: object) -> bool:
@@ -59,11 +48,9 @@ def _anything(value: object) -> bool:
 
 @dataclass(frozen=True)
 class Allowed:
-    """The check of one field: what it allows, as a test of the value's type and one of its value.
-
-    ``check(name, value)`` raises :class:`FieldTypeError` when ``is_type(value)`` fails and
-    ``ValueError`` when ``is_value(value)`` fails, both saying ``"{name} must be {text}, got
-    {value!r}"`` (the type error with ``type_text`` where that says more)."""
+    """One field's check: ``check(name, value)`` raises :class:`FieldTypeError` unless
+    ``is_type(value)`` and ``ValueError`` unless ``is_value(value)``, saying ``"{name} must be
+    {text}, got {value!r}"`` (``type_text``, if given, for the type error)."""
 
     text: str
     is_type: Callable[[object], bool]
@@ -125,11 +112,8 @@ def backend_name(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class ConfigField:
-    """One config field: its name, default, documentation and check.
-
-    ``check(name, value)`` raises ``TypeError`` / ``ValueError`` naming the field (None: any
-    value is kept as given); ``convert`` (optional) normalises an accepted value before it is
-    stored (e.g. ``float``)."""
+    """One config field. ``check(name, value)`` raises ``TypeError`` / ``ValueError`` naming the
+    field (None: no check); ``convert`` normalises an accepted value (e.g. ``float``)."""
 
     name: str
     default: Any
@@ -139,9 +123,8 @@ class ConfigField:
 
 
 _AUTO_RULE = (
-    "``\"auto\"`` picks, among the backends that can run the call, the fastest for its length "
-    "according to a calibration table of measured times (forward or forward+backward, 1D / 2D "
-    "bias, clipped or not, causal or not; ``hf-kernattn bench calibrate`` measures one for your "
+    "``\"auto\"`` picks the fastest backend that can run the call, by a calibration table of "
+    "measured times per case and length (``hf-kernattn bench calibrate`` measures one for your "
     "machine, ``hf_kernattn.load_auto_table`` loads it), taking the FFT only where its error "
     f"bound meets {AUTO_MAX_ERROR:g} (else the next ranked: an exact backend, or the FFT in float64)."
 )
@@ -149,26 +132,25 @@ _AUTO_RULE = (
 SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
     ConfigField(
         "feature_map", "elu",
-        "the feature map phi applied to queries and keys (``feature_maps.py``): ``\"elu\"`` "
-        "(elu(x) + 1, Katharopoulos et al. 2020), ``\"relu\"``, ``\"prf\"`` (positive random "
-        "features, Choromanski et al. 2021), ``\"trf\"`` (trigonometric random features), or a "
-        "learned map (Hedgehog, Zhang et al. 2024): per head a learned projection z = W x (queries "
-        "and keys each their own W of shape (d, m), initialised to the identity I_{d x m}), then "
-        "``\"hedgehog\"``: [softmax(z), softmax(-z)] or ``\"hedgehog_exp\"``: [exp(z - c), "
-        "exp(-z - c)] (c: the query's max |z_m|, 0 for keys), 2m features; their weights are "
-        "parameters, saved and trained with the model.",
+        "the feature map phi of queries and keys: ``\"elu\"`` (elu(x) + 1, Katharopoulos et al. "
+        "2020), ``\"relu\"``, ``\"prf\"`` (positive random features, Choromanski et al. 2021), "
+        "``\"trf\"`` (trigonometric random features) or a learned map (Hedgehog, Zhang et al. 2024) "
+        "of z = W x, W of shape (d, m) per head for queries and for keys, initialised to I_{d x m} "
+        "and trained with the model: ``\"hedgehog\"`` [softmax(z), softmax(-z)] or "
+        "``\"hedgehog_exp\"`` [exp(z - c), exp(-z - c)] (c: the query's max |z_m|, 0 for keys), "
+        "2m features.",
         choice(FEATURE_MAPS),
     ),
     ConfigField(
         "num_random_features", 64,
-        "m, random features per head of ``\"prf\"`` (feature size m) and ``\"trf\"`` (2m); an int "
-        ">= 1, unused by the deterministic maps.",
+        "m, random features per head: feature size m for ``\"prf\"``, 2m for ``\"trf\"``; unused "
+        "by the other maps.",
         int_at_least(1),
     ),
     ConfigField(
         "num_learned_features", None,
-        "m, the width of the learned projection per head of ``\"hedgehog\"`` and "
-        "``\"hedgehog_exp\"`` (feature size 2m); None: the head size. Unused by the other maps.",
+        "m, the learned projection's width per head of the learned maps (feature size 2m); None: "
+        "the head size.",
         optional(int_at_least(1)),
     ),
     ConfigField(
@@ -180,15 +162,14 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "normalize_qk", False,
-        "l2-normalise queries and keys before the feature map (the \"N\" of NPRF: Luo et al. 2021 "
-        "show it is what makes random-feature training stable; every key is then in the maps' "
-        "valid range).",
+        "l2-normalise queries and keys before the feature map (the \"N\" of NPRF, Luo et al. 2021: "
+        "it stabilises random-feature training; every key is then in the maps' valid range).",
         boolean,
     ),
     ConfigField(
         "feature_redraw_interval", 0,
-        "redraw the random projections every this many training forwards; 0 never redraws, so a "
-        "saved model is exactly reproducible. The draw counters are saved with the model.",
+        "redraw the random projections every this many training forwards (0: never, so a saved "
+        "model reproduces exactly); the draw counters are saved with the model.",
         int_at_least(0, " (0 = never redraw)"),
     ),
     ConfigField(
@@ -205,21 +186,19 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "max_relative_position", 64,
-        "K, where the bias is clipped: offsets |j - i| > K share the bias of +-K (an int >= 1; "
-        "read when ``rpe`` is not ``\"none\"``).",
+        "K, where the bias is clipped: offsets |j - i| > K share the bias of +-K (read when ``rpe`` "
+        "is not ``\"none\"``).",
         int_at_least(1),
     ),
     ConfigField(
         "softmax_window", None,
         "W, the sliding-window hybrid (LoLCATs, Zhang et al. 2024): each query weighs the last W keys "
-        "(causal; itself included) or the keys within |j - i| < W (bidirectional) exactly, by "
-        "a_h exp(q . k / sqrt(d)) of the raw projected queries and keys, and every other key by "
-        "b_h phi(q) . phi(k), with one numerator and one denominator. a_h, b_h are learned positive "
-        "per-head weights, parameters of each attention layer stored as logarithms "
-        "(``window_log_weight``, ``linear_log_weight``, initialised to 0: a = b = 1). A causal "
-        "decoding state keeps the last W - 1 raw keys, features and values besides (S, z): "
-        "constant size. None: off (pure kernelized attention); an int >= 1: W. No relative-position "
-        "bias or rotary features with it; a family may refuse it (the ViT has no 1D window).",
+        "(causal, itself included) or those with |j - i| < W (bidirectional) by a_h exp(q . k / "
+        "sqrt(d)) of the raw projected queries and keys, every other key by b_h phi(q) . phi(k), in "
+        "one numerator and one denominator; a_h, b_h > 0 are learned per head and layer "
+        "(``window_log_weight``, ``linear_log_weight``: their logs, initialised to 0). A decoding "
+        "state adds the last W - 1 raw keys, features and values: constant size. None: off. No "
+        "relative-position bias or rotary features with it; a family may refuse it.",
         optional(int_at_least(1)),
     ),
     ConfigField(
@@ -241,18 +220,15 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
     ),
     ConfigField(
         "recompute_attention", True,
-        "when gradients are needed, keep only each attention block's q/k/v projections and "
-        "recompute its feature maps and kernel intermediates in the backward pass (flash "
-        "attention recomputes its scores the same way): same outputs and gradients, less memory, "
-        "one more run of the feature maps and kernel per layer (the projections are not redone). Off inside a layer that transformers' "
-        "gradient checkpointing already recomputes, and for a backend whose backward needs only its inputs "
-        "(``dense``, ``manhattan``: declared ``keeps_inputs``), where it would save no memory. "
-        "``\"projections\"``: keep only the block's input and recompute the whole block (the q/k/v and "
-        "output projections too, for every backend): about 4 N C fewer values kept per layer "
-        "(q, k, v and the output projection's input) for four more N x C x C products in the backward pass, "
-        "the setting for long inputs where activations bound the batch. A causal LM applies it to forwards that start "
-        "without a decoding state (training, prefill); steps that continue from a state never "
-        "recompute.",
+        "with gradients, keep only each attention block's q/k/v projections and recompute its "
+        "feature maps and kernel in the backward pass (as flash attention recomputes its scores): "
+        "same results, less memory, one more run of the feature maps and kernel per layer. Skipped "
+        "inside a layer that gradient checkpointing already recomputes, and for backends whose "
+        "backward needs only their inputs (``dense``, ``manhattan``: ``keeps_inputs``). "
+        "``\"projections\"``: keep only the block's input and recompute the whole block, for every "
+        "backend: about 4 N C fewer values kept per layer for four more N x C x C products in the "
+        "backward, for long inputs where activations bound the batch. Applies to forwards without a "
+        "decoding state (training, prefill), never to steps from a state.",
         Allowed("True, False or 'projections'", lambda v: isinstance(v, (bool, str)),
                 lambda v: isinstance(v, bool) or v == "projections", type_text="a bool or the string 'projections'"),
     ),
@@ -261,19 +237,16 @@ SHARED_ATTENTION_FIELDS: tuple[ConfigField, ...] = (
 SHARED_FIELD_NAMES: tuple[str, ...] = tuple(f.name for f in SHARED_ATTENTION_FIELDS)
 _BY_NAME = {f.name: f for f in SHARED_ATTENTION_FIELDS}
 
-# Which code wrote a checkpoint. Every config records the version of the code holding it (the
-# code that saves it) and the checkpoint format; loading a config of a newer format than this
-# code reads fails with a message naming both versions. A field added later gets a default that
-# reproduces the behaviour of checkpoints written before it existed.
+# Every config records the version of the code that saved it and the checkpoint format; a newer
+# format than this code reads fails, naming both. A field added later defaults to the behaviour
+# of checkpoints written before it.
 LIBRARY_VERSION = "0.1.0"  # equals hf_kernattn.__version__ (checked by a test)
 CHECKPOINT_FORMAT = 1
 
 
 def take_version_fields(kwargs: dict) -> dict[str, Any]:
-    """Remove ``hf_kernattn_version`` and ``checkpoint_format`` (as a loaded ``config.json``
-    holds them) from ``kwargs``; ``ValueError`` naming both versions when the checkpoint's format
-    is newer than this code reads. Returns the values this code records: its own version and
-    format (a checkpoint saved again records the code that saved it)."""
+    """Pop ``hf_kernattn_version`` and ``checkpoint_format`` from ``kwargs`` (``ValueError`` for a
+    format newer than this code reads); returns this code's version and format, for the config."""
     written_by = kwargs.pop("hf_kernattn_version", None)
     fmt = kwargs.pop("checkpoint_format", CHECKPOINT_FORMAT)
     if isinstance(fmt, bool) or not isinstance(fmt, int) or fmt < 1:
@@ -296,29 +269,23 @@ _DOC_WIDTH = 96
 COMMON_FLAGS = ("use_cache", "output_attentions")
 
 OUTPUT_ATTENTIONS_DOC = (
-    "``output_attentions`` is accepted and kept, as by every transformers config, but kernelized "
-    "attention never forms the attention matrix: a model built from a config with "
-    "``output_attentions=True`` returns no attention weights (and warns once), and "
-    "``forward(output_attentions=True)`` raises ``ValueError``."
+    "``output_attentions`` is kept, as by every transformers config, but kernelized attention "
+    "forms no attention matrix: with ``output_attentions=True`` in the config a model returns no "
+    "attention weights (and warns once); ``forward(output_attentions=True)`` raises ``ValueError``."
 )
 
 
 class AttentionSchema:
-    """One family's config schema: its own fields, declared as a table like the shared ones,
-    and its view of the shared attention fields (the base schema with explicit default
-    overrides, the options of a choice it takes, the earlier values it still accepts).
+    """One family's schema: its own fields and its view of the shared ones.
 
     Args:
-        family: the family's name, used in messages and the generated documentation.
-        fields: the family's own fields in documentation order: :class:`ConfigField` rows, each
-            group of them after its heading (a string). They include ``hidden_size`` and
-            ``num_attention_heads`` (the head size every shared field is used with).
-        choices: ``{field: options}``: a shared choice field of which this family takes only
-            ``options`` (each one a value the shared field allows).
-        aliases: ``{field: {earlier: current}}``: earlier values a field still accepts; the
-            config stores the current one.
-        overrides: ``field=(default, reason)``: the family's own default for a shared field and
-            why it differs (shown in the documentation). The default must pass the field's check.
+        family: the family's name, for messages and the documentation.
+        fields: the family's :class:`ConfigField` rows in documentation order, each group after
+            its heading (a string); they include ``hidden_size`` and ``num_attention_heads``.
+        choices: ``{field: options}``: the options of a shared choice field this family takes.
+        aliases: ``{field: {earlier: current}}``: earlier values still accepted, stored as current.
+        overrides: ``field=(default, reason)``: the family's default of a shared field and why
+            (shown in the documentation).
     """
 
     def __init__(
@@ -387,11 +354,9 @@ class AttentionSchema:
             self.checks[name](name, value)
 
     def take(self, kwargs: dict) -> dict[str, Any]:
-        """Remove the family's fields (its own and the shared ones) from ``kwargs`` (a config's
-        ``**kwargs``), fill the family's defaults, replace an earlier value by its current one,
-        check every value (each field once, then the head size the shared fields are used with,
-        then the common flags ``kwargs`` keeps for ``PreTrainedConfig``), and return ``{name:
-        value}`` for the config to set, with the version fields of :func:`take_version_fields`."""
+        """Pop the family's fields from ``kwargs`` (defaults filled, earlier values replaced),
+        check them, the head size and the common flags; returns ``{name: value}`` with the
+        version fields."""
         values = {}
         for field in self.own_fields + SHARED_ATTENTION_FIELDS:
             value = kwargs.pop(field.name, self.default(field.name))
@@ -413,16 +378,15 @@ class AttentionSchema:
             setattr(config, name, value)
 
     def configure(self, config: Any, kwargs: dict, check_combinations: Callable[[dict], None]) -> None:
-        """What a family config's ``__init__(**kwargs)`` does before ``PreTrainedConfig.__init__``:
-        :meth:`take` its fields from ``kwargs``, run the family's checks that involve several
-        fields (``check_combinations(values)``, which may also fill defaults derived from other
-        fields), and :meth:`apply` the values to ``config``. ``kwargs`` keeps the rest."""
+        """A config's ``__init__`` before ``PreTrainedConfig.__init__``: :meth:`take`,
+        ``check_combinations(values)`` (checks across fields; may fill derived defaults),
+        :meth:`apply`."""
         values = self.take(kwargs)
         check_combinations(values)
         self.apply(config, values)
 
     def field_doc(self, name: str) -> str:
-        """The documentation of one field (a shared one's is identical in every family; no default in it)."""
+        """One field's documentation (a shared field's is the same in every family; no default)."""
         return _wrap(f"{name}: {self._fields[name].doc}", "        ", "            ")
 
     def default_doc(self, name: str) -> str:
@@ -439,11 +403,9 @@ class AttentionSchema:
         return lines
 
     def document(self, docstring: Optional[str]) -> Optional[str]:
-        """``docstring`` with :data:`FAMILY_DOC_MARKER` replaced by the family's own fields (by
-        group) and :data:`DOC_MARKER` by the shared fields' documentation (then what the config
-        does with ``output_attentions``), each with this family's defaults; each marker on a line
-        of its own. ``ValueError`` without a marker; None stays None (``python -OO`` strips
-        docstrings)."""
+        """``docstring`` with the :data:`FAMILY_DOC_MARKER` and :data:`DOC_MARKER` lines replaced
+        by the documentation of the family's own and the shared fields, with this family's
+        defaults. ``ValueError`` without a marker; None stays None (``python -OO``)."""
         if docstring is None or (sys.flags.optimize >= 2 and DOC_MARKER not in docstring):
             return docstring  # -OO: no docstring (or one a dataclass decorator wrote)
         for marker in (DOC_MARKER,) + ((FAMILY_DOC_MARKER,) if self.own_fields else ()):
@@ -461,9 +423,8 @@ class AttentionSchema:
         return docstring.replace(f"    {FAMILY_DOC_MARKER}", "\n".join(own))
 
     def declare(self, config_class: type) -> type:
-        """Class decorator of the family's config: writes its docstring (:meth:`document`) and
-        gives its ``__init__(self, **kwargs)`` the signature of the fields (keyword-only, with the
-        family's defaults) that ``help()`` and editors show."""
+        """Class decorator of a family config: its docstring (:meth:`document`) and an
+        ``__init__`` signature of the fields (keyword-only, with defaults) for ``help()`` and editors."""
         config_class.__doc__ = self.document(config_class.__doc__)
         kw = inspect.Parameter.KEYWORD_ONLY
         config_class.__init__.__signature__ = inspect.Signature(
@@ -483,10 +444,8 @@ BASE_ATTENTION_SCHEMA = AttentionSchema("base")
 
 
 def complete_attention_fields(config: Any) -> Any:
-    """``config`` itself when it carries every shared field; otherwise a namespace with its
-    attributes plus the base schema's defaults for the missing shared fields (the values it
-    does carry are kept as they are). For modules built from a bare namespace or from a config
-    of a model that is not an hf-kernattn family; family configs always carry every field."""
+    """``config`` if it carries every shared field, else a namespace of its attributes plus the
+    base defaults of the missing ones (a bare namespace, or another model's config)."""
     missing = [name for name in SHARED_FIELD_NAMES if not hasattr(config, name)]
     if not missing:
         return config
@@ -513,9 +472,9 @@ def check_head_size(hidden_size: object, num_attention_heads: object) -> None:
 
 
 def validate_attention_fields(*, hidden_size: int, num_attention_heads: int, **fields: Any) -> None:
-    """Raise ``ValueError`` (:class:`FieldTypeError` for a wrong type, also a ``ValueError``) for
-    the first invalid shared attention field among ``fields`` (each by its schema check, the same
-    the configs run) or an invalid head size. ``TypeError`` for a name that is no shared field."""
+    """``ValueError`` (:class:`FieldTypeError` for a wrong type) for the first invalid shared
+    field among ``fields`` (the configs' checks) or head size; ``TypeError`` for a name that is
+    no shared field."""
     for name, value in fields.items():
         if name not in _BY_NAME:
             raise TypeError(f"{name!r} is not a shared attention field; they are {list(SHARED_FIELD_NAMES)}")

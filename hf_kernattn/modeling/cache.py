@@ -1,34 +1,12 @@
-"""Recurrent decoding state of Linear GPT, returned by ``forward`` as ``past_key_values``.
+"""Linear GPT's decoding state (``past_key_values``): a transformers ``DynamicCache`` of
+:class:`LinearGPTCacheLayer`.
 
 Causal linear attention is an RNN (Katharopoulos et al. 2020): after tokens ``0..t`` a layer
-needs only ``S = sum_j k_j v_j^T`` ``(B, H, M, D)`` and ``z = sum_j k_j`` ``(B, H, M)``, so a
-decoding step costs the same at any context length. With rotary features ``S`` holds the
-rotated keys and ``z`` the positive ones; with a learned relative-position bias clipped at
-``K = max_relative_position`` the state also holds the window of the last ``K - 1`` keys and
-values (every older key carries ``c_{-K}`` and lives in ``S``, ``z``): exact, and still constant
-per token. With the sliding-window hybrid (``softmax_window = W``) the state holds the window of
-the last ``W - 1`` keys' features, values, raw keys and validity flags besides ``S`` and ``z``:
-constant size too. The attention core computes and returns this state
-(``state.AttentionState``); this module only stores it.
-
-Each layer's state lives in a :class:`LinearGPTCacheLayer`, a ``transformers``
-:class:`~transformers.cache_utils.LinearAttentionLayer` whose recurrent states are ``S``, ``z``
-and, with the bias, the window's keys and values: fixed shapes from the first token on (the
-window starts zero-filled: a zero key adds nothing), updated in place by ``copy_`` while
-decoding. The layers sit in a stock :class:`~transformers.DynamicCache` (what ``forward``
-returns is :class:`LinearGPTCache`, a ``DynamicCache`` that only builds them), so what
-transformers' caches offer works on it: ``reset()``, ``reorder_cache(beam_idx)`` (beam search),
-``batch_repeat_interleave`` / ``batch_select_indices`` (expanding a returned state),
-``get_seq_length()``, ``offload()`` / ``prefetch()``, and the layer format
-``cache.layers[i].recurrent_states``.
-
-Counters: each layer counts the positions folded into it, padding included
-(``get_seq_length()``, as transformers' key/value layers do); position ids come from the
-``(B, past + N)`` attention mask, as ``generate()`` passes it (and makes them), or follow
-``get_seq_length()`` without one.
-
-Left padding: padded positions have their keys and values zeroed before they enter ``S``, ``z``
-or the window, so they never count.
+needs only ``S = sum_j k_j v_j^T`` and ``z = sum_j k_j`` (with a clipped bias or the hybrid also a
+window of the last keys), so a step costs the same at any length. The core computes the state
+(``state.AttentionState``); this module stores it, in place while decoding. Transformers' cache
+API works on it: ``reset()``, ``reorder_cache`` (beam search), ``batch_repeat_interleave``,
+``batch_select_indices``, ``get_seq_length()``, ``offload()`` / ``prefetch()``.
 """
 
 from __future__ import annotations
@@ -48,16 +26,14 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from .state import AttentionState
 
-# transformers names the decoding cache ``cache`` from 5.24 (``past_key_values`` before; it still
-# takes the old name, with a deprecation warning): the models build and read their outputs under
-# the installed version's name and accept both names as arguments (:func:`cache_argument`)
+# the outputs' name of the decoding cache: ``cache`` from transformers 5.24, ``past_key_values``
+# before; the models take both as arguments (:func:`cache_argument`)
 CACHE_FIELD = "cache" if "cache" in getattr(BaseModelOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 
 def cache_argument(past_key_values: object, cache: object) -> object:
-    """The decoding state a call was given: ``past_key_values``, or ``cache``, the name
-    ``generate()`` passes it under from transformers 5.24; ``ValueError`` when both name
-    different objects."""
+    """The state passed as ``past_key_values`` or ``cache`` (``generate()``'s name from
+    transformers 5.24); ``ValueError`` when both name different objects."""
     if cache is None:
         return past_key_values
     if past_key_values is not None and past_key_values is not cache:
@@ -84,30 +60,22 @@ def _check_softmax_window(softmax_window: object) -> None:
 
 
 class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
-    """One layer's decoding state: recurrent states ``0`` = S ``(B, H, M, D)``, ``1`` = z
-    ``(B, H, M)`` and, for a relative-position bias clipped at K (``window = K - 1``), ``2`` = the
-    window's keys ``(B, H, K - 1, M)``, ``3`` = its values ``(B, H, K - 1, D)``; for the
-    sliding-window hybrid (``softmax_window = W``) ``2``, ``3`` = the features and values of the
-    last ``W - 1`` keys, ``4`` = their raw keys ``(B, H, W - 1, Dk)``, ``5`` = their validity
-    ``(B, 1, W - 1)`` (bool), kept as a ring: ``window_start`` is the slot (along dim 2) of the
-    oldest key, the others follow cyclically (a decoding step writes the new key over the one
-    that leaves); :meth:`get_state` gives them oldest first.
+    """One layer's state: recurrent states ``0`` = S ``(B, H, M, D)``, ``1`` = z ``(B, H, M)``;
+    with a bias clipped at K (``window = K - 1``) ``2``, ``3`` = the window's keys
+    ``(B, H, K - 1, M)`` and values ``(B, H, K - 1, D)``; with the hybrid (``softmax_window = W``)
+    ``2``, ``3`` = the last ``W - 1`` keys' features and values, ``4`` = their raw keys
+    ``(B, H, W - 1, Dk)``, ``5`` = their validity ``(B, 1, W - 1)``, a ring along dim 2 whose
+    oldest slot is ``window_start`` (a step overwrites the key that leaves).
 
-    A linear-attention layer that also counts the positions folded in (``get_seq_length()``,
-    padding included), so that the stock :class:`~transformers.cache_utils.Cache` answers
-    ``get_seq_length()`` / ``get_mask_sizes()`` from it as from a key/value layer. It holds no
-    keys and values (``update`` raises) and cannot be cropped: a recurrent state cannot forget
-    tokens.
+    Counts the positions folded in, padding included (``get_seq_length()``, as a key/value
+    layer); no ``update`` or ``crop`` (a recurrent state cannot forget tokens).
 
     Args:
-        window: ``K - 1`` for a bias clipped at ``K``; None without a bias; left unset (the
-            default), the first state stored decides.
-        softmax_window: ``W`` for the sliding-window hybrid, None without it (with ``window``
-            unset, the first state stored decides).
+        window: ``K - 1``; None without a bias; unset: the first state stored decides.
+        softmax_window: ``W``, or None (with ``window`` unset, the first state decides).
     """
 
-    # the recurrent states have static shapes, but Linear GPT's forward is not compiled as a
-    # whole graph (``_can_compile_fullgraph = False``): generate() must not compile it on its own
+    # static shapes, but Linear GPT's forward is no full graph: generate() must not compile it
     is_compileable = False
 
     def __init__(self, window: Union[int, None, str] = UNSET, softmax_window: Optional[int] = None, **kwargs) -> None:
@@ -118,8 +86,7 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         self.softmax_window = softmax_window
         # positions folded into the state, padding included (DynamicLayer's name for it)
         self.cumulative_length = 0
-        # the StateKind of the call that produced the state (kept with it, so that a call of
-        # another kind, e.g. another model, refuses to continue it)
+        # the StateKind of the call that made the state: a call of another kind refuses it
         self.state_kind = None
         # the hybrid's window is a ring: the slot of its oldest key (AttentionState.window_start)
         self.window_start = 0
@@ -153,9 +120,9 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
     keeps_window_ring = True
 
     def get_state(self, ordered: bool = True) -> Optional[AttentionState]:
-        """The state to continue from (None before the first tokens): the sliding-window hybrid's
-        window oldest first (new tensors where the ring does not start at slot 0), or with
-        ``ordered=False`` the layer's own tensors as stored, with their ``window_start``."""
+        """The state to continue from (None before the first tokens), the hybrid's window oldest
+        first (copied unless the ring starts at slot 0); ``ordered=False``: the stored tensors
+        and their ``window_start``."""
         if not self.is_initialized:
             return None
         state = AttentionState(*(self.recurrent_states[i] for i in range(self.number_of_states)), kind=self.state_kind,
@@ -163,10 +130,9 @@ class LinearGPTCacheLayer(LinearAttentionLayer, CacheLayerMixin):
         return state.ordered() if ordered else state
 
     def set_state(self, state: AttentionState) -> None:
-        """Store the state after the latest tokens: nothing to do for tensors the core already
-        updated in place (``kernelized_attention(..., in_place=True)``, decoding); others are
-        copied in place into the layer's tensors, except while autograd records through it (training across calls), where the tensors are
-        replaced so that the graph of the earlier call keeps the values it saw."""
+        """Store the state after the latest tokens: tensors the core updated in place are kept,
+        others copied in; while autograd records (training across calls) the tensors are
+        replaced instead, so the earlier call's graph keeps its values."""
         if self.window == UNSET:  # the first state decides: the hybrid's (6 tensors), with a window (4) or not (2)
             if len(state) > 4 and state[4] is not None:
                 self.window, self.softmax_window = None, int(state[4].shape[2]) + 1
@@ -234,15 +200,13 @@ def is_linear_gpt_cache(cache: object) -> bool:
 
 
 class LinearGPTCache(DynamicCache):
-    """The decoding state ``forward`` and ``generate()`` return: a stock
-    :class:`~transformers.DynamicCache` whose layers are :class:`LinearGPTCacheLayer`; everything
-    but building them is transformers' own.
+    """The state ``forward`` and ``generate()`` return: a ``DynamicCache`` of
+    :class:`LinearGPTCacheLayer`.
 
     Args:
-        num_layers: number of decoder layers.
-        window: keys kept apart per layer for a relative-position bias clipped at ``K``
-            (``K - 1``); None (the default) without a bias.
-        softmax_window: ``W`` of the sliding-window hybrid; None (the default) without it.
+        num_layers: decoder layers.
+        window: ``K - 1`` for a bias clipped at ``K``; None without.
+        softmax_window: ``W`` of the hybrid; None without.
     """
 
     def __init__(self, num_layers: int, window: Optional[int] = None, softmax_window: Optional[int] = None) -> None:
@@ -255,8 +219,8 @@ class LinearGPTCache(DynamicCache):
         _check_softmax_window(softmax_window)
         self.layers = [LinearGPTCacheLayer(window, softmax_window) for _ in range(num_layers)]
         self.layer_class_to_replicate = None
-        # the flat one-token step of the model decoding from this cache (decoding.DecodingPlan), made
-        # after its first one-token step; None: not made yet; False: the model's modules run every step
+        # the model's flat one-token step (decoding.DecodingPlan), made at its first one-token step;
+        # None: not yet; False: the modules run every step
         self.decoding_plan = None
 
     @property

@@ -11,8 +11,7 @@ from .attention_config import (AttentionSchema, ConfigField, activation, boolean
 from .feature_maps import feature_size
 from .registry import backends_for, get_backend
 
-# The one Auto-class table of Linear GPT: written into config.json as ``auto_map`` (remote-code
-# loading) and read by ``hf_kernattn/__init__.py`` for the in-process registration.
+# The Auto classes: config.json's ``auto_map`` (remote code) and the in-process registration.
 AUTO_MAP = {
     "AutoConfig": "configuration_linear_gpt.LinearGPTConfig",
     "AutoModel": "modeling_linear_gpt.LinearGPTModel",
@@ -35,10 +34,8 @@ ATTENTION_SCHEMA = AttentionSchema(
                     int_at_least(1)),
         ConfigField("num_key_value_heads", None,
                     "key/value heads (grouped-query attention, Ainslie et al. 2023), a divisor of "
-                    "``num_attention_heads``: each serves ``num_attention_heads // num_key_value_heads`` query "
-                    "heads. None: one per query head. The decoding state keeps one sum per query head (the key "
-                    "features are shared by a group, the query-side sums are not), so its size does not shrink "
-                    "with fewer key/value heads; the key/value projections do.", optional(int_at_least(1))),
+                    "``num_attention_heads``; None: one per query head. Fewer shrink the key/value projections, "
+                    "not the decoding state (one sum per query head).", optional(int_at_least(1))),
         ConfigField("intermediate_size", None, "width of the MLP inside each block; None: ``4 * hidden_size``.",
                     optional(int_at_least(1))),
         ConfigField("hidden_act", "gelu_new",
@@ -51,17 +48,16 @@ ATTENTION_SCHEMA = AttentionSchema(
         ConfigField("norm_type", "layernorm",
                     "``\"layernorm\"`` or ``\"rmsnorm\"`` (Llama's RMSNorm: no mean, no bias).", choice(NORM_TYPES)),
         ConfigField("max_position_embeddings", 2048,
-                    "size of the learned absolute position table (only used when "
-                    "``position_embedding_type=\"absolute\"``); longer inputs raise a ``ValueError``.",
+                    "size of the learned position table of ``position_embedding_type=\"absolute\"``; longer "
+                    "inputs raise ``ValueError``.",
                     int_at_least(1)),
         ConfigField("position_embedding_type", "absolute",
-                    "``\"absolute\"`` (learned table added to the token embeddings, GPT-2 style), "
-                    "``\"rotary\"`` (rotations applied to the feature-mapped queries and keys, RoFormer style: "
-                    "rotated features in the numerator, un-rotated in the denominator, so the denominator stays "
-                    "positive), ``\"rope\"`` (Llama's rotary position embedding: queries and keys rotated "
-                    "*before* the feature map, so with ``feature_map=\"prf\"`` the model estimates Llama's "
-                    "``exp(R_i q . R_j k / sqrt(d))``; pairs ``(i, i + D/2)`` of the head dim) or ``\"none\"`` "
-                    "(no absolute positions; use with ``rpe=\"learned\"``).", choice(POSITION_EMBEDDING_TYPES)),
+                    "``\"absolute\"`` (a learned table added to the token embeddings, GPT-2), ``\"rotary\"`` "
+                    "(RoFormer: the feature-mapped queries and keys rotated in the numerator, un-rotated in the "
+                    "denominator, which stays positive), ``\"rope\"`` (Llama's RoPE: queries and keys rotated "
+                    "*before* the feature map, pairs ``(i, i + D/2)``; with ``feature_map=\"prf\"`` the model "
+                    "estimates ``exp(R_i q . R_j k / sqrt(d))``) or ``\"none\"`` (use with ``rpe=\"learned\"``).",
+                    choice(POSITION_EMBEDDING_TYPES)),
         ConfigField("rotary_base", 10000.0,
                     "base of the rotary frequencies (``theta_i = base ** (-2i / M)``, M the feature size for "
                     "``\"rotary\"``, the head size D for ``\"rope\"``; Llama's ``rope_theta``).",
@@ -86,13 +82,9 @@ ATTENTION_SCHEMA = AttentionSchema(
 
 def check_attn_backend(attn_backend: str, *, rpe: str, max_relative_position: int, position_embedding_type: str,
                        softmax_window: Optional[int] = None) -> None:
-    """``ValueError`` unless ``attn_backend`` can run every call of a Linear GPT of these options
-    without a state (training, prefill): ``"auto"``, or a registered backend that does causal
-    attention, with the clipped 1D bias of ``rpe="learned"`` and with the separate denominator
-    features of ``position_embedding_type="rotary"`` when the model has them, and the sliding-window
-    hybrid of ``softmax_window`` (only the backends declared for it). The message names
-    the backends that can. (Calls that continue from a state use it when it carries a state, and
-    ``auto``'s choice among those that do otherwise: see the config's docstring.)"""
+    """``ValueError`` naming the backends that can, unless ``attn_backend`` is ``"auto"`` or runs
+    every call without a state (training, prefill) of a Linear GPT with these options: causal,
+    with the clipped bias, separate denominator features or the hybrid where the model has them."""
     if attn_backend == "auto":
         return
     learned = rpe == "learned"
@@ -136,9 +128,8 @@ def complete_and_check(values: dict) -> None:
 
 
 def check_softmax_window(softmax_window: Optional[int], rpe: str, positions: str) -> None:
-    """``ValueError`` when the sliding-window hybrid meets a position option it cannot carry: a
-    relative-position bias (``rpe="learned"``) or rotary features (``position_embedding_type="rotary"``);
-    absolute positions and Llama's ``"rope"`` (rotating the raw queries and keys) are fine."""
+    """``ValueError`` when ``softmax_window`` meets ``rpe="learned"`` or ``"rotary"`` features
+    (absolute positions and ``"rope"`` are fine)."""
     if softmax_window is None:
         return
     if rpe != "none":
@@ -155,26 +146,18 @@ class LinearGPTConfig(PreTrainedConfig):
 
     @family-fields@
 
-    ``rpe`` takes ``"none"`` or ``"learned"`` here: a causal bias ``b_{j-i}`` per layer and head,
-    clipped at ``max_relative_position`` = K, trained in the parallel form with the backend
-    ``attn_backend`` picks (``auto``: see below) and decoded exactly in constant time per token
-    from a window of the last K - 1 keys (``cache.py``). ``recompute_attention`` applies to the
-    parallel form: training forwards and the prefill of a decoding state.
+    ``rpe`` takes ``"none"`` or ``"learned"``: a causal bias ``b_{j-i}`` per layer and head,
+    clipped at K = ``max_relative_position``, decoded exactly in constant time per token from a
+    window of the last K - 1 keys. ``softmax_window = W`` needs ``rpe="none"`` and positions
+    ``"absolute"``, ``"rope"`` or ``"none"``; the decoding state then also keeps the last W - 1
+    keys and values.
 
-    ``softmax_window = W`` (the sliding-window hybrid) needs ``rpe="none"`` and positions that
-    are ``"absolute"``, ``"rope"`` or ``"none"`` (not ``"rotary"`` features); the decoding state
-    then also keeps the last W - 1 keys (raw and feature-mapped) and values: constant per token.
-
-    ``attn_backend`` must be ``"auto"`` or a backend that does causal attention (with the
-    clipped bias of ``rpe="learned"``, and the separate denominator features of
-    ``position_embedding_type="rotary"``, when the model has them): e.g. ``dense``,
-    ``causal_chunked``, ``fft``, ``windowed`` (only with ``rpe="learned"``), ``recurrent``, and
-    with ``softmax_window`` only ``hybrid``; a ``ValueError`` names the ones that can. It runs every call that starts without a state
-    (training and prefill, with ``use_cache`` on or off; the state returned is folded from the
-    call's keys and values when the backend carries none). A call that continues from a state
-    (a continuation or a decoding step) runs it too when it carries a state (``causal_chunked``,
-    ``windowed``, ``recurrent`` or any backend registered with ``state=True``), otherwise
-    ``auto``'s choice among those that do.
+    ``attn_backend``: ``"auto"`` or a backend that does causal attention with this model's options
+    (e.g. ``dense``, ``causal_chunked``, ``fft``, ``recurrent``; ``windowed`` with
+    ``rpe="learned"``; only ``hybrid`` with ``softmax_window``); a ``ValueError`` names those that
+    can. It runs every call without a state (training, prefill); a call from a state runs it if
+    it carries state (``causal_chunked``, ``windowed``, ``recurrent``, any registered with
+    ``state=True``), else ``auto``'s choice.
 
     @shared-attention-fields@
     """

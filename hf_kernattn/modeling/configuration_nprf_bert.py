@@ -1,11 +1,7 @@
-"""Configuration of NPRF-BERT: a BERT encoder whose attention is normalised positive random
-features with a learnable relative-position bias (Luo et al. 2021), clipped at
-``max_relative_position``: applied by FFT in O(N log N), or exactly in O(N K) by the windowed
-backend, whichever ``attn_backend="auto"`` finds faster for the length.
-
-The BERT fields keep BERT's names and defaults, so a ``BertConfig`` maps onto this one field by
-field (see ``hf_kernattn.convert``). The attention fields are the ones every hf-kernattn family
-shares (same names everywhere), with the paper's choices as defaults.
+"""Configuration of NPRF-BERT: BERT with normalised positive-random-feature attention and a
+learnable relative-position bias (Luo et al. 2021). BERT's fields keep their names and defaults,
+so a ``BertConfig`` maps onto it field by field (``hf_kernattn.convert``); the shared attention
+fields default to the paper's choices.
 """
 
 from __future__ import annotations
@@ -16,8 +12,7 @@ from .attention_config import (AttentionSchema, ConfigField, activation, boolean
                                finite_at_least, int_at_least, optional, probability)
 from .registry import backends_for, get_backend
 
-# The one Auto-class table of NPRF-BERT: written into config.json as ``auto_map`` (remote-code
-# loading) and read by ``hf_kernattn/__init__.py`` for the in-process registration.
+# The Auto classes: config.json's ``auto_map`` (remote code) and the in-process registration.
 AUTO_MAP = {
     "AutoConfig": "configuration_nprf_bert.NPRFBertConfig",
     "AutoModel": "modeling_nprf_bert.NPRFBertModel",
@@ -43,9 +38,8 @@ ATTENTION_SCHEMA = AttentionSchema(
                     activation),
         ConfigField("hidden_dropout_prob", 0.1, "dropout on embeddings and on every residual branch.", probability),
         ConfigField("attention_probs_dropout_prob", 0.1,
-                    "kept for compatibility with BERT configs (conversion copies it); kernelized attention never "
-                    "forms the attention matrix, so there are no attention probabilities to drop and this value is "
-                    "not used by the model.", probability),
+                    "kept for BERT configs (conversion copies it); unused: kernelized attention forms no "
+                    "attention probabilities.", probability),
         ConfigField("max_position_embeddings", 512,
                     "size of the absolute position table (the longest input when "
                     "``position_embedding_type=\"absolute\"``).", int_at_least(1)),
@@ -57,8 +51,8 @@ ATTENTION_SCHEMA = AttentionSchema(
                     "id of the padding token (its embedding row starts at zero), below ``vocab_size``; or None.",
                     optional(int_at_least(0))),
         ConfigField("bos_token_id", None,
-                    "id of a beginning-of-sequence token, if the tokenizer has one (unused by the model; kept for "
-                    "tokenizer/config round trips, e.g. RoBERTa's ``<s>``)."),
+                    "id of a beginning-of-sequence token, if any (unused by the model; kept for tokenizer round "
+                    "trips, e.g. RoBERTa's ``<s>``)."),
         ConfigField("eos_token_id", None, "id of an end-of-sequence token, if any (unused by the model, as above)."),
         ConfigField("position_embedding_type", "absolute",
                     "``\"absolute\"`` (BERT's learned absolute positions, added to the relative bias; needed to "
@@ -79,15 +73,14 @@ ATTENTION_SCHEMA = AttentionSchema(
     # Luo et al. 2021's choices where they differ from the shared defaults.
     feature_map=("prf", "NPRF: positive random features"),
     normalize_qk=(True, "the N of NPRF"),
-    rpe=("learned", "the paper's learnable bias (auto: dense below 1,024 tokens, then the exact windowed form at the default clip)"),
+    rpe=("learned", "the paper's learnable bias"),
     max_relative_position=(512, "BERT's length"),
 )
 
 
 def check_combinations(values: dict) -> None:
-    """The checks that involve more than one field: the padding id is a token id; the
-    sliding-window hybrid (bidirectional) takes no relative-position bias, and only a backend
-    declared for it runs it (and only it)."""
+    """Checks across fields: the padding id is a token id; the hybrid takes no bias, and only a
+    backend declared for it runs it (and nothing else)."""
     pad, vocab_size = values["pad_token_id"], values["vocab_size"]
     if pad is not None and pad >= vocab_size:
         raise ValueError(f"pad_token_id must be None or an int in [0, vocab_size={vocab_size}), got {pad!r}")

@@ -1,8 +1,6 @@
 """Configuration of the relative-performer ViT: a Vision Transformer with kernelized (Performer)
 attention and relative positions on the patch grid (Horn et al. 2021; Luo et al. 2021, Sec. 4.4).
-
-The image fields keep ``transformers.ViTConfig``'s names; the attention fields are the ones every
-hf-kernattn family shares, and ``rpe`` picks the position option.
+The image fields keep ``transformers.ViTConfig``'s names.
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from transformers import PreTrainedConfig
 from .attention_config import (AttentionSchema, ConfigField, activation, boolean, choice, finite_above,
                                finite_at_least, int_at_least, optional, probability)
 
-# The one Auto-class table of the family: config.json's ``auto_map`` and the in-process registration.
+# The Auto classes: config.json's ``auto_map`` (remote code) and the in-process registration.
 AUTO_MAP = {
     "AutoConfig": "configuration_relative_performer_vit.RelativePerformerViTConfig",
     "AutoModel": "modeling_relative_performer_vit.RelativePerformerViTModel",
@@ -43,8 +41,8 @@ ATTENTION_SCHEMA = AttentionSchema(
                     activation),
         ConfigField("hidden_dropout_prob", 0.0, "dropout on embeddings and every residual branch.", probability),
         ConfigField("attention_probs_dropout_prob", 0.0,
-                    "kept for ViT configs; kernelized attention forms no attention probabilities, so it is not "
-                    "used.", probability),
+                    "kept for ViT configs; unused: kernelized attention forms no attention probabilities.",
+                    probability),
         ConfigField("initializer_range", 0.02, "std of the (truncated) normal initialisation.", finite_at_least(0)),
         ConfigField("layer_norm_eps", 1e-12, "epsilon of the layer norms.", finite_above(0)),
         "The family's own fields",
@@ -72,8 +70,7 @@ ATTENTION_SCHEMA = AttentionSchema(
 
 
 def check_combinations(values: dict) -> None:
-    """The checks that involve more than one field: whole patches, and heads that exist; no 1D
-    softmax window on the 2D grid."""
+    """Checks across fields: whole patches, heads that exist, no 1D softmax window."""
     image_size, patch_size = values["image_size"], values["patch_size"]
     if image_size % patch_size:
         raise ValueError(f"image_size ({image_size}) must be a multiple of patch_size ({patch_size})")
@@ -93,18 +90,14 @@ class RelativePerformerViTConfig(PreTrainedConfig):
 
     @family-fields@
 
-    ``rpe`` picks the position option, each named for what it learns: ``"learned_2d"`` (a
-    learnable per-head bias of the 2D offset ``(dy, dx)`` on the patch grid, clipped at
-    ``max_relative_position`` per axis: the 2D counterpart of the 1D ``"learned"``; the core
-    applies it as a Toeplitz-block-Toeplitz matrix, by 2D FFT or densely, whichever
-    ``attn_backend`` picks), ``"rotary_features"`` (Horn et al.'s first strategy: sinusoidal
-    position features with learned length scales, rotated on the query side, concatenated to the
-    content before the feature map), ``"manhattan"`` (their second: a learned bias of the
-    Manhattan distance ``|dy| + |dx|`` clipped at ``max_relative_position``, on
-    ``relative_heads`` heads, in O(N K^2)), ``"absolute"`` (a learned position table, the ViT
-    baseline) or ``"none"``. The earlier names ``"fft_2d"`` (for ``"learned_2d"``) and
-    ``"clipped"`` (for ``"manhattan"``) are still accepted and stored as the current name: the
-    model and its weights are the same.
+    ``rpe`` picks the position option: ``"learned_2d"`` (a learnable per-head bias of the 2D
+    offset ``(dy, dx)``, clipped at ``max_relative_position`` per axis, applied as a
+    Toeplitz-block-Toeplitz matrix by 2D FFT or densely), ``"rotary_features"`` (Horn et al.'s
+    strategy 1: sinusoidal position features at learned length scales, rotated on the query side,
+    concatenated before the feature map), ``"manhattan"`` (their strategy 2: a learned bias of
+    ``min(|dy| + |dx|, max_relative_position)`` on ``relative_heads`` heads, O(N K^2)),
+    ``"absolute"`` (a learned table, the ViT baseline) or ``"none"``. The earlier names
+    ``"fft_2d"`` and ``"clipped"`` are accepted and stored as ``"learned_2d"`` and ``"manhattan"``.
 
     @shared-attention-fields@
     """

@@ -1,75 +1,32 @@
-"""Feature maps phi for kernelized attention.
+"""Feature maps phi: kernelized attention replaces ``exp(q . k)`` by ``phi(q) . phi(k)``.
 
-A kernel attention replaces ``exp(q . k)`` by ``phi(q) . phi(k)``. This file holds the maps:
+* ``elu``: ``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020); ``relu``: ``relu(x)``. M = d.
+* ``prf`` (Choromanski et al. 2021): ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(m)``, ``W (m, d)``:
+  positive, ``E[phi(q) . phi(k)] = exp(q . k)``. M = m.
+* ``trf``: ``phi(x) = exp(|x|^2 / 2) / sqrt(m) [cos(W x), sin(W x)]``: unbiased, signed. M = 2m.
+* ``hedgehog`` (Zhang et al. 2024): ``[softmax(z), softmax(-z)]``, ``z = x W_h``, ``W_h (d, m)``
+  learned per head (``query_weight (H, d, m)``, ``key_weight (H_kv, d, m)``), initialised to
+  ``I_{d x m}`` (as LoLCATs). M = 2m, m = ``num_learned_features`` (default d).
+* ``hedgehog_exp``: ``[exp(z - c), exp(-z - c)]``, ``c`` a query's ``max_m |z_m|`` (a constant
+  for the gradient), 0 for keys.
 
-* ``elu``  : ``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020), M = d.
-* ``relu`` : ``phi(x) = relu(x)``, M = d.
-* ``prf``  : positive random features (Choromanski et al. 2021),
-  ``phi(x) = exp(W x - |x|^2 / 2) / sqrt(m)`` with ``W`` of shape ``(m, d)``; then
-  ``E[phi(q) . phi(k)] = exp(q . k)`` exactly, and every feature is positive.
-* ``trf``  : trigonometric random features,
-  ``phi(x) = exp(|x|^2 / 2) / sqrt(m) [cos(W x), sin(W x)]``, M = 2m (unbiased, not positive).
+Rows of ``W``: ``gaussian`` N(0, 1), ``orthogonal`` (orthogonal blocks with chi(d) norms:
+unbiased, lower variance) or ``sphere`` (radius sqrt(d)). ``normalize_qk`` (NPRF, Luo et al.
+2021) l2-normalises the inputs (approximating ``exp(q_hat . k_hat)``); otherwise the random
+maps scale them by ``d ** -0.25`` (``u = x d^-1/4``) to approximate ``exp(q . k / sqrt(d))``.
 
-Random projections ``W`` come in three flavours: ``gaussian`` (i.i.d. N(0, 1) rows),
-``orthogonal`` (blocks of orthogonal rows rescaled by chi(d)-distributed norms, which keeps the
-estimator unbiased and lowers its variance), and ``sphere`` (rows uniform on the sphere of
-radius sqrt(d)).
+Range. A per-query factor cancels in attention (``prf`` subtracts the query's max logit, ``trf``
+caps its amplitude at ``exp(TRF_QUERY_MAX_LOG_AMPLITUDE)``); a per-key one does not, and a max
+over keys would leak future tokens, so each key's log feature scale must stay within
+L = :data:`KEY_MAX_LOG_SCALE`: ``prf``: ``max_m (w_m . u) - |u|^2/2 >= -L`` (at most ``|w|^2/2``;
+keys of norm beyond about ``11 d^{1/4}`` fail, and from about ``7 d^{1/4}`` ``eps`` dominates
+the denominator: the output fades towards 0); ``trf``: ``|u|^2 / 2 <= L``, i.e.
+``|x| <= sqrt(2 L) d^{1/4}``; ``hedgehog_exp``: ``max_m |z_m| <= L``. A key out of range raises
+``ValueError`` in eager mode; with ``normalize_qk`` every key is in range.
 
-Scaling. With ``normalize_qk=True`` (NPRF, Luo et al. 2021) queries and keys are l2-normalised
-first, so the map approximates ``exp(q_hat . k_hat)``. Otherwise inputs of the random maps are
-scaled by ``d ** -0.25`` so that the map approximates softmax's ``exp(q . k / sqrt(d))``.
-
-Stability and valid range. Queries: any norm. A per-query factor cancels between numerator
-and denominator of that query, so ``prf`` subtracts ``max_m`` of the query's logits and ``trf``
-caps the query's amplitude ``exp(|x|^2/2)`` at ``exp(TRF_QUERY_MAX_LOG_AMPLITUDE)`` (= e^10: no
-change below it). Keys: no statistic over key positions may be used (a max over the key
-sequence would leak future tokens into a causal model), and a per-key factor does not cancel,
-so every key must be representable on its own. Its log-scale must stay within
-:data:`KEY_MAX_LOG_SCALE` (60 in float32, 600 in float64):
-
-* ``prf``: ``max_m (w_m . u) - |u|^2/2 >= -60``. Completing the square bounds it above by
-  ``|w|^2/2``; below, it falls like ``-|u|^2/2``: with ``normalize_qk=False`` (``u = x d^-1/4``)
-  keys of norm beyond about ``11 d^{1/4}`` (31 for d = 64) leave the range; already from about
-  ``7 d^{1/4}`` the key features are so small that the denominator's ``eps`` dominates and the
-  output fades towards 0, as the formula says.
-* ``trf``: ``|u|^2 / 2 <= 60`` (its amplitude ``exp(|u|^2/2)`` would overflow float32 sums,
-  and NaN follows): ``|x| <= sqrt(120) d^{1/4}`` (about 31 for d = 64).
-
-A key outside the range raises ``ValueError`` (checked in eager mode; not while compiling or
-exporting, where no data-dependent check runs). ``normalize_qk=True`` puts every input on the
-unit sphere, always in range.
-
-Learned maps (Hedgehog, Zhang et al. 2024, "The Hedgehog & the Porcupine"; the form LoLCATs
-trains by attention transfer). Per head h a learned projection ``W_h`` of shape ``(d, m)``
-(queries and keys have their own: ``query_weight (H, d, m)``, ``key_weight (H_kv, d, m)``),
-``z = x W_h`` (after the l2 normalisation of ``normalize_qk``; no bias, no prescale: ``W`` absorbs
-any scale), then a positive map of ``z`` and ``-z``, so M = 2m:
-
-* ``hedgehog``     : ``phi(x) = [softmax(z), softmax(-z)]``, each softmax over the m features.
-  The same formula for queries and keys: every feature lies in (0, 1] and each half sums to 1,
-  so every input is in range. The per-row normalisation is part of the map (for keys it is no
-  stabiliser: a per-key factor does not cancel).
-* ``hedgehog_exp`` : ``phi(x) = [exp(z - c), exp(-z - c)]``, Hedgehog's exponential form with a
-  stabiliser ``c`` that cancels between numerator and denominator. Queries: ``c = max_m |z_m|``
-  of that query's row (a per-query factor; a constant for the gradient), so every query feature
-  is at most 1. Keys: ``c = 0``, one constant shared by every key of every call and decoding
-  step (a per-key max would not cancel, and a max over the keys would read future keys and
-  change between decoding steps); a key must then satisfy ``max_m |z_m| <= KEY_MAX_LOG_SCALE``
-  (60 in float32, 600 in float64), checked as for the random maps below.
-
-Both are initialised identity-like, as LoLCATs initialises its Hedgehog maps:
-``W_h = I_{d x m}`` (ones on the diagonal, zeros elsewhere), so a fresh ``hedgehog`` map with
-m = d is ``[softmax(x), softmax(-x)]``. m is ``num_learned_features`` (default: d). The weights
-are parameters (saved with the model, trained with it); :func:`learned_feature_map_reference`
-is the plain per-head form of the same formulas.
-
-Projections are persistent buffers (saved with the model), drawn from ``seed`` and redrawn
-only in training mode, every ``redraw_interval`` calls of :meth:`FeatureMap.step` (0: never).
-The draw number is a buffer too, so a reloaded model continues the same sequence of draws.
-A redraw installs a new tensor rather than writing into the old one, and recomputation passes
-the projection of its own forward explicitly, so a redraw between a forward and its backward
-(gradient accumulation, two forwards before one backward) never changes that backward.
-:meth:`FeatureMap.init_features` restores the seed's first draw and zero counters in place.
+Projections are buffers drawn from ``seed``, redrawn in training every ``redraw_interval``
+steps; a redraw installs a new tensor and recomputation gets its forward's projection, so a
+redraw between a forward and its backward changes nothing.
 """
 
 from __future__ import annotations
@@ -116,8 +73,7 @@ def check_feature_map_args(
 
 def feature_size(feature_map: str, num_random_features: int, head_dim: int,
                  num_learned_features: Optional[int] = None) -> int:
-    """M, the feature dimension a map produces: m for prf, 2m for trf, 2m for the learned maps
-    (m = ``num_learned_features``, None: d), d for elu and relu."""
+    """M of a map: m (prf), 2m (trf; learned maps, m = ``num_learned_features`` or d), d (elu, relu)."""
     if feature_map == "prf":
         return num_random_features
     if feature_map == "trf":
@@ -129,16 +85,14 @@ def feature_size(feature_map: str, num_random_features: int, head_dim: int,
 
 def identity_like(heads: int, head_dim: int, width: int, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``(heads, d, m)``: ``I_{d x m}`` per head, the learned maps' initial weights (``dtype``
-    None: torch's default dtype, as for the other parameters a model builds)."""
+    None: torch's default)."""
     return torch.eye(head_dim, width, dtype=dtype or torch.get_default_dtype()).expand(heads, head_dim, width).clone()
 
 
 def learned_feature_map_reference(x: torch.Tensor, weight: torch.Tensor, kind: str, is_query: bool,
                                   normalize_qk: bool = False) -> torch.Tensor:
-    """The learned maps written plainly, one head at a time (the reference of
-    :class:`FeatureMap`'s batched form): ``x (B, H, N, d)``, ``weight (H or 1, d, m)`` ->
-    ``(B, H, N, 2m)``. ``hedgehog``: ``[softmax(z), softmax(-z)]``; ``hedgehog_exp``:
-    ``[exp(z - c), exp(-z - c)]`` with ``c = max_m |z_m|`` for queries (detached) and 0 for keys."""
+    """The learned maps per head, plainly (the reference of :class:`FeatureMap`):
+    ``x (B, H, N, d)``, ``weight (H or 1, d, m)`` -> ``(B, H, N, 2m)``."""
     if normalize_qk:
         x = x / torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min(_NORM_EPS)
     heads = []
@@ -158,16 +112,8 @@ def learned_feature_map_reference(x: torch.Tensor, weight: torch.Tensor, kind: s
 def draw_projection(
     num_features: int, head_dim: int, kind: str, generator: torch.Generator, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Draw a random projection matrix.
-
-    Args:
-        num_features: m, the number of rows.
-        head_dim: d, the number of columns.
-        kind: ``gaussian`` | ``orthogonal`` | ``sphere``.
-        generator: a CPU generator (reproducibility does not depend on the device).
-    Returns:
-        ``(m, d)`` tensor on the CPU.
-    """
+    """An ``(m, d)`` projection of ``kind``, drawn in float64 from a CPU ``generator`` (the same
+    on every device)."""
     if kind == "gaussian":
         return torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).to(dtype)
     if kind == "sphere":
@@ -179,35 +125,31 @@ def draw_projection(
         while remaining > 0:
             g = torch.randn(head_dim, head_dim, generator=generator, dtype=torch.float64)
             qmat, rmat = torch.linalg.qr(g)
-            # Sign-correct so Q is Haar-distributed (plain QR output is not): rows are then
-            # uniform directions, which keeps the estimator unbiased.
+            # sign-correct so Q is Haar-distributed (plain QR is not): uniform rows keep it unbiased
             qmat = qmat * torch.sign(torch.diagonal(rmat))[None, :]
             blocks.append(qmat.T[: min(remaining, head_dim)])
             remaining -= head_dim
         w = torch.cat(blocks, dim=0)
-        # Row norms distributed like those of Gaussian rows: chi(d).
+        # row norms distributed as Gaussian rows' norms: chi(d)
         norms = torch.randn(num_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=-1)
         return (w * norms[:, None]).to(dtype)
     raise ValueError(f"projection must be one of {list(PROJECTIONS)}, got {kind!r}")
 
 
 _NORM_EPS = 1e-6  # F.normalize's eps: inputs shorter than this are divided by it instead
-# The largest |log| of a key's feature scale each compute dtype represents with margin for the
-# sums of attention (N * M products of query and key features times values): see the module
-# docstring. e^60 = 1.1e26 and e^-60 = 8.8e-27 in float32 (max 3.4e38); e^600 in float64.
+# L, the largest |log| of a key's feature scale per compute dtype, with margin for attention's
+# sums of N * M products (e^60 = 1.1e26, e^-60 = 8.8e-27; float32's max is 3.4e38)
 KEY_MAX_LOG_SCALE = {torch.float32: 60.0, torch.float64: 600.0}
 TRF_QUERY_MAX_LOG_AMPLITUDE = 10.0
 
 
 class PositiveRandomFeatures(torch.autograd.Function):
-    """The ``prf`` map as one op: ``x (B, H, N, d)``, ``w (m, d)`` -> ``(B, H, N, m)``,
-
-    ``phi(x) = exp(w . u - |u|^2 / 2 - shift) * scale`` with ``u = x / max(|x|, eps)`` when
-    ``normalize`` else ``u = prescale * x``; ``shift`` is the per-position max over features
-    for queries (``is_query``; a constant for the gradient, it cancels in attention) and 0 for
-    keys. Only ``x`` and the output are saved; the backward rebuilds ``u`` (O(N d)) and applies
-    ``d logits = d phi * phi``, ``d u = d logits w - u sum(d logits)``, then the normalisation's
-    Jacobian ``(I - u u^T) / |x|``. Replaces a chain of ~10 elementwise autograd ops.
+    """The ``prf`` map as one autograd op (not ~10 elementwise ones): ``x (B, H, N, d)``,
+    ``w (m, d)`` -> ``(B, H, N, m)``, ``phi(x) = exp(w . u - |u|^2 / 2 - shift) * scale``,
+    ``u = x / max(|x|, eps)`` when ``normalize`` else ``prescale * x``; ``shift``: a query's max
+    logit (a constant for the gradient), 0 for keys. Saves ``x`` and ``phi``; the backward
+    rebuilds ``u`` (O(N d)): ``d logits = d phi * phi``, ``d u = d logits w - u sum(d logits)``,
+    then the normalisation's Jacobian ``(I - u u^T) / |x|``.
     """
 
     @staticmethod
@@ -250,19 +192,18 @@ class PositiveRandomFeatures(torch.autograd.Function):
 
 
 class FeatureMap(nn.Module):
-    """Map queries or keys ``(B, H, N, d)`` to features ``(B, H, N, M)``.
+    """Queries or keys ``(B, H, N, d)`` -> features ``(B, H, N, M)``.
 
     Args:
         head_dim: d.
         feature_map: one of :data:`FEATURE_MAPS`.
-        num_random_features: m for ``prf``/``trf`` (M = m for prf, 2m for trf); ignored otherwise.
-        projection: one of :data:`PROJECTIONS` (random maps only).
+        num_random_features: m of ``prf`` (M = m) and ``trf`` (M = 2m).
+        projection: one of :data:`PROJECTIONS` (random maps).
         normalize_qk: l2-normalise inputs first (NPRF).
-        redraw_interval: redraw the projection every this many training steps; 0 never.
-        seed: seed of the first draw; draw ``t`` uses ``seed + t``.
+        redraw_interval: redraw every this many training steps; 0 never.
+        seed: draw ``t`` uses ``seed + t``.
         num_learned_features: m of the learned maps (M = 2m); None: ``head_dim``.
-        num_heads: query heads H, each with its own learned weights (learned maps only; None:
-            one weight shared by every head).
+        num_heads: query heads, each with its own learned weights; None: one shared weight.
         num_key_value_heads: key heads (grouped-query attention); None: ``num_heads``.
     """
 
@@ -302,7 +243,7 @@ class FeatureMap(nn.Module):
             self.register_buffer("projection", self._draw(0), persistent=True)
         else:
             self.register_buffer("projection", None, persistent=False)
-        # Counters as buffers so they are saved and restored with the weights.
+        # counters as buffers: saved and restored with the weights
         self.register_buffer("num_draws", torch.zeros((), dtype=torch.long), persistent=True)
         self.register_buffer("num_steps", torch.zeros((), dtype=torch.long), persistent=True)
 
@@ -316,8 +257,7 @@ class FeatureMap(nn.Module):
 
     @property
     def same_for_queries_and_keys(self) -> bool:
-        """Whether queries and keys are mapped alike (``elu``, ``relu``: no query shift, no key
-        range, no separate weights), so one call can map them stacked."""
+        """Queries and keys mapped alike (``elu``, ``relu``): one call can map them stacked."""
         return self.kind in ("elu", "relu")
 
     @property
@@ -331,16 +271,9 @@ class FeatureMap(nn.Module):
 
     @torch.no_grad()
     def init_features(self) -> None:
-        """Initialise the random-feature state deterministically: the projection becomes draw 0
-        of ``seed`` (what a freshly built map holds) and both counters restart at 0.
-
-        Writes into the existing buffers in place (under ``torch.no_grad``), keeping their
-        device and dtype, so it works after ``to_empty()`` on a model built on the meta device
-        and on buffers left holding uninitialised memory. A projection buffer of another shape
-        (e.g. loaded with mismatched sizes) is replaced by one of the right shape. Learned maps
-        set their weights to ``I_{d x m}`` per head (in place). Deterministic maps (``elu``,
-        ``relu``) only reset the counters.
-        """
+        """Draw 0 of ``seed`` and zero counters, written into the existing buffers (device and
+        dtype kept: works after ``to_empty()`` from the meta device); a projection of another
+        shape is replaced. Learned maps reset their weights to ``I_{d x m}``."""
         if self.is_learned:
             for weight in (self.query_weight, self.key_weight):
                 weight.copy_(identity_like(weight.shape[0], weight.shape[1], weight.shape[2]).to(dtype=weight.dtype))
@@ -363,8 +296,7 @@ class FeatureMap(nn.Module):
             return
         self.num_draws += 1
         w = self._draw(int(self.num_draws))
-        # A new tensor, never an in-place write: a forward whose backward is still outstanding
-        # (gradient accumulation; recomputation in the backward pass) keeps the projection it used.
+        # a new tensor: a forward whose backward is pending keeps the projection it used
         self.projection = w.to(device=self.projection.device, dtype=self.projection.dtype)
 
     @torch.no_grad()
@@ -397,17 +329,14 @@ class FeatureMap(nn.Module):
     ) -> torch.Tensor:
         """Args:
             x: ``(B, H, N, d)`` queries or keys.
-            is_query: queries get a per-position stabilising shift (keys never do).
-            projection: the ``(m, d)`` projection to use instead of the current buffer (random
-                maps only). A recomputation in the backward pass passes the tensor its forward
-                used, so a redraw in between (which installs a new tensor) cannot change it.
-            key_mask: ``(B, N)``, nonzero for real positions: only those keys are checked
-                against the valid range (padding may hold anything).
-            sync_free: check the keys without reading values on the host (decoding steps): a
-                key outside the valid range gets NaN features, so every output that reads it
-                is NaN, instead of a ``ValueError`` that would need a host synchronisation.
+            is_query: queries get a per-position shift (keys never).
+            projection: the ``(m, d)`` projection to use instead of the buffer (random maps; a
+                recomputation passes its forward's).
+            key_mask: ``(B, N)``, nonzero for real positions: only those are range-checked.
+            sync_free: no host read (decoding): an out-of-range key gets NaN features instead of
+                a ``ValueError``.
         Returns:
-            ``(B, H, N, M)`` features, in float32 at least (float64 stays float64).
+            ``(B, H, N, M)``, float32 at least (float64 stays float64).
         """
         if x.shape[-1] != self.head_dim:
             raise ValueError(f"feature map expects last dim head_dim={self.head_dim}, got shape {tuple(x.shape)}")
@@ -445,7 +374,7 @@ class FeatureMap(nn.Module):
         # trf
         proj = x @ projection.to(device=x.device, dtype=compute_dtype).T  # (B, H, N, m)
         log_amp = 0.5 * (x * x).sum(dim=-1, keepdim=True)
-        if is_query:  # a per-query factor cancels in attention: cap it (no change below the cap)
+        if is_query:  # a per-query factor cancels in attention: cap it
             log_amp = log_amp.clamp(max=TRF_QUERY_MAX_LOG_AMPLITUDE)
         else:
             log_amp = self._check_key_range(lambda: log_amp.detach()[..., 0], keys, compute_dtype, False, key_mask,
@@ -468,7 +397,7 @@ class FeatureMap(nn.Module):
         z = torch.matmul(x, weight.to(device=x.device, dtype=dtype))  # (B, H, N, d) @ (H, d, m)
         if self.kind == "hedgehog":
             return torch.cat([torch.softmax(z, dim=-1), torch.softmax(-z, dim=-1)], dim=-1)
-        if is_query:  # a per-query factor cancels in attention: the largest feature becomes 1
+        if is_query:  # cancels in attention: the largest feature becomes 1
             z_pos = z - z.detach().abs().amax(dim=-1, keepdim=True)
             z_neg = -z - z.detach().abs().amax(dim=-1, keepdim=True)
             return torch.cat([torch.exp(z_pos), torch.exp(z_neg)], dim=-1)
@@ -480,11 +409,9 @@ class FeatureMap(nn.Module):
         self, log_scale, x: torch.Tensor, dtype: torch.dtype, low: bool, key_mask: Optional[torch.Tensor],
         result: torch.Tensor, sync_free: bool = False, rule: Optional[str] = None,
     ) -> torch.Tensor:
-        """``result`` after checking the real keys' log feature scales (``log_scale()``,
-        ``(B, H, N)``) against ``[-limit, +inf)`` (``low``, prf) or ``(-inf, limit]`` (trf):
-        ``ValueError`` for a key outside (eager mode), or with ``sync_free`` ``result`` with
-        NaN in the rows of such keys (no host synchronisation). ``x``: the keys as the caller
-        gave them (before any scaling), whose norm the error states."""
+        """``result`` once the real keys' log scales (``log_scale()``, ``(B, H, N)``) are in
+        ``[-L, inf)`` (``low``) or ``(-inf, L]``: else ``ValueError`` stating the norm of ``x`` (the
+        keys as given), or with ``sync_free`` NaN rows."""
         if torch.compiler.is_compiling():
             return result
         limit = KEY_MAX_LOG_SCALE[dtype]
@@ -520,11 +447,8 @@ class FeatureMap(nn.Module):
 
 
 def feature_maps_step(model: nn.Module) -> None:
-    """Advance the redraw counter of every :class:`FeatureMap` inside ``model``.
-
-    Models call this once per forward in training mode (not inside the attention forward:
-    gradient checkpointing re-runs that, and a redraw between the two runs would be wrong).
-    """
+    """Advance the redraw counter of every :class:`FeatureMap` in ``model``: once per training
+    forward, outside the attention forward (gradient checkpointing reruns that)."""
     if not model.training:
         return
     for module in model.modules():

@@ -1,33 +1,21 @@
 """Linear attention without a position-dependent weight: non-causal, causal chunked, recurrent.
 
-Formula (``c_r = 1`` for every offset ``r = j - i``, unless a 1D bias is given to the recurrent
-form)::
+``out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)`` with ``c = 1``
+factors through ``S = sum_j k_j^T v_j (M x D)`` and ``z = sum_j k_j (M)``:
+``out_i = q_i S / (q_i . z + eps)``, over all keys or, causal, ``j <= i`` (running sums).
 
-    out_i = sum_j c_{j-i} (q_i . k_j) v_j / (sum_j c_{j-i} (q_i . k_j) + eps)
+* :func:`linear_attention`: non-causal; time O(N M D), memory O(N (M + D) + M D).
+* :func:`causal_chunked_attention` (readable form: :func:`causal_linear_sums`): exact ``C x C``
+  blocks within chunks of ``C`` tokens plus the earlier chunks' state; time
+  O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D).
+* :func:`recurrent_step` / :func:`recurrent_attention`: one token at a time, O(M D) per token;
+  with a 1D bias clipped at K also the last K - 1 keys, O(K (M + D) + M D); with an unclipped
+  one O(t (M + D)) at step t, no state.
 
-With ``c = 1`` the sums factor through the state ``S = sum_j k_j^T v_j (M x D)`` and
-``z = sum_j k_j (M)``: ``out_i = q_i S / (q_i . z + eps)``, over all keys (non-causal) or the
-keys ``j <= i`` (causal: ``S`` and ``z`` become running sums).
-
-* :func:`linear_attention`: non-causal, ``q (k^T v) / (q . sum_j k_j + eps)``. Time O(N M D),
-  memory O(N (M + D) + M D).
-* :func:`causal_linear_sums` / :func:`causal_chunked_attention`: causal; exact ``C x C`` blocks
-  inside chunks of ``C`` tokens plus the state of the earlier chunks. Time
-  O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D): never quadratic in N.
-* :func:`recurrent_step` / :func:`recurrent_attention`: causal, one token at a time on the state
-  ``(S, z)``: O(M D) time and memory per token (the decoding form). With a bias clipped at K
-  each step also reads the window of the last K - 1 keys: O(K (M + D) + M D) per token. With an
-  unclipped 1D bias the weights differ per query and each step re-reads the past: O(t (M + D))
-  at step t, O(N^2 (M + D)) in all (no state is carried).
-
-The causal forms continue from a state and return one (``initial_state``,
-``output_final_state``; :class:`~state.AttentionState`): splitting a sequence, carrying
-the state and resuming gives what one call over the whole sequence gives. Separate denominator
-features (``q_den``, ``k_den``) compute ``sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)``:
-with rotary features the numerator's rotated features are signed, the denominator keeps the
-positive ones.
-
-Inputs as described in ``kernels_common``: one dtype, padded keys and values already zero.
+Causal forms continue from and return an :class:`~state.AttentionState`: split, carry, resume
+equals one call. ``q_den``, ``k_den`` give the denominator its own features,
+``sum_j (q_i . k_j) v_j / (sum_j (q_den_i . k_den_j) + eps)`` (rotary: signed numerator,
+positive denominator). Inputs as in ``kernels_common``: one dtype, padded keys and values zero.
 """
 
 from __future__ import annotations
@@ -41,10 +29,9 @@ from .state import AttentionState, fold_into_state
 
 
 class _Linear(torch.autograd.Function):
-    """``out = q (k^T v) / (q_den . sum_j k_den_j + eps)`` with a hand-written backward that
-    keeps only the inputs, the ``M x D`` sums, the denominator and the output (autograd would
-    also keep the unnormalised numerator, an ``N x D`` tensor). With ``g = d out / r`` and
-    ``dr = -rowsum(d out * out) / r``::
+    """``out = q (k^T v) / (q_den . sum_j k_den_j + eps)``; the backward keeps the inputs, the
+    ``M x D`` sums, the denominator and the output (not autograd's ``N x D`` numerator). With
+    ``g = d out / r`` and ``dr = -rowsum(d out * out) / r``::
 
         dQ = g S^T,  dS = Q^T g,  dK = V dS^T,  dV = K dS,  dQd = dr z^T,  dKd = 1 (Qd^T dr)^T
     """
@@ -85,26 +72,16 @@ def linear_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, eps: float = 1e-6,
     q_den: Optional[torch.Tensor] = None, k_den: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Non-causal linear attention without RPE: ``q (k^T v) / (q_den . sum_j k_den_j + eps)``
-    (``q_den, k_den`` default to ``q, k``). ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` ->
-    ``(B, H, N, D)``. One autograd function (:class:`_Linear`) whose backward keeps no
-    ``N x D`` intermediate beyond the output."""
+    """Non-causal: ``q (k^T v) / (q_den . sum_j k_den_j + eps)`` (``q_den, k_den`` default
+    ``q, k``); ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` -> ``(B, H, N, D)``."""
     return _Linear.apply(q, k, v, q_den, k_den, float(eps))
 
 
 @full_precision
 def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_size: int = 64) -> torch.Tensor:
-    """Unnormalised causal sums ``Y_i = sum_{j <= i} (q_i . k_j) v_j`` in chunked O(N) form.
-
-    The sequence is cut into chunks of ``C``. Inside a chunk the (C x C) causal matrix is exact;
-    across chunks each chunk reads ``S = sum_{earlier chunks} k_j^T v_j`` (an exclusive prefix
-    sum over chunk states). Time O(N C (M + D) + N M D), memory O(N (M + D) + (N / C) M D).
-
-    Args:
-        q, k: ``(B, H, N, M)``; v: ``(B, H, N, D)`` (one dtype).
-    Returns:
-        ``(B, H, N, D)``.
-    """
+    """Unnormalised causal sums ``Y_i = sum_{j <= i} (q_i . k_j) v_j`` by chunks (the readable form
+    of :class:`_CausalChunked`'s numerator): ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` ->
+    ``(B, H, N, D)``."""
     n, d = q.shape[2], v.shape[-1]
     c = max(1, min(chunk_size, n))
     qc, kc, vc = chunk_tokens(q, c), chunk_tokens(k, c), chunk_tokens(v, c)
@@ -117,10 +94,10 @@ def causal_linear_sums(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk_
 
 
 def _chunk_prefix_(x: torch.Tensor, initial: Optional[torch.Tensor] = None, reverse: bool = False) -> torch.Tensor:
-    """Exclusive running sums over the chunk dim 2 of ``x (B, H, nc, ...)``, written into ``x``:
-    entry ``c`` becomes ``initial + sum_{c' < c} x_c'`` (``reverse``: ``sum_{c' > c} x_c'``).
-    One chunk at a time in place (torch's ``cumsum`` over a middle dim of these shapes is
-    several times slower, and a copy would double the largest tensor of the kernel)."""
+    """Exclusive running sums over dim 2 of ``x (B, H, nc, ...)``, in place: entry ``c`` becomes
+    ``initial + sum_{c' < c} x_c'`` (``reverse``: ``sum_{c' > c} x_c'``). One chunk at a time:
+    ``cumsum`` over a middle dim is several times slower here, and a copy would double the
+    kernel's largest tensor."""
     nc = x.shape[2]
     if nc == 0:
         return x
@@ -134,9 +111,8 @@ def _chunk_prefix_(x: torch.Tensor, initial: Optional[torch.Tensor] = None, reve
 
 
 class _CausalChunked(torch.autograd.Function):
-    """``out = causal(q k^T) v / (causal(q_den k_den^T) 1 + eps)`` with the chunked sums of
-    :func:`causal_linear_sums` and a hand-written backward that recomputes the chunk products
-    instead of storing them (it keeps the inputs, the output and the denominator only).
+    """``out = causal(q k^T) v / (causal(q_den k_den^T) 1 + eps)`` by chunks; the backward keeps
+    the inputs, the output, the denominator and ``A_c``, ``P_c``, ``Z_c``.
 
     Per chunk ``c`` of ``C`` tokens (``A_c = tril(Q_c K_c^T)``, ``S_c = K_c^T V_c``,
     ``P_c = S_0 + sum_{c' < c} S_c'``, likewise ``Z_c = z_0 + sum_{c' < c} 1^T Kd_c'`` for the
@@ -225,15 +201,10 @@ def causal_chunked_attention(
     initial_state: Optional[AttentionState] = None,
     output_final_state: bool = False,
 ):
-    """Causal linear attention in chunked form: never quadratic in N. The numerator is
-    :func:`causal_linear_sums` (the readable form of the same chunking), the denominator the
-    same sums over ``q_den, k_den`` (default ``q, k``), both and the division computed by one
-    autograd function whose backward recomputes the chunk products (memory: the inputs, the
-    output and the denominator).
-
-    ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` -> ``(B, H, N, D)``; with ``output_final_state``
-    ``(out, AttentionState)``. ``initial_state``: the ``(S, z)`` of earlier tokens, read by
-    every new query (``q S``, ``q_den . z``)."""
+    """Causal linear attention by chunks (:class:`_CausalChunked`; denominator over ``q_den,
+    k_den``, default ``q, k``). ``q, k (B, H, N, M)``, ``v (B, H, N, D)`` -> ``(B, H, N, D)``, with
+    ``output_final_state`` ``(out, AttentionState)``; ``initial_state``: ``(S, z)`` of earlier
+    tokens, read by every query (``q S``, ``q_den . z``)."""
     c = max(1, min(chunk_size, q.shape[2]))
     s0 = z0 = None
     if initial_state is not None:
@@ -256,14 +227,13 @@ def recurrent_step(
     *,
     in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One RNN step of causal linear attention: ``S' = S + k^T v``, ``z' = z + k_den``,
-    ``out = q S' / (q_den . z' + eps)``, as batched products over the ``B H`` rows. O(M D).
+    """One RNN step: ``S' = S + k^T v``, ``z' = z + k_den``, ``out = q S' / (q_den . z' + eps)``,
+    batched over the ``B H`` rows. O(M D).
 
-    ``q_t, k_t (B, H, M)``, ``v_t (B, H, D)`` (or each with the token dim kept: ``(B, H, 1, .)``);
-    ``state`` S ``(B, H, M, D)``, ``normalizer`` z ``(B, H, M')``; ``q_den_t, k_den_t``
-    ``(B, H, M')`` (default ``q_t, k_t``). ``in_place``: write ``S'`` and ``z'`` into the given
-    tensors (decoding; nothing may record gradients). Both forms run the same operations, so
-    they give the same bits. Returns ``(out_t, S', z')``, ``out_t`` shaped like ``v_t``.
+    ``q_t, k_t (B, H, M)``, ``v_t (B, H, D)`` (or ``(B, H, 1, .)``); ``state`` S ``(B, H, M, D)``,
+    ``normalizer`` z ``(B, H, M')``; ``q_den_t, k_den_t (B, H, M')`` (default ``q_t, k_t``).
+    ``in_place``: write ``S'``, ``z'`` into the given tensors (decoding, no autograd); the same
+    operations, the same bits. Returns ``(out_t, S', z')``, ``out_t`` shaped like ``v_t``.
     """
     b, h, m, d = state.shape
     k_den_t = k_t if k_den_t is None else k_den_t
@@ -294,16 +264,14 @@ def recurrent_attention(
     initial_state: Optional[AttentionState] = None,
     output_final_state: bool = False,
 ):
-    """Causal attention as an RNN, one token at a time.
+    """Causal attention as an RNN, one token at a time: ``(B, H, N, D)``, with
+    ``output_final_state`` ``(out, AttentionState)``.
 
-    Without a bias it carries only ``(S, z)`` (constant memory per step). With a bias clipped at
-    ``K = rpe_clip`` (``rpe_bias`` the clipped table ``(H, 2K+1)``, entry ``r + K``, or ``(H, 2N-1)``) step
-    ``t`` reads the window of the ``K - 1`` keys before it with their weights ``c_{-(K-1)} ..
-    c_{-1}``, its own key with ``c_0`` and ``(S, z)`` with ``c_{-K}``, then moves the oldest
-    window key into ``(S, z)``. With an unclipped 1D bias ``(H, 2N-1)`` the weights differ for
-    every query, so each step re-reads all past keys and values: exact, O(t) per step, and no
-    state can be carried. Returns ``(B, H, N, D)``, with ``output_final_state``
-    ``(out, AttentionState)``.
+    Without a bias it carries ``(S, z)``. With a bias clipped at ``K = rpe_clip`` (``rpe_bias``
+    the table ``(H, 2K+1)``, entry ``r + K``, or ``(H, 2N-1)``) step ``t`` reads the ``K - 1``
+    keys before it with ``c_{-(K-1)} .. c_{-1}``, its own with ``c_0`` and ``(S, z)`` with
+    ``c_{-K}``, then moves the oldest window key into ``(S, z)``. Unclipped: no state, each step
+    re-reads the past.
     """
     if rpe_bias is not None and q_den is not None:
         raise ValueError("separate denominator features (q_den, k_den) cannot be combined with rpe_bias")

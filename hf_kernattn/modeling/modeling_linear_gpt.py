@@ -1,27 +1,17 @@
 """Linear GPT: a decoder-only causal LM with kernelized (linear) attention.
 
-Trains in parallel and decodes as an RNN with a constant-size state per layer (Katharopoulos
-et al. 2020): both are one call of the shared core (:func:`kernelized_attention` with
-``causal=True``), which continues from the layer's state and returns the next one; the state is
-stored in :class:`LinearGPTCache` (``past_key_values``), wired into ``transformers``'
-``generate()``. ``attn_backend`` (the ``auto`` rule is documented with the config's shared
-attention fields) runs every call that starts without a state (training and prefill, with or
-without ``use_cache``); calls that continue from a state use it when it carries a state,
-``auto``'s choice among those that do otherwise.
+Trains in parallel and decodes as an RNN with a constant-size state per layer (Katharopoulos et
+al. 2020): both are one call of :func:`kernelized_attention` (``causal=True``) continuing from
+the layer's state in :class:`LinearGPTCache`. Pre-norm blocks, GPT-2 style (LayerNorm, GELU MLP)
+or Llama style (``norm_type="rmsnorm"``, ``mlp_type="gated"``, ``num_key_value_heads``).
+Positions: a learned absolute table, ``"rotary"`` features, Llama's ``"rope"`` or none,
+optionally with a clipped causal bias (``rpe="learned"``).
 
-Blocks are pre-norm (norm, attention, norm, MLP): GPT-2 style by default (LayerNorm, GELU MLP)
-or Llama style (``norm_type="rmsnorm"``, ``mlp_type="gated"``, grouped-query attention through
-``num_key_value_heads``). Positions are either a learned absolute table (default), rotations
-applied to the feature-mapped queries and keys (``position_embedding_type="rotary"``), Llama's
-rotations of the queries and keys before the feature map (``"rope"``), or none, optionally with
-a learned causal relative bias (``rpe="learned"``).
-
-Rotary on features (RoFormer, Su et al. 2021, linear-attention form)::
+Rotary on features (RoFormer, Su et al. 2021)::
 
     out_i = sum_{j<=i} (R_i phi(q_i) . R_j phi(k_j)) v_j / (sum_{j<=i} phi(q_i) . phi(k_j) + eps)
 
-The rotated features are signed, so the denominator uses the un-rotated (positive) ones (the
-core's separate denominator features ``q_den``, ``k_den``); the state then carries
+The denominator keeps the positive, un-rotated features (``q_den``, ``k_den``); the state carries
 ``S = sum R_j phi(k_j) v_j^T`` and ``z = sum phi(k_j)``.
 """
 
@@ -52,8 +42,7 @@ from .pretrained import (
 )
 
 def dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)`` where it can drop anything (training, p > 0); ``x`` otherwise, without the
-    module call (a decoding step makes many of these)."""
+    """``module(x)``, skipping the call where nothing drops (a decoding step makes many)."""
     return module(x) if module.training and module.p > 0 else x
 
 
@@ -61,14 +50,8 @@ def dropout(module: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
 
 
 class LinearGPTAttention(KernelizedSelfAttention):
-    """Causal kernelized self-attention whose state carries over between calls.
-
-    One call of the core for every case: project, apply the positions (rotary: rotated
-    features in the numerator, the positive ones in the denominator; ``rpe="learned"``: the
-    layer's bias clipped at K), then :func:`kernelized_attention` with the layer's state, which
-    returns the state after these tokens. Training, prefill, continuation with many new tokens
-    and one-token decoding differ only in the state they start from.
-    """
+    """Causal kernelized self-attention continuing from the layer's state: training, prefill,
+    continuation and one-token decoding differ only in the state they start from."""
 
     def __init__(self, config: LinearGPTConfig, layer_idx: int) -> None:
         super().__init__(config, layer_idx=layer_idx, causal=True)
@@ -86,9 +69,8 @@ class LinearGPTAttention(KernelizedSelfAttention):
         self.call_backend(continuing=False)  # a backend that cannot serve this model fails here
 
     def call_backend(self, continuing: bool) -> str:
-        """The backend of a call: the configured ``attn_backend``, checked against this model's
-        options (a backend may be re-registered); for a call that continues from a state, the
-        configured one if it carries a state, else ``auto`` (which picks one that does)."""
+        """``attn_backend``, checked against this model's options (a backend may be
+        re-registered); a call from a state runs ``auto`` unless that backend carries state."""
         if self.backend == "auto":
             return "auto"
         check_attn_backend(
@@ -99,8 +81,7 @@ class LinearGPTAttention(KernelizedSelfAttention):
         return "auto" if continuing and not get_backend(self.backend).state else self.backend
 
 
-# activations computed by one fused kernel: the same function (GPT-2's "gelu_new" is the tanh
-# approximation of GELU that torch computes in one pass; float64 results agree to rounding)
+# the same function as one fused kernel (GPT-2's gelu_new is torch's tanh GELU; float64 agrees to rounding)
 _FUSED_ACTIVATIONS = {"gelu_new": "gelu_pytorch_tanh"}
 
 
@@ -184,9 +165,8 @@ class LinearGPTBlock(GradientCheckpointingLayer):
         past_key_values: Optional[LinearGPTCacheLayer] = None,
         projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """``(B, N, C) -> (B, N, C)``; ``past_key_values`` is this layer's state (or None);
-        ``projection`` the attention's random-feature projection, read by the caller so that a
-        checkpointed block recomputes with the tensor of its forward even after a redraw."""
+        """``(B, N, C) -> (B, N, C)``; ``past_key_values``: this layer's state or None;
+        ``projection``: read by the caller, so a checkpointed block recomputes with its forward's."""
         # inside a checkpointed block the backward recomputes the attention already
         recompute = False if self.gradient_checkpointing and self.training else None
         attn = self.attn(
@@ -201,12 +181,9 @@ class LinearGPTBlock(GradientCheckpointingLayer):
 
 
 class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
-    """Weight init, config class and capabilities shared by the Linear GPT models.
-
-    The model is stateful (``_is_stateful``): its decoding state is an RNN state that cannot
-    forget tokens, so ``generate()`` refuses assisted and prompt-lookup decoding up front.
-    ``output_attentions=True`` raises ``ValueError``: kernelized attention has no attention matrix.
-    """
+    """Weight init, config class and capabilities of the Linear GPT models. Stateful
+    (``_is_stateful``): the RNN state cannot forget tokens, so ``generate()`` refuses assisted
+    and prompt-lookup decoding."""
 
     config_class = LinearGPTConfig
     config: LinearGPTConfig
@@ -236,22 +213,18 @@ class LinearGPTPreTrainedModel(KernelizedPreTrainedModel):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        """``generate()`` builds no cache: ``forward`` builds the :class:`LinearGPTCache` (a
-        DynamicCache of recurrent-state layers), which generate then passes back. The cache
-        generate would build, ``DynamicCache(config=...)``, holds for a ``"linear_attention"``
-        layer type (the only recurrent one a config may declare) the stock
-        ``LinearAttentionLayer``, which counts no positions: ``get_seq_length()``, which
-        generate calls, refuses a cache of such layers only."""
+        """False: ``forward`` builds the :class:`LinearGPTCache`. Generate's own
+        ``DynamicCache(config=...)`` would hold transformers' ``LinearAttentionLayer``, which
+        counts no positions (its ``get_seq_length()`` refuses)."""
         return False
 
 
 def _normalize_attention_mask(
     attention_mask: object, batch: int, n: int, past: int, check_values: bool = True
 ) -> Optional[torch.Tensor]:
-    """The HF mask -> ``(B, past + N)`` or ``(B, N)`` long tensor of 1 (keep) / 0 (padding), or
-    None. Dicts / 4D masks are reduced to the key mask of the last query row. With
-    ``check_values`` (eager calls outside the one-token decode step) any value other than 0/1
-    is refused: a 2 or -1 would shift the position ids silently."""
+    """An HF mask -> a ``(B, past + N)`` or ``(B, N)`` long 1 / 0 tensor, or None; dict and 4D
+    masks reduce to the last query row. ``check_values`` refuses values other than 0/1 (they
+    would shift the position ids)."""
     if attention_mask is None:
         return None
     if isinstance(attention_mask, dict):  # a compileable-cache mask mapping: take any entry
@@ -290,8 +263,8 @@ def _refuse_foreign_cache(past_key_values: object) -> None:
 
 
 def _check_cache(cache: LinearGPTCache, model: "LinearGPTModel", batch: int) -> None:
-    """``ValueError`` unless ``cache`` was made by a model of this layout (layers, relative-position
-    window, heads, feature size, head size) for this batch. Shape checks only: no host sync."""
+    """``ValueError`` unless ``cache`` was made by a model of this layout for this batch (shapes
+    only: no host sync)."""
     cfg = model.config
     attn = model.h[0].attn
     if len(cache.layers) != cfg.num_hidden_layers:
@@ -368,26 +341,23 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, tuple]:
         """Args:
-            input_ids: ``(B, N)`` token ids (or ``inputs_embeds`` ``(B, N, C)``, not both).
+            input_ids: ``(B, N)`` token ids, or ``inputs_embeds`` ``(B, N, C)``.
             attention_mask: ``(B, past + N)`` or ``(B, N)``, 1 keep, 0 padding (left padding).
-            position_ids: ``(B, N)``; by default counted over real tokens along the mask (padding
-                skipped; ``generate()`` passes them so); a mask of the N new tokens only, or none,
-                counts from ``past_key_values.get_seq_length()`` (padding of earlier calls
-                included): continue a left-padded batch with its ``(B, past + N)`` mask.
-            past_key_values: a :class:`LinearGPTCache` from an earlier call (or any transformers
-                ``Cache`` built of :class:`~cache.LinearGPTCacheLayer`), or None.
+            position_ids: ``(B, N)``; default: real tokens counted along the mask (as
+                ``generate()`` does); with a mask of the new tokens only, or none, counted on from
+                ``past_key_values.get_seq_length()`` (earlier padding included).
+            past_key_values: a :class:`LinearGPTCache` from an earlier call (or a ``Cache`` of
+                :class:`~cache.LinearGPTCacheLayer`), or None.
             use_cache: return the updated state (default ``config.use_cache``).
             output_hidden_states: also return every layer's input and the final output.
-            output_attentions: must be False/None (there are no attention weights).
-            cache: ``past_key_values`` under the name transformers passes it from 5.24 (give one).
-            kwargs: what ``transformers`` passes besides (e.g. ``cache_position``); not used: the
-                state counts its own positions.
+            output_attentions: must be False/None (no attention weights).
+            cache: ``past_key_values`` under transformers' name from 5.24 (give one).
+            kwargs: what transformers passes besides (``cache_position``); unused.
         Returns:
             :class:`BaseModelOutputWithPast` (``last_hidden_state (B, N, C)``, ``past_key_values``).
 
-        Value checks (token ids in range, mask values) run in eager mode and not on one-token
-        decoding steps from an existing state, so decoding does not sync with the device per
-        token; ``torch.export`` / ``torch.compile`` trace the model without them.
+        Value checks (token ids, mask values) run in eager mode, not on one-token steps from a
+        state (no host sync per token).
         """
         cfg = self.config
         past_key_values = cache_argument(past_key_values, cache)
@@ -413,7 +383,6 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         _refuse_foreign_cache(past_key_values)
         if past_key_values is not None:
             _check_cache(past_key_values, self, batch)
-        # one-token steps from an existing state skip value checks (no host sync per decoded token)
         check_values = eager_checks() and not (
             past_key_values is not None and past_key_values.get_seq_length() > 0 and n == 1
         )
@@ -435,8 +404,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         mask_new = None if mask is None else mask[:, -n:]
         given_positions = position_ids is not None
         if position_ids is None:
-            # as generate() makes them: real tokens counted along the (past + N) mask; a mask of the
-            # N new tokens only counts from past (the earlier calls' padding included)
+            # as generate() makes them (see the docstring)
             if mask is not None:
                 position_ids = ((past if mask.shape[1] == n else 0) + mask.cumsum(-1) - 1).clamp(min=0)[:, -n:]
             else:
@@ -453,9 +421,8 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
 
         hidden = inputs_embeds
         if self.wpe is not None:
-            # default positions count real tokens, so they stay below past + n: read them only beyond
-            # that; given ones (generate() passes them every step) are read outside one-token steps,
-            # like input_ids (no host sync per decoded token)
+            # default positions stay below past + n: read them only beyond it; given ones outside
+            # one-token steps (no host sync per token)
             if ((given_positions and check_values) or past + n > cfg.max_position_embeddings) and eager_checks() and (
                 int(position_ids.max()) >= cfg.max_position_embeddings
             ):
@@ -476,8 +443,7 @@ class LinearGPTModel(LinearGPTPreTrainedModel):
         for i, block in enumerate(self.h):
             collected.add(hidden)
             layer_state = cache.layers[i] if cache is not None else None
-            # the projection is read outside the block's checkpoint: a redraw installs a new tensor,
-            # so a recomputation in the backward uses this forward's features
+            # read outside the block's checkpoint: the backward recomputes with this forward's features
             hidden = block(
                 hidden, key_mask=key_mask, rotary=rotary, past_key_values=layer_state,
                 projection=block.attn.feature_map.projection,
@@ -520,9 +486,8 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         self.lm_head = new_embeddings
 
     def generate(self, inputs: Optional[torch.Tensor] = None, *args, **kwargs):
-        """``GenerationMixin.generate`` after checking the inputs this model is picky about
-        (``past_key_values`` must be a :class:`LinearGPTCache`; ``attention_mask`` must match
-        ``input_ids``, or cover ``past + input`` when continuing from a state)."""
+        """``GenerationMixin.generate`` after checking ``past_key_values`` (a
+        :class:`LinearGPTCache`) and ``attention_mask`` (covering the input, or past + input)."""
         ids = inputs if inputs is not None else kwargs.get("input_ids")
         past = cache_argument(kwargs.get("past_key_values"), kwargs.get("cache"))
         _refuse_foreign_cache(past)
@@ -554,11 +519,9 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         cache: Optional[LinearGPTCache] = None,
         **kwargs,
     ) -> dict:
-        """The inputs of one ``generate()`` step: the tokens not yet in the state (the last
-        ``next_sequence_length``), or the prompt's ``inputs_embeds`` on the first step; the full
-        ``attention_mask``; the state; every other keyword as given. The model's own, so that a
-        step does no per-step work beyond this (no signature inspection, no 4D mask: the state
-        needs none)."""
+        """One ``generate()`` step's inputs: the tokens not in the state yet (or the prompt's
+        ``inputs_embeds`` first), the full mask, the state, other keywords as given; no signature
+        inspection or 4D mask per step (the state needs none)."""
         if inputs_embeds is not None and is_first_iteration:
             embeds = inputs_embeds[:, -next_sequence_length:] if next_sequence_length is not None else inputs_embeds
             model_inputs = {"input_ids": None, "inputs_embeds": embeds}
@@ -595,19 +558,17 @@ class LinearGPTForCausalLM(LinearGPTPreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> Union[CausalLMOutputWithPast, tuple]:
         """Args as :meth:`LinearGPTModel.forward`, plus:
-            labels: ``(B, N)`` next-token targets (shifted inside; -100 ignored) for the loss.
-            logits_to_keep: int ``k`` computes logits of the last ``k`` positions only (0 = all),
-                or a 1D tensor of positions to keep.
-            kwargs: loss arguments for ``self.loss_function`` (``num_items_in_batch``: the loss is
-                the sum over this batch divided by it, as the Trainer uses for gradient
-                accumulation; ``shift_labels``: targets already aligned with the logits), and what
-                ``generate()`` passes besides (``cache_position``, ``tokenizer``), not used.
+            labels: ``(B, N)`` next-token targets (shifted inside; -100 ignored).
+            logits_to_keep: ``k``: logits of the last ``k`` positions only (0: all), or a 1D tensor
+                of positions.
+            kwargs: loss arguments for ``self.loss_function`` (``num_items_in_batch``: the sum over
+                the batch divided by it, for gradient accumulation; ``shift_labels``: targets
+                aligned with the logits); what ``generate()`` passes besides is unused.
         Returns:
-            :class:`CausalLMOutputWithPast` with ``logits (B, N_kept, vocab)``, ``loss`` and ``past_key_values``.
+            :class:`CausalLMOutputWithPast`: ``logits (B, N_kept, vocab)``, ``loss``, ``past_key_values``.
 
-        One-token steps from a cache with nothing recorded for autograd run, after the first, by the
-        cache's decoding plan (``decoding.py``: the same operations as flat torch calls, the same
-        results); every other call runs the modules.
+        One-token steps from a cache without autograd run, after the first, through the cache's
+        decoding plan (``decoding.py``: the same operations, the same results).
         """
         past_key_values = cache_argument(past_key_values, cache)
         step = (past_key_values is not None and labels is None and inputs_embeds is None

@@ -1,16 +1,12 @@
-"""NPRF-BERT: a BERT encoder with normalised positive-random-feature attention and a learnable
-relative-position bias (Luo et al. 2021, Algorithm 1) passed to the core as its clipped table:
-O(N log N) by FFT or exactly O(N K) windowed, whichever backend ``auto`` picks for the length.
+"""NPRF-BERT: BERT with normalised positive-random-feature attention and a learnable
+relative-position bias ``b_{j-i}`` clipped at K (Luo et al. 2021, Algorithm 1): O(N log N) by
+FFT or exactly O(N K) windowed, as ``auto`` picks per length.
 
-The layer structure, head layouts and losses follow BERT (post-norm residual blocks, pooler on
-the first token, MLM head tied to the input embeddings). Attention is the shared
-:class:`KernelizedSelfAttention`; the relative-position bias ``b_{j-i}`` comes from one
-:class:`RelativePositionBias1D` per model (``rpe_shared_across_layers=True``, the paper's
-choice) or one per layer. Shapes: ``B`` batch, ``N`` sequence, ``C`` hidden size, ``V`` vocab.
-
-Padding (``attention_mask`` 0) removes a key from numerator and denominator of every query, and
-the bias depends only on ``j - i``, so the outputs at real positions of a right-padded batch are
-those of the unpadded sequences.
+BERT's layout: post-norm blocks, pooler on the first token, MLM head tied to the embeddings. The
+bias table is one per model (``rpe_shared_across_layers``, the paper's choice) or per layer.
+Padding removes a key from every query's numerator and denominator, and the bias depends only on
+``j - i``, so real positions of a right-padded batch match the unpadded sequences. Shapes: ``B``
+batch, ``N`` sequence, ``C`` hidden size, ``V`` vocab.
 """
 
 from __future__ import annotations
@@ -86,20 +82,13 @@ class NPRFBertEmbeddings(nn.Module):
 
 
 class NPRFBertLayer(GradientCheckpointingLayer):
-    """One post-norm encoder block: kernelized self-attention + feed-forward, each with residual,
-    dropout and LayerNorm (as BERT). ``(B, N, C) -> (B, N, C)``.
-
-    Supports ``transformers``' gradient checkpointing (``model.activation_checkpointing_enable()``):
-    the whole block is then recomputed in the backward pass, and the attention's own
-    recomputation (``recompute_attention``) is switched off inside it, so the attention's
-    projections run twice per step, not three times.
-    """
+    """Post-norm encoder block (BERT): attention and feed-forward, each with residual, dropout and
+    LayerNorm. ``(B, N, C) -> (B, N, C)``. Under gradient checkpointing the attention's own
+    recomputation is off (its projections run twice, not three times)."""
 
     def __init__(self, config, layer_idx: int) -> None:
         super().__init__()
         self.attention = KernelizedSelfAttention(config, layer_idx=layer_idx, causal=False)
-        # the bias (shared or this layer's) comes from a table clipped at K: lets `auto` use
-        # the O(N K) windowed backend, exact for such a bias
         self.max_relative_position = config.max_relative_position
         self.attention_dropout = nn.Dropout(config.hidden_dropout_prob)
         self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
@@ -121,18 +110,12 @@ class NPRFBertLayer(GradientCheckpointingLayer):
         rpe_bias: Optional[torch.Tensor] = None,
         projection: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Args:
-            hidden_states: ``(B, N, C)``.
-            attention_mask: ``(B, N)`` 1 keep / 0 padding, or None.
-            rpe_bias: the shared bias clipped at ``max_relative_position = K``: its table
-                ``(H, 2K+1)`` or ``(H, 2N-1)`` (ignored when this layer has its own table).
-            projection: the attention's random-feature projection, read by the caller: under
-                gradient checkpointing the recomputation then uses the tensor of its forward even
-                if the features were redrawn since (None: the current one).
-        """
+        """``hidden_states (B, N, C)``, ``attention_mask (B, N)`` or None; ``rpe_bias``: the shared
+        table ``(H, 2K+1)`` or ``(H, 2N-1)`` (ignored when the layer has its own); ``projection``:
+        read by the caller, so a checkpointed layer recomputes with its forward's."""
         if self.rpe is not None:
             rpe_bias = self.rpe.weight
-        # the table is clipped at K: declaring it lets long inputs use the O(N K) windowed backend
+        # a table clipped at K: long inputs may use the O(N K) windowed backend
         clip = self.max_relative_position if rpe_bias is not None else None
         # inside a checkpointed layer the backward recomputes the block already
         recompute = False if self.gradient_checkpointing and self.training else None
@@ -180,9 +163,8 @@ MASK_FORMS = (
 
 
 def _key_mask_from_4d(attention_mask: torch.Tensor, b: int, n: int) -> torch.Tensor:
-    """A BERT-style extended mask ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` -> the ``(B, N)`` bool key
-    mask (True = keep). Refuses a mask that is not a padding mask (one that differs between
-    query rows, or holds additive values other than 0 and large negatives)."""
+    """BERT's extended mask ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` -> the ``(B, N)`` bool key mask;
+    ``ValueError`` for a mask that is not a padding mask."""
     if attention_mask.shape[0] != b or attention_mask.shape[1] != 1 or attention_mask.shape[2] not in (1, n) or (
         attention_mask.shape[3] != n
     ):
@@ -212,9 +194,8 @@ def _check_inputs(
     attention_mask: Optional[torch.Tensor],
     token_type_ids: Optional[torch.Tensor],
 ) -> Optional[torch.Tensor]:
-    """Validate the encoder inputs; returns the ``(B, N)`` attention mask (a 4D padding mask is
-    reduced to it). ``ValueError``/``TypeError`` name the argument. Checks that read tensor values
-    run in eager mode only (not while ``torch.compile``/``torch.export`` trace the model)."""
+    """Check the encoder inputs; returns the ``(B, N)`` mask (a 4D padding mask reduced). Value
+    checks run in eager mode only."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids (B, N) or inputs_embeds (B, N, hidden_size)")
     if input_ids is not None:
@@ -255,14 +236,9 @@ def _check_inputs(
 
 
 class NPRFBertPreTrainedModel(KernelizedPreTrainedModel):
-    """Weight init and loading for every NPRF-BERT class (BERT's normal init; biases and the
-    relative-position table start at zero unless ``rpe_init_std > 0``; the random-feature
-    projections are draw 0 of ``feature_seed``).
-
-    Losses go through ``self.loss_function`` and honour ``num_items_in_batch``, so the Trainer
-    passes it and does not rescale the loss for gradient accumulation itself.
-    ``output_attentions=True`` raises ``ValueError``: kernelized attention has no attention matrix.
-    """
+    """Weight init for every NPRF-BERT class: BERT's normal init; biases and the bias table at
+    zero (normal with ``rpe_init_std > 0``); projections draw 0 of ``feature_seed``. Losses
+    honour ``num_items_in_batch`` (the Trainer then does not rescale them)."""
 
     config_class = NPRFBertConfig
     config: NPRFBertConfig
@@ -332,11 +308,11 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         """Args:
             input_ids: ``(B, N)`` token ids (or ``inputs_embeds (B, N, C)``).
             attention_mask: ``(B, N)`` 1 keep / 0 padding, or BERT's extended padding mask
-                ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` (bool True keep, or additive float 0 keep).
+                ``(B, 1, 1, N)`` / ``(B, 1, N, N)`` (bool True or additive 0: keep).
             token_type_ids: ``(B, N)`` segment ids.
             position_ids: ``(B, N)`` or ``(1, N)`` absolute positions (default ``0..N-1``).
             output_hidden_states: also return the ``L + 1`` hidden states ``(B, N, C)``.
-            output_attentions: must be False/None (there are no attention weights).
+            output_attentions: must be False/None (no attention weights).
         Returns:
             ``BaseModelOutputWithPooling`` with ``last_hidden_state (B, N, C)`` and
             ``pooler_output (B, C)`` or None.
@@ -355,8 +331,7 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
         collected.add(hidden)
         for layer in self.layers:
             # positional: gradient checkpointing tracks positional tensors (rpe_bias has a gradient);
-            # the projection is read here, outside the layer's checkpoint (a later redraw installs
-            # a new tensor, so this backward keeps recomputing with this forward's features)
+            # the projection is read outside the layer's checkpoint
             hidden = layer(hidden, attention_mask, rpe_bias, projection=layer.attention.feature_map.projection)
             collected.add(hidden)
         all_hidden = collected.result()
@@ -367,9 +342,8 @@ class NPRFBertModel(NPRFBertPreTrainedModel):
 
 
 class NPRFBertHeadModel(NPRFBertPreTrainedModel):
-    """What the task heads share: the encoder under ``nprf_bert`` and one ``forward`` that
-    encodes, applies the head (:meth:`head`) and, with ``labels``, its loss (:meth:`loss`,
-    through ``self.loss_function``), and returns :attr:`output_class` (or a tuple)."""
+    """The task heads' base: encoder under ``nprf_bert``; ``forward`` encodes, applies
+    :meth:`head` and, with ``labels``, :meth:`loss`, and returns :attr:`output_class` (or a tuple)."""
 
     output_class: type = ModelOutput
 
@@ -419,10 +393,9 @@ class NPRFBertHeadModel(NPRFBertPreTrainedModel):
         output_attentions: Optional[bool] = None,
         **kwargs,
     ):
-        """Args as :meth:`NPRFBertModel.forward`, plus ``labels`` (see the class) and loss keyword
-        arguments for ``self.loss_function`` (``num_items_in_batch``: the loss is then the sum
-        over this batch divided by it, as the Trainer uses for gradient accumulation).
-        Returns :attr:`output_class` with ``loss``, ``logits`` and ``hidden_states``."""
+        """Args as :meth:`NPRFBertModel.forward`, plus ``labels`` (see the class) and loss keywords
+        (``num_items_in_batch``). Returns :attr:`output_class` (``loss``, ``logits``,
+        ``hidden_states``)."""
         out = self.encode(input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds,
                           output_hidden_states, output_attentions)
         logits = self.head(out)
@@ -459,13 +432,11 @@ class NPRFBertForMaskedLM(NPRFBertHeadModel):
 
 
 class NPRFBertForSequenceClassification(NPRFBertHeadModel):
-    """Pooled first token -> dropout -> linear: ``logits (B, num_labels)``.
-
-    ``labels``: ``(B,)`` class ids, ``(B,)``/``(B, 1)`` floats (regression) or ``(B, num_labels)``
-    0/1 floats (multi-label). The loss follows BERT's ``problem_type``: ``regression`` (MSE,
-    ``num_labels == 1``, e.g. STS-B), ``single_label_classification`` (cross-entropy on int labels
-    ``(B,)``) or ``multi_label_classification`` (BCE with logits on float labels
-    ``(B, num_labels)``); inferred from ``num_labels`` and the label dtype when unset.
+    """Pooled first token -> dropout -> linear: ``logits (B, num_labels)``. The loss follows
+    BERT's ``problem_type`` (inferred from ``num_labels`` and the label dtype when unset):
+    ``regression`` (MSE, ``(B,)`` / ``(B, 1)`` floats, ``num_labels == 1``),
+    ``single_label_classification`` (cross-entropy, ``(B,)`` ids) or
+    ``multi_label_classification`` (BCE with logits, ``(B, num_labels)`` 0/1 floats).
     """
 
     output_class = SequenceClassifierOutput

@@ -1,28 +1,12 @@
 """The relative-performer ViT: a Vision Transformer with kernelized attention and relative positions.
 
-Patches of ``patch_size`` become tokens on a ``(Hg, Wg)`` grid; pre-LayerNorm encoder layers use
-the shared :class:`KernelizedSelfAttention` (positive random features by default) and differ only
-in how positions enter (``config.rpe``):
-
-* ``"learned_2d"``: a learnable per-head 2D bias ``b_{dy, dx}`` clipped at
-  ``max_relative_position``, applied by the core as a Toeplitz-block-Toeplitz matrix (2D FFT;
-  Luo et al. 2021, Sec. 4.4).
-* ``"manhattan"``: a learnable bias of ``min(|dy| + |dx|, K)`` on ``relative_heads`` heads (Horn
-  et al. 2021, strategy 2), which the core's ``manhattan`` backend computes in O(N K^2).
-* ``"rotary_features"``: position features concatenated to queries and keys before the feature
-  map whose dot product depends only on the offset (Horn et al., strategy 1;
-  ``positional.RotaryPositionFeatures``).
-* ``"absolute"``: a learned table added to the patch embeddings (ViT), interpolated for other
-  image sizes when asked (``interpolate_pos_encoding=True``); ``"none"``: no positions.
-
-Translation: with ``"learned_2d"``, ``"manhattan"``, ``"none"`` and mean pooling, content moved by
-whole patches inside the grid (with the vacated patches equal to the background) gives the same
-prediction up to the border effects of what enters and leaves; ``"rotary_features"`` has an exact
-translation-invariant position-position term and is invariant in expectation over its random
-features. Images of any size that is a multiple of ``patch_size`` work with the relative options.
-
-With ``pooling="cls"`` a class token joins the sequence; with a grid bias it sits on an extra row
-above the grid's first column (the rest of that row is padding), so the bias still has a grid.
+Patches become tokens on an ``(Hg, Wg)`` grid; pre-LN layers use :class:`KernelizedSelfAttention`
+with the positions ``config.rpe`` names (a 2D bias, rotary features, an absolute table or none;
+see the config). The relative options take any image size that is a multiple of ``patch_size``
+and, with mean pooling, predict the same for content moved by whole patches (up to border
+effects; ``"rotary_features"`` in expectation over its random features). With ``pooling="cls"``
+and a grid bias the class token sits on an extra row above the grid's first column (the rest of
+the row is padding), so the bias keeps a grid.
 """
 
 from __future__ import annotations
@@ -47,9 +31,8 @@ GRID_BIASES = ("learned_2d", "manhattan")
 
 
 def check_pixel_values(pixel_values: object, config: RelativePerformerViTConfig) -> tuple[int, int]:
-    """``TypeError`` / ``ValueError`` naming the expected shape unless ``pixel_values`` is a float
-    ``(batch, num_channels, height, width)`` tensor with sides that are multiples of the patch
-    size; returns the patch grid ``(Hg, Wg)``."""
+    """The patch grid ``(Hg, Wg)`` of a float ``(batch, num_channels, height, width)`` tensor with
+    sides multiples of the patch size; ``TypeError`` / ``ValueError`` otherwise."""
     c, p = config.num_channels, config.patch_size
     want = f"(batch, num_channels={c}, height, width) with height and width multiples of patch_size={p}"
     if not isinstance(pixel_values, torch.Tensor):
@@ -70,11 +53,9 @@ def check_pixel_values(pixel_values: object, config: RelativePerformerViTConfig)
 
 
 def hide_padded_pixels(pixel_values: torch.Tensor, keep: Optional[torch.Tensor], grid: tuple[int, int]) -> torch.Tensor:
-    """``pixel_values`` with every pixel of a padded patch (``keep (B, Hg * Wg)`` 0) set to zero,
-    by ``torch.where``: whatever a padded patch holds (NaN, inf) then reaches neither an output
-    of a real patch nor any gradient. (Multiplying by the mask would not do: ``0 * NaN`` is NaN,
-    and the patch embedding's weight gradient sums pixels times output gradients over all
-    patches, padded ones included.)"""
+    """``pixel_values`` with the pixels of padded patches (``keep (B, Hg * Wg)`` 0) zeroed by
+    ``torch.where``, so NaN or inf there reaches no real output and no gradient (a product would
+    not: ``0 * NaN`` is NaN)."""
     if keep is None:
         return pixel_values
     b, c, h, w = pixel_values.shape
@@ -117,10 +98,9 @@ class RelativePerformerViTEmbeddings(nn.Module):
     def forward(
         self, pixel_values: torch.Tensor, interpolate_pos_encoding: bool = False
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """``pixel_values`` already checked (:func:`check_pixel_values`) -> the patch tokens
-        ``(B, Hg * Wg, C)`` and the class token ``(B, 1, C)`` (None without one), which the model
-        places. Every parameter of this module is read here, in its own forward (sharding
-        wrappers such as FSDP2 gather a module's parameters only around its forward)."""
+        """Checked ``pixel_values`` -> patch tokens ``(B, Hg * Wg, C)`` and the class token
+        ``(B, 1, C)`` or None (the model places it). Reads all its parameters here: FSDP2 gathers
+        them only around a module's forward."""
         x = self.patch_embeddings(pixel_values.to(self.patch_embeddings.weight.dtype))
         grid = (x.shape[-2], x.shape[-1])
         x = x.flatten(2).transpose(1, 2)
@@ -186,8 +166,7 @@ class RelativePerformerViTLayer(GradientCheckpointingLayer):
                 cls: bool, shared_positions: Optional[dict] = None,
                 projection: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``shared_positions``: the model's position inputs when one table serves every layer;
-        otherwise this layer computes its own from its table here, inside its own forward (a
-        sharding wrapper such as FSDP2 gathers the layer's parameters only around it)."""
+        otherwise the layer's own, computed here (inside its forward, for FSDP2)."""
         recompute = False if self.gradient_checkpointing and self.training else None
         if shared_positions is not None:
             positions = shared_positions
@@ -201,9 +180,9 @@ class RelativePerformerViTLayer(GradientCheckpointingLayer):
 
 
 class RelativePerformerViTPreTrainedModel(KernelizedPreTrainedModel):
-    """Weight init and loading for every relative-performer ViT class (ViT's truncated normal
-    init; bias tables at zero unless ``rpe_init_std > 0``; rotary length scales log-spaced with
-    identity rotations; random-feature projections are draw 0 of ``feature_seed``)."""
+    """Weight init for every relative-performer ViT class: ViT's truncated normal; bias tables at
+    zero (normal with ``rpe_init_std > 0``); rotary scales log-spaced, rotations the identity;
+    projections draw 0 of ``feature_seed``."""
 
     config_class = RelativePerformerViTConfig
     config: RelativePerformerViTConfig
@@ -260,18 +239,16 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
         self, patches: torch.Tensor, grid: tuple[int, int], keep: Optional[torch.Tensor],
         token: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """The token sequence the layers see and its padding mask (None: nothing padded): the
-        patches alone; with a class token ``token (B, 1, C)`` (from the embeddings), the token
-        first, and with a grid bias on an extra first row padded to the grid's width.
-        ``keep (B, Hg * Wg)``: 0 for padded patches."""
+        """The layers' token sequence and padding mask (None: nothing padded): the patches, after
+        the class token ``token (B, 1, C)`` if any (with a grid bias on an extra first row padded
+        to the grid's width). ``keep (B, Hg * Wg)``: 0 for padded patches."""
         b = patches.shape[0]
         if token is None:
             return patches, keep
         if self.config.rpe not in GRID_BIASES:
             ones = torch.ones(b, 1, dtype=torch.long, device=patches.device)
             return torch.cat([token, patches], dim=1), None if keep is None else torch.cat([ones, keep], dim=1)
-        # the token's row: the token, then grid width - 1 padding tokens (none for a one-column grid;
-        # built by padding, so that a width kept dynamic by torch.export needs no case of its own)
+        # the token and grid width - 1 padding tokens, by padding: a dynamic width (torch.export) needs no case
         row = nn.functional.pad(token, (0, 0, 0, grid[1] - 1))
         row_keep = (torch.arange(grid[1], device=patches.device) == 0).long().expand(b, -1)
         rest = torch.ones(b, grid[0] * grid[1], dtype=torch.long, device=patches.device) if keep is None else keep
@@ -307,15 +284,13 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
     ) -> Union[BaseModelOutputWithPooling, tuple]:
         """Args:
             pixel_values: ``(B, num_channels, H, W)``, H and W multiples of ``patch_size``.
-            patch_mask: optional ``(B, H / patch_size, W / patch_size)`` (or flattened), 1 for a
-                real patch and 0 for padding (images of several sizes padded into one batch):
-                padded patches are never attended to and not pooled; their pixels are replaced by
-                zeros before the patch embedding, so whatever they hold (NaN, inf) reaches no
-                real output and no gradient; their own outputs are unspecified.
+            patch_mask: ``(B, H / patch_size, W / patch_size)`` (or flattened), 1 real patch, 0
+                padding: padded patches are neither attended to nor pooled and their pixels are
+                zeroed first (NaN, inf there reach no real output); their outputs are unspecified.
             output_hidden_states: also return every layer's input and the final output.
             interpolate_pos_encoding: with ``rpe="absolute"``, interpolate the position table for
                 images of another size (otherwise they raise ``ValueError``).
-            output_attentions: must be False/None (there are no attention weights).
+            output_attentions: must be False/None (no attention weights).
         Returns:
             :class:`BaseModelOutputWithPooling`.
         """
@@ -336,8 +311,7 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
         collected = HiddenStates(output_hidden_states, len(self.layers))
         for layer in self.layers:
             collected.add(hidden)
-            # the projection (a buffer, never sharded) is an argument: a recomputing backward
-            # (gradient checkpointing) then uses this forward's random features
+            # passed in: a checkpointed layer recomputes with this forward's projection
             hidden = layer(hidden, mask, grid, cls, shared_positions=shared, projection=layer.attention.feature_map.projection)
         hidden = self.layernorm(hidden)
         if cls and cfg.rpe in GRID_BIASES:  # drop the padding of the class token's row
@@ -361,10 +335,8 @@ class RelativePerformerViTModel(RelativePerformerViTPreTrainedModel):
 
 class RelativePerformerViTForImageClassification(RelativePerformerViTPreTrainedModel):
     """The encoder and a linear classifier on the pooled output: ``logits (B, num_labels)``.
-
-    ``labels``: ``(B,)`` class ids (single-label), ``(B, num_labels)`` 0/1 floats (multi-label)
-    or ``(B,)`` floats (regression, ``num_labels == 1``), following ``problem_type`` (inferred as
-    ViT does when unset); the loss goes through ``self.loss_function``.
+    ``labels`` follow ``problem_type`` (inferred as ViT does when unset): ``(B,)`` class ids,
+    ``(B, num_labels)`` 0/1 floats (multi-label) or ``(B,)`` floats (regression, ``num_labels == 1``).
     """
 
     def __init__(self, config: RelativePerformerViTConfig) -> None:
@@ -386,7 +358,7 @@ class RelativePerformerViTForImageClassification(RelativePerformerViTPreTrainedM
         **kwargs,
     ) -> Union[ImageClassifierOutput, tuple]:
         """Args as :meth:`RelativePerformerViTModel.forward`, plus ``labels`` (see the class) and
-        loss keyword arguments (``num_items_in_batch``) for ``self.loss_function``."""
+        loss keywords (``num_items_in_batch``)."""
         return_dict = self.config.return_dict if return_dict is None else return_dict
         out = self.vit(pixel_values, patch_mask=patch_mask, output_hidden_states=output_hidden_states,
                        interpolate_pos_encoding=interpolate_pos_encoding, return_dict=True,

@@ -1,20 +1,16 @@
-"""Relative-position parameterisations producing the Toeplitz log-coefficients ``rpe_bias``.
+"""Relative positions: the kernels' log-coefficients ``rpe_bias`` (``c_r = exp(b_r)``, ``r = j - i``)
+and position features.
 
-A learnable per-head scalar ``b_r`` for each offset ``r = j - i`` in
-``[-max_relative_position, max_relative_position]`` (Luo et al. 2021 use one such table shared
-by all layers; :class:`RelativePositionBias1D` can equally be built once per layer). Offsets
-beyond the table are clipped to its last entry (Shaw et al. 2018), which defines the bias for
-any sequence length: a model trained on short sequences runs on longer ones with the far
-offsets sharing one weight. The 2D table does the same per axis on a token grid.
+* :class:`RelativePositionBias1D`: a learnable ``b_r`` per head for ``|r| <= K``
+  (``max_relative_position``); further offsets are clipped to ``+-K`` (Shaw et al. 2018), which
+  defines the bias at any length. One table per model (Luo et al. 2021) or per layer.
+  :class:`RelativePositionBias2D`: the same per grid axis.
+* :class:`ManhattanDistanceBias`: ``b_{min(|dy| + |dx|, K)}`` on some heads (Horn et al. 2021,
+  strategy 2).
+* :class:`RotaryPositionFeatures`: their strategy 1, position features whose dot product depends
+  only on the offset.
 
-:class:`ManhattanDistanceBias` is a learnable per-head bias of the clipped Manhattan distance
-``min(|dy| + |dx|, K)`` on a token grid, on some heads only (Horn et al. 2021, strategy 2), and
-:class:`RotaryPositionFeatures` the position features of their strategy 1: sinusoids of the grid
-coordinates at learned length scales, rotated by learned 2x2 blocks ``[[a, b], [-b, a]]`` on the
-query side only, so that their dot product depends only on the relative position.
-
-The attention kernels consume the bias as ``(H, 2N-1)`` (1D) or ``(H, 2Hg-1, 2Wg-1)`` (2D):
-entry ``r + N - 1`` holds ``b_r`` (see docs/architecture.md).
+The kernels take ``(H, 2N-1)`` (1D, entry ``r + N - 1`` holds ``b_r``) or ``(H, 2Hg-1, 2Wg-1)`` (2D).
 """
 
 from __future__ import annotations
@@ -44,9 +40,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-# Named for what is learned. "learned": a 1D table over clipped offsets (NPRF-BERT, Linear GPT);
-# the relative-performer ViT's position options: "learned_2d" (a table over clipped 2D offsets),
-# "manhattan" (a table over the clipped Manhattan distance), "rotary_features", "absolute".
+# named for what is learned: "learned" is the 1D table (NPRF-BERT, Linear GPT); the rest are the ViT's options
 RPE_KINDS = ("none", "learned", "learned_2d", "manhattan", "rotary_features", "absolute")
 
 
@@ -91,7 +85,7 @@ class RelativePositionBias1D(nn.Module):
         return self.weight[:, clipped_offsets(seq_len, self.max_relative_position, self.weight.device)]
 
     def offset_bias(self, offsets: torch.Tensor) -> torch.Tensor:
-        """Bias for arbitrary offsets ``r = j - i`` (any shape ``S``): ``(H, *S)``. Used in decoding."""
+        """Bias for arbitrary offsets ``r = j - i`` (any shape ``S``): ``(H, *S)``."""
         k = self.max_relative_position
         return self.weight[:, offsets.clamp(-k, k) + k]
 
@@ -165,15 +159,13 @@ class ManhattanDistanceBias(nn.Module):
 
 
 class RotaryPositionFeatures(nn.Module):
-    """Position features whose query-key dot product depends only on the relative position.
+    """Position features whose query-key dot product depends only on the offset.
 
-    For a grid cell ``(y, x)``, each axis ``p`` in ``(y, x)`` and learned length scale ``s_l``
-    (``num_scales`` per axis) the key side is ``u = [cos(p / s_l), sin(p / s_l)]`` and the query
-    side ``R u`` with a learned ``R = [[a, b], [-b, a]]`` per head, axis and scale. Then
-    ``R u_i . u_j = a cos((p_i - p_j) / s) + b sin((p_i - p_j) / s)``: a function of the offset
-    alone. Concatenated to the content queries and keys before the feature map, the
-    position-position term of ``q'_i . k'_j`` is therefore translation-invariant; its norms
-    (``|u| = 1``, ``|R u|^2 = a^2 + b^2``) do not depend on the position either.
+    For grid coordinate ``p`` (y or x) and learned length scale ``s`` the key side is
+    ``u = [cos(p / s), sin(p / s)]``, the query side ``R u`` with a learned
+    ``R = [[a, b], [-b, a]]`` per head, axis and scale: ``R u_i . u_j = a cos((p_i - p_j) / s) +
+    b sin((p_i - p_j) / s)``, and the norms ``|u| = 1``, ``|R u|^2 = a^2 + b^2`` do not depend on
+    the position.
 
     Args:
         num_heads: H.

@@ -1,25 +1,13 @@
-"""What every hf-kernattn model family shares as a ``transformers`` model.
+"""What every family shares as a ``transformers`` model (:class:`KernelizedPreTrainedModel`).
 
-* Initialisation of the random-feature state: :class:`FeatureMap` holds its projection and
-  redraw counters as buffers, and ``_init_weights`` must set buffers as well as parameters
-  (``from_pretrained`` with missing keys or ``ignore_mismatched_sizes``, and ``init_weights()``
-  after building on the meta device, otherwise leave uninitialised memory there). Missing
-  buffers are drawn from the feature seed, buffers that were loaded are kept, and
-  ``from_pretrained`` warns when a checkpoint lacked them.
-* No attention weights: kernelized attention never forms the ``N x N`` attention matrix, so
-  ``forward(output_attentions=True)`` is refused with a ``ValueError``, as ``transformers``
-  refuses it for attention implementations that cannot return weights. The config accepts and
-  keeps ``output_attentions`` (an argument every transformers config takes), as transformers'
-  models without attention weights do; a model whose config asks for them returns none and
-  warns once.
-* Safe loading: weights come from safetensors files only, unless the caller asks for pickled
-  ones explicitly (``use_safetensors=False``, with a warning).
-* Input checks that read tensor values (``int(x.min())``, ``bool(mask.any())``) force a host
-  sync and break ``torch.export`` / ``torch.compile`` (data-dependent guards); they run in eager
-  mode only (:func:`eager_checks`).
-* Saving a sharded model: torch FSDP2's ``fully_shard`` replaces the model's class with a
-  subclass defined in torch; ``save_pretrained`` still writes the family's own code and
-  ``auto_map`` entry (``transformers`` would copy torch's FSDP files instead).
+* ``_init_weights`` also sets the :class:`FeatureMap` buffers (projection, counters): loaded ones
+  are kept, missing ones drawn from the feature seed (``from_pretrained`` warns).
+* No attention matrix is formed: ``forward(output_attentions=True)`` raises ``ValueError``; a
+  config with ``output_attentions=True`` gives outputs without them and warns once.
+* Weights load from safetensors only, unless ``use_safetensors=False`` (warned).
+* Checks that read tensor values run in eager mode only (:func:`eager_checks`): they sync with
+  the host and break ``torch.export`` / ``torch.compile``.
+* ``save_pretrained`` of an FSDP2-sharded model writes the family's own code and ``auto_map``.
 """
 
 from __future__ import annotations
@@ -43,8 +31,7 @@ FEATURE_BUFFERS = ("projection", "num_draws", "num_steps")
 
 
 def warn_pickle_weights(option: str) -> None:
-    """The warning given whenever the caller's ``option`` (``"use_safetensors=False"``, conversion's
-    ``"allow_pickle=True"``) lets weights be read from a pickle file."""
+    """Warn that the caller's ``option`` lets weights load from a pickle file."""
     logger.warning(
         f"{option}: the weights may be loaded from a pickle file (pytorch_model.bin), "
         "which runs the unpickler on it; load only files you trust"
@@ -58,11 +45,8 @@ def eager_checks() -> bool:
 
 
 def refuse_output_attentions(name: str, output_attentions: Optional[bool], config) -> None:
-    """``ValueError`` when a call asks for attention weights (``output_attentions=True``).
-
-    Left unset (``None``), the call follows the config: ``config.output_attentions=True`` (kept
-    by the config, as every transformers config keeps it) gives outputs without attention
-    weights, and a warning once per process saying so."""
+    """``ValueError`` for ``output_attentions=True``; None follows the config (``True`` there:
+    no weights, one warning)."""
     if output_attentions is None:
         if getattr(config, "output_attentions", False):
             logger.warning_once(CONFIG_ATTENTIONS_IGNORED.format(name=name))
@@ -72,10 +56,9 @@ def refuse_output_attentions(name: str, output_attentions: Optional[bool], confi
 
 
 def drop_default_generation_attentions(name: str, generation_config, kwargs: dict) -> None:
-    """For ``generate(**kwargs)``: a model whose own generation config asks for attention weights
-    (``output_attentions=True`` inherited from its config) generates without them, with the
-    config's warning, instead of failing at the first forward. A call that asks for them
-    (``output_attentions=True`` or a ``generation_config`` setting it) still raises there."""
+    """For ``generate(**kwargs)``: a generation config inheriting ``output_attentions=True`` from
+    the model's config generates without them (warned) instead of failing at the first forward;
+    an explicit request still raises."""
     if "output_attentions" in kwargs or kwargs.get("generation_config") is not None:
         return
     if getattr(generation_config, "output_attentions", False):
@@ -84,10 +67,9 @@ def drop_default_generation_attentions(name: str, generation_config, kwargs: dic
 
 
 class HiddenStates:
-    """The hidden states ``output_hidden_states`` asks for, of a stack of ``layers`` layers (``layers
-    + 1`` states: the input of each layer, then the output): True every one; an int or a sequence of
-    ints (negative from the end, as transformers takes them) those, None in the other places;
-    False / None none (``states`` is then None)."""
+    """The hidden states ``output_hidden_states`` asks for among a stack's ``layers + 1`` (each
+    layer's input, then the output): True all; an int or ints (negative from the end) those,
+    None elsewhere; False / None none (``states`` None)."""
 
     def __init__(self, request: object, layers: int) -> None:
         count = layers + 1
@@ -110,11 +92,10 @@ class HiddenStates:
 
 
 def classification_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwargs) -> torch.Tensor:
-    """The loss of a sequence/image classification head through ``model.loss_function``
-    (``problem_type`` inferred as BERT does when unset). With
-    ``num_items_in_batch`` every problem type gives the sum of its per-item losses over this
-    batch divided by it (transformers' regression and multi-label losses are means: they are
-    rescaled here), so gradient accumulation over micro-batches equals the full batch."""
+    """A classification head's loss through ``model.loss_function`` (``problem_type`` inferred as
+    BERT does). With ``num_items_in_batch`` every problem type gives the sum of per-item losses
+    divided by it (transformers' regression and multi-label means are rescaled), so gradient
+    accumulation equals the full batch."""
     labels = labels.to(logits.device)
     problem = model.config.problem_type
     if problem is None:
@@ -150,13 +131,10 @@ def classification_loss(model, logits: torch.Tensor, labels: torch.Tensor, **kwa
 
 
 class KernelizedPreTrainedModel(PreTrainedModel):
-    """Base of every family's ``PreTrainedModel``: feature-map initialisation, the warning for
-    checkpoints without random-feature buffers, and the refusal of ``output_attentions``."""
+    """Base of every family's ``PreTrainedModel`` (see the module docstring)."""
 
     supports_gradient_checkpointing = True
-    # The linear layers LoRA (PEFT's ``LoraConfig(target_modules=...)``) adapts, by part, as the
-    # last component of their module names: the attention's projections (every family's
-    # ``KernelizedSelfAttention``) and the family's MLP layers (``lora_mlp_modules``).
+    # LoRA targets by part, as last components of module names (how PEFT matches a list)
     lora_attention_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     lora_mlp_modules: tuple[str, ...] = ()
     # Kernelized attention is its own attention: no eager/SDPA/flash switch, no attention weights.
@@ -166,19 +144,15 @@ class KernelizedPreTrainedModel(PreTrainedModel):
     _supports_flex_attn = False
 
     def lora_target_modules(self, attention: bool = True, mlp: bool = True) -> list[str]:
-        """The names to pass as PEFT's ``LoraConfig(target_modules=...)``: the attention
-        projections (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) with ``attention`` and the
-        MLP's linear layers with ``mlp`` (those this model has), each the last component of the
-        module names (how PEFT matches a list). Heads, poolers and embeddings are not included."""
+        """Names for PEFT's ``LoraConfig(target_modules=...)``: the attention projections
+        (``attention``) and MLP layers (``mlp``) this model has; no heads, poolers or embeddings."""
         wanted = (self.lora_attention_modules if attention else ()) + (self.lora_mlp_modules if mlp else ())
         present = {name.rsplit(".", 1)[-1] for name, module in self.named_modules() if isinstance(module, torch.nn.Linear)}
         return [name for name in wanted if name in present]
 
     @torch.no_grad()
     def _init_window_weights(self, module: torch.nn.Module) -> None:
-        """The sliding-window hybrid's mixing weights of an attention layer (``softmax_window``),
-        where they were not loaded: log-weights 0, so both parts start with weight 1. Nothing for
-        other modules."""
+        """The hybrid's mixing log-weights of an attention layer, where not loaded: 0 (weights 1)."""
         for name in WINDOW_WEIGHTS:
             param = module._parameters.get(name)
             if param is not None and not getattr(param, "_is_hf_initialized", False):
@@ -186,9 +160,7 @@ class KernelizedPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_feature_map(self, module: FeatureMap) -> None:
-        """Set the random-feature state of ``module``: draw 0 of its seed and zero counters for
-        every buffer that was not loaded from a checkpoint, and the identity-like initial weights
-        of a learned map where they were not loaded (loaded ones are kept)."""
+        """Draw 0 and zero counters, and a learned map's identity weights, where not loaded."""
         loaded = {
             name: buf.clone()
             for name in FEATURE_BUFFERS + LEARNED_WEIGHTS
@@ -201,11 +173,10 @@ class KernelizedPreTrainedModel(PreTrainedModel):
                 buf.copy_(value)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """``PreTrainedModel.save_pretrained``; a model sharded by torch FSDP2 (``fully_shard``,
-        which swaps the model's class for a subclass defined in torch) still saves its own
-        modeling code and ``auto_map`` entry, not torch's FSDP files. Pass the gathered
-        ``state_dict`` for a sharded model (e.g. ``accelerator.get_state_dict(model)``); a tied
-        weight gathered as its own copy there is saved once, as for an unsharded model."""
+        """``PreTrainedModel.save_pretrained``; an FSDP2-sharded model (whose class ``fully_shard``
+        swaps for one of torch's) still saves its own code and ``auto_map``. Pass it the gathered
+        ``state_dict`` (e.g. ``accelerator.get_state_dict(model)``); a tied weight gathered twice is
+        saved once."""
         state_dict = kwargs.get("state_dict")
         if state_dict is not None and getattr(self.config, "tie_word_embeddings", False):
             tied = [target for target, source in (getattr(self, "_tied_weights_keys", None) or {}).items()
@@ -216,8 +187,7 @@ class KernelizedPreTrainedModel(PreTrainedModel):
         own = next((c for c in wrapper.__mro__ if not c.__module__.startswith("torch.")), wrapper)
         if own is wrapper or wrapper._auto_class is None:
             return super().save_pretrained(save_directory, *args, **kwargs)
-        # transformers copies the code of type(self): do that for the model's own class here, and
-        # let save_pretrained see no custom class on the wrapper while it runs.
+        # transformers copies type(self)'s code: copy the own class's here, hide the wrapper's meanwhile
         if self.should_save_on_this_rank(kwargs.get("is_main_process", True)):
             os.makedirs(save_directory, exist_ok=True)
             # an empty instance of the own class: custom_object_save reads only class attributes
@@ -234,13 +204,9 @@ class KernelizedPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
-        """``PreTrainedModel.from_pretrained``, plus a warning when the checkpoint lacked the
-        random-feature buffers (they are then drawn from ``feature_seed``, which reproduces the
-        saved model only if it used the same seed and never redrew its features).
-
-        Weights load from safetensors only: pickled weights (``pytorch_model.bin``) are refused
-        unless the caller passes ``use_safetensors=False`` explicitly, which is warned about
-        (unpickling a file can run code from it; load only files you trust)."""
+        """``PreTrainedModel.from_pretrained`` from safetensors only (``use_safetensors=False``
+        allows pickled weights, warned); warns when random-feature buffers were missing (drawn
+        from ``feature_seed``: right only if the saved model used that seed and never redrew)."""
         if kwargs.get("use_safetensors") is None:
             kwargs["use_safetensors"] = True
         elif kwargs["use_safetensors"] is False:
