@@ -256,11 +256,6 @@ class FeatureMap(nn.Module):
         return self.kind in LEARNED_FEATURE_MAPS
 
     @property
-    def same_for_queries_and_keys(self) -> bool:
-        """Queries and keys mapped alike (``elu``, ``relu``): one call can map them stacked."""
-        return self.kind in ("elu", "relu")
-
-    @property
     def num_features(self) -> int:
         """M, the size of the feature dimension."""
         return feature_size(self.kind, self.num_random_features, self.head_dim, self.num_learned_features)
