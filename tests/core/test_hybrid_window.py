@@ -127,3 +127,24 @@ def test_split_carry_resume_equals_whole(window, split):
         else:
             torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
     assert state.window_raw.shape == (B, H, window - 1, DK)  # constant size, whatever the context
+
+
+@pytest.mark.parametrize("window", [1, 4])
+def test_gradients_through_a_state_carried_into_one_token_chunks(window):
+    """Training across calls: a state carried into chunks of exactly one token, then one backward
+    through all of them, gives the whole sequence's gradients (the one-token step's in-place
+    arithmetic is for decoding only, where nothing is recorded)."""
+    xs = [x.detach().requires_grad_(True) for x in _inputs(seed=6)]
+    weights = torch.linspace(-1, 1, B * H * N * D, dtype=F64).reshape(B, H, N, D)
+    whole = hybrid_window_attention(*xs, window=window, causal=True, chunk_size=8)
+    want = torch.autograd.grad((whole * weights).sum(), xs)
+    outs, state, p = [], None, 0
+    for s in [7, 1, 1, 3, 1] + [1] * (N - 13):
+        part = [x[:, :, p:p + s] for x in xs]
+        out, state = hybrid_window_attention(*part, window=window, causal=True, chunk_size=8, initial_state=state,
+                                             output_final_state=True)
+        outs.append(out)
+        p += s
+    got = torch.autograd.grad((torch.cat(outs, dim=2) * weights).sum(), xs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=TOL, atol=TOL)
